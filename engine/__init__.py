@@ -1,0 +1,1 @@
+"""The inference engine: model code, loading, token tree, tree KV cache, verification, workers."""

@@ -1,0 +1,141 @@
+"""Loads models and tokenizers from what users really have: a Hugging Face directory or a GGUF file.
+
+A GGUF file is converted once into a Hugging Face directory in the cache (``swiftspec.embedded``); no
+path is ever resolved against a hub, and remote code is never trusted unless the user asks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from swiftspec.engine.model import ModelArgs, ModelConfigError, Transformer
+
+
+class LoadError(ValueError):
+    """A model or tokenizer could not be loaded; the message names what is wrong."""
+
+
+def resolve_model_dir(spec: str | None, quiet: bool = False) -> Path:
+    """None → the embedded default; a .gguf file → its converted directory; a directory → itself."""
+    from swiftspec import embedded
+
+    if spec is None:
+        return embedded.ensure_converted(embedded.embedded_gguf_path(), quiet=quiet)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise LoadError(f"model path {spec!r} does not exist (expected a Hugging Face model directory or a .gguf file)")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise LoadError(f"{spec!r} is a file but not a .gguf file; pass a model directory or a GGUF file")
+        return embedded.ensure_converted(path, quiet=quiet)
+    if not (path / "config.json").is_file():
+        raise LoadError(f"{spec!r} has no config.json: not a Hugging Face model directory")
+    return path
+
+
+def read_args(model_dir: Path) -> ModelArgs:
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoadError(f"cannot read {model_dir / 'config.json'}: {e}") from None
+    try:
+        return ModelArgs.from_hf_config(cfg)
+    except ModelConfigError as e:
+        raise LoadError(f"{model_dir}: {e}") from None
+    except KeyError as e:
+        raise LoadError(f"{model_dir / 'config.json'} lacks the field {e.args[0]!r}") from None
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise LoadError(f"{model_dir} has no model.safetensors or model.safetensors.index.json "
+                    "(only safetensors weights are read; convert .bin checkpoints first)")
+
+
+def read_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for f in _weight_files(model_dir):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    state[k] = fh.get_tensor(k)
+        except Exception as e:  # safetensors raises several types for corrupt files
+            raise LoadError(f"cannot read weights from {f}: {e}") from None
+    return state
+
+
+def convert_hf_state_dict(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Maps Hugging Face names onto ours, fusing q/k/v into wqkv and gate/up into w13."""
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return hf[name]
+        except KeyError:
+            raise LoadError(f"weight {name!r} is missing from the checkpoint") from None
+
+    out = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    out["output.weight"] = out["tok_embeddings.weight"] if args.tie_embeddings else take("lm_head.weight")
+    for i in range(args.n_layers):
+        p = f"model.layers.{i}."
+        a = f"layers.{i}."
+        out[a + "attention.wqkv.weight"] = torch.cat(
+            [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        if args.qkv_bias:
+            out[a + "attention.wqkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        out[a + "attention.wo.weight"] = take(p + "self_attn.o_proj.weight")
+        out[a + "feed_forward.w13.weight"] = torch.cat(
+            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        out[a + "feed_forward.w2.weight"] = take(p + "mlp.down_proj.weight")
+        out[a + "attention_norm.weight"] = take(p + "input_layernorm.weight")
+        out[a + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
+    return out
+
+
+def default_dtype(device: torch.device, dtype: str = "auto") -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str = "auto",
+               max_slots: int = 4096, tp_group=None, tp_rank: int = 0, tp_world: int = 1) -> Transformer:
+    """Builds our Transformer from a Hugging Face directory, sharded for tensor parallelism if asked."""
+    from swiftspec.engine import tp
+
+    device = torch.device(device)
+    args = read_args(model_dir)
+    state = convert_hf_state_dict(read_hf_state_dict(model_dir), args)
+    if tp_world > 1:
+        state = tp.shard_state_dict(state, args, tp_rank, tp_world)
+    with torch.device("meta"):
+        model = Transformer(args, tp_group=tp_group, tp_world=tp_world)
+    torch_dtype = default_dtype(device, dtype)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise LoadError(f"{model_dir}: weights do not match the config: {e}") from None
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model = model.to(device=device, dtype=torch_dtype)
+    model.eval()
+    model.setup_cache(max_slots)
+    return model
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise LoadError(f"cannot load the tokenizer from {model_dir}: {e}") from None

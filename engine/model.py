@@ -1,0 +1,245 @@
+"""A Llama-family decoder in the gpt-fast style (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5).
+
+One forward handles every case the engine needs: a prefill, a decode step, a draft expansion of w leaves
+and a target verification of a token tree. The KV cache is static and addressed by *slot*: the caller
+says where each new token's K/V goes (``slots``), where it sits in the sequence (``positions``, for RoPE)
+and what it may attend to (``mask``: new tokens x cache slots ``[0, kv_len)``, True = attend). The new
+tokens are written into the cache before attention, so the mask covers them too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from swiftspec import kernels
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class ModelConfigError(ValueError):
+    """The checkpoint's config describes a model this code does not implement."""
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    sliding_window: int | None = None
+    architecture: str = "LlamaForCausalLM"
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def context_limit(self) -> int:
+        """Longest sequence this code computes exactly (no sliding-window attention is implemented)."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
+        """Reads a Hugging Face config.json dict (transformers 4.x and 5.x spellings)."""
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                       "qwen2": "Qwen2ForCausalLM"}.get(cfg.get("model_type", ""), "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"unsupported architecture {arch or cfg.get('model_type')!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5)"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"unsupported activation {cfg['hidden_act']!r} (only silu)")
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
+        theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        if rope is not None:
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type not in ("default", "linear", "llama3"):
+                raise ModelConfigError(f"unsupported RoPE scaling {rope_type!r} (default, linear, llama3)")
+            rope = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        n_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            intermediate_size=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=rope,
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            architecture=arch,
+            eos_token_ids=eos,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> Tensor:
+    """Inverse frequencies, with Llama 3 / linear scaling applied as transformers does."""
+    d = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = args.rope_scaling
+    if sc is None:
+        return inv.float()
+    if sc["rope_type"] == "linear":
+        return (inv / sc["factor"]).float()
+    factor, low, high = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+    old_ctx = sc["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled).float()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Returns (norm(x + residual), x + residual): the residual add is fused into the norm."""
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, args.head_dim
+        qkv_out = (n_heads + 2 * n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)
+        self.wo = nn.Linear(n_heads * args.head_dim, args.dim, bias=False)
+        self.scale = 1.0 / math.sqrt(args.head_dim)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor,
+                k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        t = x.shape[0]
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
+        q, k, v = self.wqkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        k = apply_rope(k.view(t, nkv, hd), cos, sin)
+        k_cache[:, slots] = k.transpose(0, 1).to(k_cache.dtype)
+        v_cache[:, slots] = v.view(t, nkv, hd).transpose(0, 1).to(v_cache.dtype)
+        kv_len = mask.shape[-1]
+        out = kernels.tree_attention(q.view(t, nh, hd), k_cache[:, :kv_len], v_cache[:, :kv_len],
+                                     mask, cos, sin, self.scale)
+        return self.wo(out.reshape(t, nh * hd))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs, inter: int):
+        super().__init__()
+        self.inter = inter
+        self.w13 = nn.Linear(args.dim, 2 * inter, bias=False)  # gate rows, then up rows
+        self.w2 = nn.Linear(inter, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(kernels.swiglu(x, self.w13.weight, self.inter))
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE (the Hugging Face layout). x: [T, H, D]; cos, sin: [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, n_heads: int, n_kv_heads: int, inter: int):
+        super().__init__()
+        self.attention = Attention(args, n_heads, n_kv_heads)
+        self.feed_forward = FeedForward(args, inter)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+
+class Transformer(nn.Module):
+    """The decoder plus its static KV cache ([layers, kv_heads, slots, head_dim] for K and for V).
+
+    With tensor parallelism (``tp_group`` of size > 1) this rank holds its shard of the heads and MLP
+    columns (see ``engine/tp.py``); one all-reduce follows the attention output and one the MLP down
+    projection.
+    """
+
+    def __init__(self, args: ModelArgs, tp_group: dist.ProcessGroup | None = None, tp_world: int = 1):
+        super().__init__()
+        from swiftspec.engine.tp import shard_layout
+
+        self.args, self.tp_group, self.tp_world = args, tp_group, tp_world
+        lay = shard_layout(args, tp_world)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args, lay.n_heads, lay.n_kv_heads, lay.intermediate)
+                                    for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.inv_freq: Tensor | None = None
+        self.k_cache: Tensor | None = None
+        self.v_cache: Tensor | None = None
+
+    @property
+    def max_slots(self) -> int:
+        return 0 if self.k_cache is None else self.k_cache.shape[2]
+
+    def setup_cache(self, max_slots: int) -> None:
+        """Allocates the static cache once (its contents are managed by the caller through slots) and
+        the RoPE frequencies (fp32, on the weights' device)."""
+        p = self.output.weight
+        self.inv_freq = rope_inv_freq(self.args).to(p.device)
+        nkv = self.layers[0].attention.n_kv_heads
+        shape = (self.args.n_layers, nkv, max_slots, self.args.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+
+    def _all_reduce(self, x: Tensor) -> Tensor:
+        if self.tp_world > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor,
+                logits_rows: Tensor | slice | None = None, return_hidden: bool = False):
+        """tokens, positions, slots: [T] int64; mask: [T, kv_len] bool over cache slots.
+
+        Returns logits [R, vocab] (fp32) for ``logits_rows`` (default: all T rows), and the final hidden
+        states [T, dim] as well when ``return_hidden``.
+        """
+        assert self.k_cache is not None, "call setup_cache() first"
+        freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = self.output.weight.dtype
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        x = self.tok_embeddings(tokens)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer.attention_norm(x, residual)
+            x = self._all_reduce(layer.attention(h, cos, sin, slots, mask, self.k_cache[i], self.v_cache[i]))
+            h, residual = layer.ffn_norm(x, residual)
+            x = self._all_reduce(layer.feed_forward(h))
+        hidden, _ = self.norm(x, residual)
+        rows = hidden if logits_rows is None else hidden[logits_rows]
+        logits = self.output(rows).float()
+        return (logits, hidden) if return_hidden else logits

@@ -1,0 +1,17 @@
+"""SwiftSpec: a local LLM chat engine with asynchronous, disaggregated speculative decoding.
+
+The public API is imported lazily so that ``swiftspec --help`` does not pay for importing torch.
+"""
+
+from swiftspec.config import EngineConfig, SamplingParams, StepEvent, StepStats, TreeParams
+
+__all__ = ["Engine", "EngineConfig", "EngineError", "SamplingParams", "StepEvent", "StepStats", "TreeParams"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in ("Engine", "EngineError"):
+        from swiftspec.engine import client
+
+        return getattr(client, name)
+    raise AttributeError(name)

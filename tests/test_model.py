@@ -1,0 +1,125 @@
+"""Our model against transformers' own implementation, loaded through our loader from saved checkpoints."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from swiftspec.engine.loader import LoadError, load_model, resolve_model_dir
+
+TOL = 1e-4
+
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+CONFIGS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False)),
+    "llama-tied-mha": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=True, num_key_value_heads=4)),
+    "qwen2-bias": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
+    "llama3-rope": (LlamaConfig, LlamaForCausalLM, dict(rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32})),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request, tmp_path_factory):
+    """(ours, theirs) for one config, with random weights saved and re-read through our loader."""
+    cfg_cls, model_cls, extra = CONFIGS[request.param]
+    torch.manual_seed(0)
+    hf = model_cls(cfg_cls(**{**COMMON, **extra})).eval()
+    if request.param == "qwen2-bias":  # random non-zero biases so that the test sees them
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return load_model(path, max_slots=128), hf
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def causal(n_new: int, start: int) -> torch.Tensor:
+    """Mask for n_new tokens at slots start.. over slots [0, start + n_new)."""
+    return torch.ones(n_new, start + n_new, dtype=torch.bool).tril(diagonal=start)
+
+
+def forward(model, tokens, positions, slots, mask):
+    as_t = lambda x: torch.tensor(x, dtype=torch.long)
+    return model(as_t(tokens), as_t(positions), as_t(slots), mask)
+
+
+def test_prefill_matches(pair):
+    ours, hf = pair
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = forward(ours, ids, range(40), range(40), causal(40, 0))
+    assert (got - hf_logits(hf, ids)).abs().max() <= TOL
+
+
+def test_decode_steps_with_cache_match(pair):
+    ours, hf = pair
+    ids = torch.randint(0, 97, (50,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = hf_logits(hf, ids)
+    forward(ours, ids[:44], range(44), range(44), causal(44, 0))  # positions past 32 exercise llama3 scaling
+    for i in range(44, 50):
+        got = forward(ours, [ids[i]], [i], [i], causal(1, i))
+        assert (got[0] - ref[i]).abs().max() <= TOL
+
+
+def random_tree(n: int, seed: int) -> tuple[list[int], list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    tokens = torch.randint(0, 97, (n,), generator=g).tolist()
+    return tokens, parents
+
+
+def test_tree_masked_forward_matches_paths(pair):
+    """Every node's logits equal a separate transformers forward over prefix + its root-to-node path."""
+    ours, hf = pair
+    prefix = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    forward(ours, prefix, range(20), range(20), causal(20, 0))
+    tokens, parents = random_tree(12, seed=4)
+    depth, paths = [], []
+    mask = torch.zeros(12, 20 + 12, dtype=torch.bool)
+    mask[:, :20] = True
+    for i, p in enumerate(parents):
+        depth.append(0 if p < 0 else depth[p] + 1)
+        paths.append([i] if p < 0 else paths[p] + [i])
+        mask[i, [20 + j for j in paths[i]]] = True
+    got = forward(ours, tokens, [20 + d for d in depth], range(20, 32), mask)
+    for i in range(12):
+        want = hf_logits(hf, prefix + [tokens[j] for j in paths[i]])[-1]
+        assert (got[i] - want).abs().max() <= TOL, f"node {i}"
+
+
+def test_nonexistent_path_is_a_clear_error(tmp_path):
+    with pytest.raises(LoadError, match="does not exist"):
+        resolve_model_dir(str(tmp_path / "nope"))
+
+
+def test_directory_without_config_is_a_clear_error(tmp_path):
+    with pytest.raises(LoadError, match="no config.json"):
+        resolve_model_dir(str(tmp_path))
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 8}))
+    with pytest.raises(LoadError, match="unsupported architecture 'GPT2LMHeadModel'.*supported: Llama"):
+        load_model(resolve_model_dir(str(tmp_path)))
+
+
+def test_missing_weights_is_a_clear_error(tmp_path):
+    LlamaConfig(**COMMON).save_pretrained(tmp_path)
+    with pytest.raises(LoadError, match="no model.safetensors"):
+        load_model(tmp_path)
+
+
+def test_corrupt_weights_is_a_clear_error(tmp_path):
+    LlamaConfig(**COMMON).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(LoadError, match="cannot read weights"):
+        load_model(tmp_path)
