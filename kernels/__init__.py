@@ -1,0 +1,46 @@
+"""Hot-path ops of the model: Triton on CUDA, plain PyTorch (kernels/reference.py) everywhere else.
+
+Triton is imported on the first CUDA call only, so importing this package stays cheap on CPU.
+"""
+
+import functools
+
+from torch import Tensor
+
+from . import reference
+
+__all__ = ["add_rms_norm", "swiglu", "tree_attention", "use_triton"]
+
+
+@functools.cache
+def _triton_kernels():
+    try:
+        from . import triton_kernels
+    except ImportError:
+        return None
+    return triton_kernels
+
+
+def use_triton(tensor: Tensor) -> bool:
+    """Triton kernels run on CUDA tensors when triton is installed."""
+    return tensor.is_cuda and _triton_kernels() is not None
+
+
+def tree_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, cos: Tensor, sin: Tensor, scale: float | None = None
+) -> Tensor:
+    """q [T, H, D] (RoPE applied inside), k/v cache [Hkv, S, D], mask [T, S] bool -> [T, H, D]."""
+    ops = _triton_kernels() if use_triton(q) else reference
+    return ops.tree_attention(q, k_cache, v_cache, mask, cos, sin, scale)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Returns (rmsnorm(x + residual) * weight, x + residual); residual None means zero."""
+    ops = _triton_kernels() if use_triton(x) else reference
+    return ops.add_rms_norm(x, residual, weight, eps)
+
+
+def swiglu(x: Tensor, w_gate_up: Tensor, inter: int) -> Tensor:
+    """silu(x @ Wg.T) * (x @ Wu.T) with w_gate_up = [Wg; Wu] of shape [2*inter, dim]."""
+    ops = _triton_kernels() if use_triton(x) else reference
+    return ops.swiglu(x, w_gate_up, inter)

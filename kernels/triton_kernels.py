@@ -1,0 +1,272 @@
+"""Triton kernels for the GPU decode path; same signatures as kernels/reference.py.
+
+At 1-64 new tokens per forward every op is bound by memory or launch latency, so each kernel reads its
+operands once and does the follow-up elementwise work in registers.
+"""
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+ATTN_BLOCK_N = 64
+PROGRAMS_PER_SM = 2  # enough resident programs to keep loads in flight on every SM
+MAX_COUNTERS = 1 << 16
+_counters: dict[torch.device, Tensor] = {}
+
+
+@functools.cache
+def _programs_target(device: torch.device) -> int:
+    """How many programs fill the GPU; the interpreter (CPU tensors) gets a small fixed count."""
+    if device.type != "cuda":
+        return 8
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _counters_for(device: torch.device, n: int) -> Tensor:
+    """Arrival counters of the split merge. They are zero between launches (each merging program resets
+    its own), so CUDA graphs replay without a memset; the buffer is made once per device, outside any
+    capture, and never resized, so captured graphs keep a valid address. Split launches on one device
+    must therefore not overlap in time (keep them on one stream)."""
+    assert n <= MAX_COUNTERS, n
+    buf = _counters.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("call tree_attention once before capturing it in a CUDA graph")
+        buf = _counters[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
+# Flash-decoding split: one program per (query block, kv head, key range); the last program of each
+# (query block, kv head) to finish merges the partial softmaxes, so a forward is one launch, not two.
+@triton.jit
+def _tree_attention_kernel(
+    Q, K, V, Mask, Cos, Sin, Out, MidM, MidL, MidO, Counter,
+    scale_log2, T, S, G, num_splits, keys_per_split,
+    stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_mt, stride_ct, stride_st,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    # Rows are (token, head-in-group) pairs: the G query heads sharing a kv head share every K/V load.
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T * G
+    t = rows // G
+    head = kvh * G + rows % G
+    d = tl.arange(0, HEAD_DIM)
+
+    # RoPE on q (rotate_half): out = q * cos + [-q2, q1] * sin.
+    q_ptrs = Q + t[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_ptrs + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q_swap = tl.load(q_ptrs + ((d + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=row_ok[:, None], other=0.0)
+    q_swap = tl.where(d[None, :] < HEAD_DIM // 2, -q_swap.to(tl.float32), q_swap.to(tl.float32))
+    cos = tl.load(Cos + t[:, None] * stride_ct + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    sin = tl.load(Sin + t[:, None] * stride_st + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q = (q * cos + q_swap * sin).to(K.dtype.element_ty)
+
+    # Online softmax over this program's key range, in base 2. Rows with no allowed key so far keep
+    # m = -inf; m_safe keeps their exp2 arguments at -inf (weight 0) instead of NaN.
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, S)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        k = tl.load(K + kvh * stride_kh + n[:, None] * stride_ks + d[None, :], mask=n_ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        allowed = tl.load(Mask + t[:, None] * stride_mt + n[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0)
+        s = tl.where(allowed != 0, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kvh * stride_vh + n[:, None] * stride_vs + d[None, :], mask=n_ok[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v)
+        m_i = m_new
+
+    out_ptrs = Out + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    if not SPLIT:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # Publish this split's partial, then take a ticket; the last arrival merges all partials. The
+        # barrier + acq_rel atomic is the CUDA threadfence-reduction pattern: stores before, loads after.
+        m_rows = tl.num_programs(0) * BLOCK_M
+        mid = (kvh * num_splits + split) * m_rows + rows
+        tl.store(MidM + mid, m_i)
+        tl.store(MidL + mid, l_i)
+        tl.store(MidO + mid[:, None] * HEAD_DIM + d[None, :], acc)
+        tl.debug_barrier()
+        counter = Counter + kvh * tl.num_programs(0) + pid_m
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_splits - 1:
+            m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_run = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            for j in range(num_splits):
+                mid = (kvh * num_splits + j) * m_rows + rows
+                m_j = tl.load(MidM + mid, cache_modifier=".cg")
+                l_j = tl.load(MidL + mid, cache_modifier=".cg")
+                o_j = tl.load(MidO + mid[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg")
+                m_new = tl.maximum(m_run, m_j)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                a = tl.exp2(m_run - m_safe)
+                b = tl.exp2(m_j - m_safe)
+                l_run = l_run * a + l_j * b
+                acc = acc * a[:, None] + o_j * b[:, None]
+                m_run = m_new
+            out = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+            tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(counter, 0)
+
+
+def tree_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    mask: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    scale: float | None = None,
+    *,
+    num_splits: int | None = None,
+) -> Tensor:
+    """See reference.tree_attention. num_splits overrides the key-axis split (tests use it)."""
+    T, H, D = q.shape
+    Hkv, S, _ = k_cache.shape
+    assert H % Hkv == 0 and D >= 16 and D & (D - 1) == 0, (H, Hkv, D)
+    assert mask.shape == (T, S) and cos.shape == sin.shape == (T, D), (mask.shape, cos.shape)
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1
+    G = H // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    mask = mask.contiguous().view(torch.uint8)
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+
+    block_m = min(64, max(16, triton.next_power_of_2(T * G)))
+    m_blocks = triton.cdiv(T * G, block_m)
+    n_blocks = triton.cdiv(S, ATTN_BLOCK_N)
+    if num_splits is None:
+        num_splits = _programs_target(q.device) // (m_blocks * Hkv)
+    blocks_per_split = triton.cdiv(n_blocks, max(1, min(num_splits, n_blocks)))
+    num_splits = triton.cdiv(n_blocks, blocks_per_split)  # no empty splits
+    split = num_splits > 1
+    rows = Hkv * num_splits * m_blocks * block_m if split else 1
+    mid_m = torch.empty(rows, dtype=torch.float32, device=q.device)
+    mid_l = torch.empty(rows, dtype=torch.float32, device=q.device)
+    mid_o = torch.empty(rows, D, dtype=torch.float32, device=q.device)
+    counter = _counters_for(q.device, m_blocks * Hkv) if split else mid_m  # unused without a split
+
+    _tree_attention_kernel[(m_blocks, Hkv, num_splits)](
+        q, k_cache, v_cache, mask, cos, sin, out, mid_m, mid_l, mid_o, counter,
+        scale * math.log2(math.e), T, S, G, num_splits, blocks_per_split * ATTN_BLOCK_N,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        mask.stride(0), cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=ATTN_BLOCK_N, SPLIT=split, IEEE=q.dtype == torch.float32,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, N, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    h = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h += tl.load(R + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        h = h.to(ROut.dtype.element_ty)  # normalise what the residual stream stores, as the reference does
+        tl.store(ROut + row * stride_ro + cols, h, mask=ok)
+        h = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, 0) / N + eps)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, (h * rstd * w).to(Out.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """See reference.add_rms_norm: one read of x and residual, one write of each output."""
+    N = x.shape[-1]
+    x2 = x.reshape(-1, N)
+    r2 = x2 if residual is None else residual.reshape(-1, N)
+    assert x2.stride(-1) == r2.stride(-1) == weight.stride(-1) == 1
+    out = torch.empty_like(x2)
+    new_res = x2 if residual is None else torch.empty_like(x2)
+    block = triton.next_power_of_2(N)
+    _add_rms_norm_kernel[(x2.shape[0],)](
+        x2, r2, weight, out, new_res, x2.stride(0), r2.stride(0), out.stride(0), new_res.stride(0), N, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+    )  # fmt: skip
+    return out.view(x.shape), new_res.view(x.shape)
+
+
+@triton.jit
+def _swiglu_kernel(
+    X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = X + rm[:, None] * stride_xm + rk[None, :]
+    g_ptrs = W + rn[:, None] * stride_wn + rk[None, :]  # gate rows [0, N)
+    u_ptrs = g_ptrs + N * stride_wn  # up rows [N, 2N)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + rk) < K
+        x = tl.load(x_ptrs, mask=(rm < M)[:, None] & k_ok[None, :], other=0.0)
+        w_mask = (rn < N)[:, None] & k_ok[None, :]
+        wg = tl.load(g_ptrs, mask=w_mask, other=0.0)
+        wu = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        if IEEE:
+            acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision="ieee")
+            acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(x, tl.trans(wg), acc_g)
+            acc_u = tl.dot(x, tl.trans(wu), acc_u)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    y = acc_g * tl.sigmoid(acc_g) * acc_u
+    y_ptrs = Y + rm[:, None] * stride_ym + rn[None, :]
+    tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def swiglu(x: Tensor, w_gate_up: Tensor, inter: int) -> Tensor:
+    """See reference.swiglu: gate and up tiles share each x tile, and [T, 2*inter] never reaches memory."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    assert w_gate_up.shape == (2 * inter, K) and x2.stride(-1) == w_gate_up.stride(-1) == 1
+    y = torch.empty(M, inter, dtype=x.dtype, device=x.device)
+    block_m = min(64, max(16, triton.next_power_of_2(M)))
+    block_k = 128 if x.element_size() == 2 else 64
+    block_n = 64  # narrower tiles until the weight stream is spread over every SM
+    while block_n > 16 and triton.cdiv(inter, block_n) < _programs_target(x.device):
+        block_n //= 2
+    grid = (triton.cdiv(inter, block_n), triton.cdiv(M, block_m))
+    _swiglu_kernel[grid](
+        x2, w_gate_up, y, M, inter, K, x2.stride(0), w_gate_up.stride(0), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+        num_warps=4, num_stages=4,
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], inter)

@@ -1,0 +1,124 @@
+"""Triton kernels vs their references on the CPU, under TRITON_INTERPRET=1.
+
+Not collected on its own (no test_ prefix): tests/test_kernels.py runs it in a subprocess, because the
+interpreter is chosen when @triton.jit runs and must not leak into modules that use Triton normally.
+fp32 tolerances: the interpreter computes tl.dot with numpy, so only summation order differs. fp16 cases
+cover the low-precision casts (q, p and outputs rounded to fp16; the reference also rounds its matmul
+outputs). bf16 is left to the GPU tests: triton 3.9's interpreter computes tl.dot on bf16 wrongly.
+"""
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1; run tests/test_kernels.py", allow_module_level=True)
+
+from kernels_helpers import rope_tables, tree_case  # noqa: E402
+
+from swiftspec.kernels import reference  # noqa: E402
+from swiftspec.kernels import triton_kernels as tk  # noqa: E402
+
+ATTN_TOL = dict(atol=1e-5, rtol=1e-5)
+NORM_TOL = dict(atol=1e-5, rtol=1e-5)
+SWIGLU_TOL = dict(atol=1e-5, rtol=1e-5)
+FP16_TOL = dict(atol=1e-2, rtol=1e-2)
+
+
+def check_attention(T, H, Hkv, D, S, kind, num_splits, seed, views=False, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    mask, pos = tree_case(g, T, S, kind)
+    cos, sin = rope_tables(pos, D)
+    if views:  # q sliced out of a fused qkv projection, k/v sliced out of a longer cache
+        q = torch.randn(T, (H + 2 * Hkv) * D, generator=g)[:, : H * D].view(T, H, D)
+        k = torch.randn(Hkv, S + 13, D, generator=g)[:, :S]
+        v = torch.randn(Hkv, S + 13, D, generator=g)[:, :S]
+    else:
+        q = torch.randn(T, H, D, generator=g)
+        k = torch.randn(Hkv, S, D, generator=g)
+        v = torch.randn(Hkv, S, D, generator=g)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out = tk.tree_attention(q, k, v, mask, cos, sin, num_splits=num_splits)
+    tol = ATTN_TOL if dtype == torch.float32 else FP16_TOL
+    torch.testing.assert_close(out, reference.tree_attention(q, k, v, mask, cos, sin), **tol)
+
+
+@pytest.mark.parametrize(
+    "T,H,Hkv,D,S,kind,num_splits,views",
+    [
+        (1, 4, 4, 64, 1, "tree", None, False),  # one token, one key
+        (1, 32, 8, 128, 1537, "tree", None, True),  # plain decode over a long prefix, GQA 4
+        (7, 6, 3, 64, 1031, "sparse", 5, False),  # GQA 2, uneven last split
+        (13, 8, 2, 64, 2000, "tree", 1, True),  # no split: the single-pass path
+        (16, 8, 8, 32, 300, "sparse", 100, False),  # more splits asked than key blocks
+        (64, 4, 1, 64, 129, "tree", 3, False),  # T*G > BLOCK_M: several query blocks
+    ],
+)
+def test_tree_attention_cases(T, H, Hkv, D, S, kind, num_splits, views):
+    check_attention(T, H, Hkv, D, S, kind, num_splits, seed=T * S, views=views)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@given(
+    T=st.integers(1, 64),
+    Hkv=st.sampled_from([1, 2, 4]),
+    G=st.sampled_from([1, 2, 4]),
+    D=st.sampled_from([16, 64, 128]),
+    prefix=st.integers(0, 1200),
+    kind=st.sampled_from(["tree", "sparse"]),
+    num_splits=st.one_of(st.none(), st.integers(1, 9)),
+    seed=st.integers(0, 2**16),
+)
+def test_tree_attention_random(T, Hkv, G, D, prefix, kind, num_splits, seed):
+    check_attention(T, Hkv * G, Hkv, D, prefix + T, kind, num_splits, seed)
+
+
+def test_tree_attention_relaunch_resets_counters():
+    """The merging program zeroes its counter, so back-to-back launches (or graph replays) stay right."""
+    for seed in range(3):
+        check_attention(5, 8, 2, 64, 700, "tree", 4, seed)
+    assert int(tk._counters[torch.device("cpu")].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (16, 576), (2, 3, 1000), (5, 2048)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(shape, with_residual):
+    g = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(shape, generator=g) * 3
+    residual = torch.randn(shape, generator=g) if with_residual else None
+    weight = torch.randn(shape[-1], generator=g)
+    normed, new_res = tk.add_rms_norm(x, residual, weight, 1e-6)
+    ref_normed, ref_res = reference.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(new_res, ref_res)
+    torch.testing.assert_close(normed, ref_normed, **NORM_TOL)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, database=None)
+@given(
+    T=st.integers(1, 70),
+    dim=st.integers(1, 600),
+    inter=st.integers(1, 300),
+    seed=st.integers(0, 2**16),
+)
+def test_swiglu(T, dim, inter, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, dim, generator=g)
+    w = torch.randn(2 * inter, dim, generator=g) / dim**0.5
+    torch.testing.assert_close(tk.swiglu(x, w, inter), reference.swiglu(x, w, inter), **SWIGLU_TOL)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_fp16(num_splits):
+    check_attention(11, 8, 2, 64, 900, "tree", num_splits, seed=num_splits, dtype=torch.float16)
+    g = torch.Generator().manual_seed(num_splits)
+    x, r = torch.randn(2, 11, 300, generator=g).half()
+    w = torch.randn(300, generator=g).half()
+    normed, new_res = tk.add_rms_norm(x, r, w, 1e-6)
+    ref_normed, ref_res = reference.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(new_res, ref_res)
+    torch.testing.assert_close(normed, ref_normed, **FP16_TOL)
+    wgu = (torch.randn(2 * 70, 300, generator=g) / 300**0.5).half()
+    torch.testing.assert_close(tk.swiglu(x, wgu, 70), reference.swiglu(x, wgu, 70), **FP16_TOL)

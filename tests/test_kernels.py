@@ -1,0 +1,191 @@
+"""Kernel tests: references against independent formulas, CPU dispatch, Triton under the interpreter
+(tests/kernels_interpret_cases.py, in a subprocess), and bf16 Triton on CUDA (marked gpu)."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernels_helpers import rope_tables, tree_case
+
+import swiftspec.kernels as kernels
+from swiftspec.kernels import reference
+
+ROOT = Path(__file__).resolve().parents[1]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# bf16 on CUDA against an fp32 reference of the same bf16 inputs: bf16 keeps 8 bits of mantissa
+# (eps 7.8e-3), and attention also rounds the softmax weights to bf16 before the PV product.
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def test_triton_kernels_match_reference_under_interpreter():
+    """Every Triton kernel vs its reference on CPU; the interpreter needs its own process (see that file)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels_interpret_cases.py"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def test_import_does_not_load_triton():
+    code = "import sys, torch, swiftspec.kernels as k; k.use_triton(torch.zeros(1)); print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"
+
+
+def test_cpu_dispatches_to_reference():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 32, generator=g)
+    assert not kernels.use_triton(x)
+    w = torch.randn(32, generator=g)
+    for a, b in zip(kernels.add_rms_norm(x, x, w, 1e-5), reference.add_rms_norm(x, x, w, 1e-5), strict=True):
+        assert torch.equal(a, b)
+    wgu = torch.randn(2 * 16, 32, generator=g)
+    assert torch.equal(kernels.swiglu(x, wgu, 16), reference.swiglu(x, wgu, 16))
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (8, 2)])
+def test_reference_tree_attention_matches_sdpa(H, Hkv):
+    """Independent formula: RoPE as a complex rotation, GQA by repeating kv heads, then torch SDPA."""
+    T, S, D = 9, 50, 32
+    g = torch.Generator().manual_seed(H * Hkv)
+    mask, pos = tree_case(g, T, S, "tree")
+    cos, sin = rope_tables(pos, D)
+    q, k, v = torch.randn(T, H, D, generator=g), torch.randn(Hkv, S, D, generator=g), torch.randn(Hkv, S, D, generator=g)
+
+    angles = pos[:, None, None].double() * (1.0 / 10000 ** (torch.arange(0, D, 2).double() / D))
+    z = torch.complex(q[..., : D // 2].double(), q[..., D // 2 :].double()) * torch.polar(torch.ones_like(angles), angles)
+    q_rot = torch.cat([z.real, z.imag], dim=-1).float()
+    expected = F.scaled_dot_product_attention(
+        q_rot.transpose(0, 1),
+        k.repeat_interleave(H // Hkv, dim=0),
+        v.repeat_interleave(H // Hkv, dim=0),
+        attn_mask=mask,
+        scale=1 / math.sqrt(D),
+    ).transpose(0, 1)
+    out = reference.tree_attention(q, k, v, mask, cos, sin)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_add_rms_norm_and_swiglu():
+    g = torch.Generator().manual_seed(1)
+    x, r, w = torch.randn(4, 48, generator=g), torch.randn(4, 48, generator=g), torch.randn(48, generator=g)
+    normed, new_res = reference.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(new_res, x + r)
+    torch.testing.assert_close(normed, F.rms_norm(x + r, (48,), w, 1e-6), atol=1e-6, rtol=1e-6)
+    normed, new_res = reference.add_rms_norm(x, None, w, 1e-6)
+    assert new_res is x
+
+    wg, wu = torch.randn(20, 48, generator=g), torch.randn(20, 48, generator=g)
+    expected = (x @ wg.T) * torch.sigmoid(x @ wg.T) * (x @ wu.T)
+    torch.testing.assert_close(reference.swiglu(x, torch.cat([wg, wu]), 20), expected, atol=1e-5, rtol=1e-5)
+
+
+# (kernel, pointer dtypes, float arguments, constexprs, num_warps, num_stages): the variants the wrappers
+# launch for 8B-shaped bf16 decode/verify steps; other arguments are int32.
+ATTN_POINTERS = dict(Q="bf16", K="bf16", V="bf16", Mask="u8", Cos="fp32", Sin="fp32", Out="bf16", MidM="fp32",
+                     MidL="fp32", MidO="fp32", Counter="i32")
+HOPPER_VARIANTS = {
+    "tree_attention_split": ("_tree_attention_kernel", ATTN_POINTERS, ["scale_log2"],
+                             dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, SPLIT=True, IEEE=False), 4, 3),
+    "tree_attention_single": ("_tree_attention_kernel", ATTN_POINTERS, ["scale_log2"],
+                              dict(HEAD_DIM=64, BLOCK_M=16, BLOCK_N=64, SPLIT=False, IEEE=False), 4, 3),
+    "add_rms_norm": ("_add_rms_norm_kernel", dict(X="bf16", R="bf16", W="bf16", Out="bf16", ROut="bf16"),
+                     ["eps"], dict(HAS_RESIDUAL=True, BLOCK=4096), 8, 3),
+    "swiglu": ("_swiglu_kernel", dict(X="bf16", W="bf16", Y="bf16"), [],
+               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, IEEE=False), 4, 4),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", HOPPER_VARIANTS)
+def test_triton_kernels_compile_for_hopper(variant):
+    """Lower each kernel to sm_90 machine code with the bundled ptxas: catches what the interpreter cannot
+    (layouts, shared memory) on machines without a GPU. Ints and pointers get the divisible-by-16 hint
+    the JIT gives them at real launches."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from swiftspec.kernels import triton_kernels
+
+    name, pointers, floats, constexprs, num_warps, num_stages = HOPPER_VARIANTS[variant]
+    kernel = getattr(triton_kernels, name)
+    signature = {
+        arg: "constexpr" if arg in constexprs else "*" + pointers[arg] if arg in pointers else "fp32" if arg in floats else "i32"
+        for arg in kernel.arg_names
+    }
+    hinted = [(i,) for i, arg in enumerate(kernel.arg_names) if signature[arg] not in ("constexpr", "fp32")]
+    src = triton.compiler.ASTSource(kernel, signature, constexprs, attrs={k: [["tt.divisibility", 16]] for k in hinted})
+    target = GPUTarget("cuda", 90, 32)
+    options = triton.compiler.make_backend(target).parse_options(dict(num_warps=num_warps, num_stages=num_stages))
+    compiled = triton.compile(src, target=target, options=options.__dict__)
+    assert compiled.metadata.shared <= 227 * 1024  # per-block shared memory limit on sm_90
+
+
+def _attention_inputs(T, H, Hkv, D, S, kind, seed, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    mask, pos = tree_case(g, T, S, kind)
+    cos, sin = rope_tables(pos, D)
+    q, k, v = torch.randn(T, H, D, generator=g), torch.randn(Hkv, S, D, generator=g), torch.randn(Hkv, S, D, generator=g)
+    return [t.to("cuda", dtype) for t in (q, k, v)] + [mask.cuda()] + [t.cuda() for t in (cos, sin)]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize(
+    "T,H,Hkv,D,S,kind",
+    [(1, 32, 8, 128, 4097, "tree"), (16, 32, 8, 64, 1024, "tree"), (13, 12, 4, 64, 777, "sparse"),
+     (64, 16, 16, 128, 32768, "tree"), (40, 8, 2, 64, 100, "sparse")],
+)  # fmt: skip
+def test_gpu_tree_attention_bf16(T, H, Hkv, D, S, kind):
+    q, k, v, mask, cos, sin = _attention_inputs(T, H, Hkv, D, S, kind, seed=S)
+    assert kernels.use_triton(q)
+    out = kernels.tree_attention(q, k, v, mask, cos, sin)
+    expected = reference.tree_attention(q.float(), k.float(), v.float(), mask, cos, sin)
+    torch.testing.assert_close(out.float(), expected, **BF16_TOL)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_tree_attention_graph_replay():
+    """The cross-program merge (arrival counters) must survive relaunches and CUDA-graph replays."""
+    q, k, v, mask, cos, sin = _attention_inputs(16, 32, 8, 128, 8191, "tree", seed=0)
+    first = kernels.tree_attention(q, k, v, mask, cos, sin)
+    assert torch.equal(kernels.tree_attention(q, k, v, mask, cos, sin), first)  # merge order is fixed
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.tree_attention(q, k, v, mask, cos, sin)
+    for seed in range(3):
+        new = _attention_inputs(16, 32, 8, 128, 8191, "tree", seed=seed + 1)
+        for dst, src in zip((q, k, v, mask, cos, sin), new, strict=True):
+            dst.copy_(src)
+        graph.replay()
+        expected = reference.tree_attention(q.float(), k.float(), v.float(), mask, cos, sin)
+        torch.testing.assert_close(out.float(), expected, **BF16_TOL)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("T,dim", [(1, 2048), (16, 4096), (7, 1000)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gpu_add_rms_norm_bf16(T, dim, with_residual):
+    g = torch.Generator().manual_seed(dim)
+    x, r, w = (torch.randn(s, generator=g).to("cuda", torch.bfloat16) for s in ((T, dim), (T, dim), (dim,)))
+    r = r if with_residual else None
+    normed, new_res = kernels.add_rms_norm(x, r, w, 1e-5)
+    ref_normed, ref_res = reference.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(new_res, ref_res)
+    torch.testing.assert_close(normed.float(), ref_normed.float(), **BF16_TOL)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("T,dim,inter", [(1, 2048, 8192), (16, 4096, 14336), (37, 576, 1536), (64, 1000, 300)])
+def test_gpu_swiglu_bf16(T, dim, inter):
+    g = torch.Generator().manual_seed(inter)
+    x = torch.randn(T, dim, generator=g).to("cuda", torch.bfloat16)
+    w = (torch.randn(2 * inter, dim, generator=g) / dim**0.5).to("cuda", torch.bfloat16)
+    expected = reference.swiglu(x.float(), w.float(), inter)
+    torch.testing.assert_close(kernels.swiglu(x, w, inter).float(), expected, **BF16_TOL)
