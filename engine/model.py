@@ -226,9 +226,17 @@ class Transformer(nn.Module):
                 mod.weight = nn.Parameter(mod.weight.detach().t().contiguous().t(), requires_grad=False)
 
     def _all_reduce(self, x: Tensor) -> Tensor:
-        if self.tp_world > 1:
+        """Sums the TP partials. On CUDA this is the one-shot symmetric-memory all-reduce where it works
+        (engine/allreduce.py): at <= 16 tokens per forward all-reduce latency, not bandwidth, dominates a
+        TP layer. On CPU it is plain ``dist.all_reduce`` (gloo)."""
+        if self.tp_world == 1:
+            return x
+        if not x.is_cuda:
             dist.all_reduce(x, group=self.tp_group)
-        return x
+            return x
+        from swiftspec.engine.allreduce import all_reduce
+
+        return all_reduce(x, self.tp_group)
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor,
