@@ -19,6 +19,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+
 from swiftspec.kernels import reference
 
 DTYPE = torch.bfloat16

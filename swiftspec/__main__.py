@@ -1,0 +1,5 @@
+"""``python -m swiftspec``: the same command line as the ``swiftspec`` script."""
+
+from swiftspec.cli import main
+
+main()

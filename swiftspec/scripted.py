@@ -1,0 +1,107 @@
+"""Scripted mode: prompts from stdin (or -p), the answer alone on stdout, figures on stderr.
+
+Used when stdin or stdout is not a terminal, so ``swiftspec chat < q.txt > a.txt`` and pipelines work.
+``--jsonl`` turns stdout into one JSON object per event, for programs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TextIO
+
+from swiftspec.config import SamplingParams, StepEvent
+from swiftspec.history import TurnRecorder, stats_line
+
+EXIT_OK, EXIT_ENGINE, EXIT_USAGE = 0, 1, 2
+
+
+class InputError(ValueError):
+    """Stdin cannot be used as prompts: not UTF-8, or nothing in it."""
+
+
+class EngineLike(Protocol):
+    def generate(self, messages: list[dict], params: SamplingParams) -> Any: ...
+
+    def cancel(self) -> None: ...
+
+
+def read_prompts(data: bytes, each_line: bool = False, prompt: str | None = None) -> list[str]:
+    """Turns stdin into prompts; ``prompt`` (from -p) leads each one, stdin being its material."""
+    try:
+        text = data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise InputError(
+            f"stdin is not valid UTF-8 (byte {e.start}: {data[e.start:e.start + 1]!r}); "
+            "convert it first, e.g. with iconv -f latin1 -t utf-8"
+        ) from None
+    if each_line:
+        pieces = [line.strip() for line in text.splitlines() if line.strip()]
+    else:
+        pieces = [text.strip()] if text.strip() else []
+    if prompt is not None and not prompt.strip():
+        raise InputError("the prompt given with -p is empty")
+    if prompt is None:
+        if not pieces:
+            raise InputError("empty input: pipe a prompt on stdin or pass -p PROMPT")
+        return pieces
+    return [f"{prompt}\n\n{piece}" for piece in pieces] or [prompt]
+
+
+def run(
+    engine: EngineLike,
+    prompts: Sequence[str],
+    params: SamplingParams,
+    *,
+    system: str | None = None,
+    context: Sequence[dict] = (),
+    jsonl: bool = False,
+    out: TextIO,
+    err: TextIO,
+    record: Callable[[str, str, dict], None] | None = None,
+) -> int:
+    """Answers each prompt independently (after ``context``) and returns the exit code; ``record``
+    receives (prompt, answer, figures) of each answer, to keep it in a resumed conversation."""
+    for index, prompt in enumerate(prompts):
+        messages = ([{"role": "system", "content": system}] if system else []) + list(context)
+        messages.append({"role": "user", "content": prompt})
+        recorder = TurnRecorder(params.mode)
+        answer: list[str] = []
+        try:
+            for ev in engine.generate(messages, params):
+                recorder.add(ev)
+                answer.append(ev.text)
+                _emit_token(ev, index, jsonl, out)
+        except Exception as e:  # anything escaping the engine means it cannot answer: report, exit 1
+            message = str(e) or type(e).__name__
+            if jsonl:
+                _write_json(out, {"event": "error", "index": index, "message": message})
+            err.write(f"swiftspec: engine error: {message}\n")
+            err.flush()
+            return EXIT_ENGINE
+        summary = recorder.summary()
+        if record is not None:
+            record(prompt, "".join(answer), summary)
+        if jsonl:
+            _write_json(out, {"event": "done", "index": index, "stats": summary,
+                              "finish_reason": summary["finish_reason"]})
+        else:
+            out.write("\n")
+            out.flush()
+        err.write(f"[{stats_line(summary)}]\n")
+        err.flush()
+    return EXIT_OK
+
+
+def _emit_token(ev: StepEvent, index: int, jsonl: bool, out: TextIO) -> None:
+    if jsonl:
+        if ev.token_ids or ev.text:
+            _write_json(out, {"event": "token", "index": index, "text": ev.text, "token_ids": ev.token_ids})
+    elif ev.text:
+        out.write(ev.text)
+        out.flush()
+
+
+def _write_json(out: TextIO, obj: dict) -> None:
+    out.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    out.flush()

@@ -1,0 +1,142 @@
+"""A scripted stand-in for swiftspec.Engine: same API, canned tokens, deterministic stats.
+
+It lets the TUI and scripted-mode tests run in milliseconds and reproduce exact screens; the real engine
+is exercised by the tests marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from swiftspec.config import EngineConfig, SamplingParams, StepEvent, StepStats
+from swiftspec.engine.client import EngineError
+from swiftspec.engine.protocol import EngineInfo, RankInfo
+
+ANSWER = (
+    "Here is a function:\n\n"
+    "```python\n"
+    "def add(a, b):\n"
+    "    return a + b\n"
+    "```\n\n"
+    "It **adds** two numbers."
+)
+
+INFO = EngineInfo(
+    target="fake-target", draft="suffix",
+    ranks=[RankInfo(rank=0, role="target", device="cpu", tp_rank=0, tp_world=1, threads=1, host="local", pid=1),
+           RankInfo(rank=1, role="draft", device="cpu", tp_rank=0, tp_world=1, threads=1, host="local", pid=2)],
+    context_length=4096, backend="gloo", bs=8, w=8, d=4, d_auto=True, t_verify_ms=40.0, t_expand_ms=3.0,
+)
+
+
+def chunks(text: str, size: int = 4) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+class FakeEngine:
+    """Streams ``answer`` in small pieces, a few "tokens" per step, with stats from a fixed cycle.
+
+    step_delay slows each step (for Esc tests); die_after makes the engine die (EngineError) after that
+    many steps; refuse makes generate() raise EngineError while the engine stays alive; factory's
+    start_error makes the start fail and start_gate, when given, holds it until set.
+    """
+
+    ACCEPT_CYCLE = (3, 1, 0, 2)
+
+    def __init__(self, answer: str = ANSWER, step_delay: float = 0.0, die_after: int | None = None,
+                 refuse: str | None = None) -> None:
+        self.answer = answer
+        self.step_delay = step_delay
+        self.die_after = die_after
+        self.refuse = refuse
+        self.dead = False
+        self.info = INFO
+        self.calls: list[tuple[list[dict], SamplingParams]] = []
+        self.closed = False
+        self._cancel = threading.Event()
+
+    @classmethod
+    def start(cls, config: EngineConfig, progress: Callable[[str], None] | None = None, **kwargs) -> FakeEngine:
+        if progress:
+            progress("loading target fake-target")
+            progress("workers ready")
+        return cls(**kwargs)
+
+    @classmethod
+    def factory(cls, start_error: str | None = None, start_gate: threading.Event | None = None,
+                progress_lines: tuple[str, ...] = ("spawning 2 workers", "loading target fake-target"),
+                **kwargs) -> Callable[[Callable[[str], None]], FakeEngine]:
+        """What the TUI takes: a callable that starts an engine, reporting progress."""
+
+        def start(progress: Callable[[str], None]) -> FakeEngine:
+            for line in progress_lines:
+                progress(line)
+            if start_gate is not None:
+                start_gate.wait(30)
+            if start_error:
+                raise EngineError(start_error)
+            engine = cls(**kwargs)
+            started.append(engine)
+            return engine
+
+        started: list[FakeEngine] = []
+        start.started = started  # type: ignore[attr-defined]
+        return start
+
+    def generate(self, messages: list[dict], params: SamplingParams) -> Iterator[StepEvent]:
+        if self.closed or self.dead:
+            raise EngineError("the engine is closed")
+        if self.refuse:
+            raise EngineError(self.refuse)
+        self.calls.append(([dict(m) for m in messages], params))
+        self._cancel.clear()
+        pieces = chunks(self.answer)[: params.max_new_tokens]
+        produced = accepted_total = verified = steps = 0
+        i = 0
+        while i < len(pieces):
+            if self._cancel.is_set():
+                yield StepEvent([], "", self._stats(0, accepted_total, verified, steps, produced), True, "cancelled")
+                return
+            if self.die_after is not None and steps >= self.die_after:
+                self.dead = True
+                raise EngineError("worker rank 0 exited with signal 9\n[stderr tail] Killed")
+            accepted = self.ACCEPT_CYCLE[steps % len(self.ACCEPT_CYCLE)]
+            n = min(accepted + 1, len(pieces) - i)
+            text = "".join(pieces[i : i + n])
+            i += n
+            produced += n
+            accepted_total += n - 1
+            verified += 7
+            steps += 1
+            if self.step_delay:
+                time.sleep(self.step_delay)
+            done = i >= len(pieces)
+            reason = ("length" if len(pieces) < len(chunks(self.answer)) else "eos") if done else None
+            yield StepEvent(list(range(produced - n, produced)), text,
+                            self._stats(n - 1, accepted_total, verified, steps, produced), done, reason)
+
+    def _stats(self, accepted: int, accepted_total: int, verified: int, steps: int, produced: int) -> StepStats:
+        return StepStats(
+            accepted=accepted, tree_size=8, draft_ms=3.0, target_ms=40.0,
+            token_latency_ms=40.0 / (accepted + 1), acceptance_rate=accepted_total / max(verified, 1),
+            mean_accepted=produced / max(steps, 1), tokens_per_s=50.0, d=4, prefill_tokens=12,
+            generated=produced,
+        )
+
+    @property
+    def alive(self) -> bool:
+        return not (self.closed or self.dead)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __enter__(self) -> FakeEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,226 @@
+"""The command line: flags, help, exit codes, scripted mode through `chat` (FakeEngine in-process, and a
+few real subprocess runs against the real engine on a tiny model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from fake_engine import ANSWER, FakeEngine
+from typer.testing import CliRunner
+
+from swiftspec import cli
+from swiftspec.history import HistoryStore
+
+
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWIFTSPEC_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Routes the CLI's engine start to the FakeEngine and records the configs it was given."""
+    configs = []
+
+    def start(config, progress):
+        configs.append(config)
+        return FakeEngine.start(config, progress)
+
+    monkeypatch.setattr(cli, "_start_engine", start)
+    return configs
+
+
+def invoke(args, stdin: bytes = b""):
+    return CliRunner().invoke(cli.app, cli.normalise_argv(args), input=stdin)
+
+
+def test_help_lists_every_flag():
+    out = invoke(["chat", "--help"], b"").output
+    for flag in ("--target", "--draft", "--target-devices", "--draft-devices", "--gpus", "--target-procs",
+                 "--draft-procs", "--mode", "--temperature", "--top-p", "--top-k", "--seed", "--max-new-tokens",
+                 "--system", "--bs", "--w", "--d", "--max-seq-len", "--trust-remote-code", "--prompt", "--each-line",
+                 "--jsonl", "--resume", "--threads", "--stop", "--device", "--dtype"):
+        assert flag in out, flag
+    bench = invoke(["bench", "--help"]).output
+    for flag in ("--modes", "--prompts", "--set", "--limit", "--max-new-tokens", "--json", "--plot", "--target",
+                 "--draft-devices"):
+        assert flag in bench, flag
+    assert "--install-completion" in invoke(["--help"]).output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mode", "turbo"], "turbo"),
+    (["--top-p", "0"], "top-p"),
+    (["--target-devices", "0,x", "--draft-devices", "1"], "0,x"),
+    (["--target-devices", "0,1"], "go together"),
+    (["--gpus", "4", "--target-devices", "0", "--draft-devices", "1"], "--gpus"),
+    (["--bs", "0"], "--bs"),
+    (["--resume", "abc"], "conversation id"),
+])
+def test_usage_errors_exit_2(args, message, fake, data_dir):
+    result = invoke(["chat", "-p", "hi", *args])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert not fake  # refused before any engine starts
+
+
+def test_layout_flags_reach_the_engine_config(fake, data_dir):
+    result = invoke(["chat", "-p", "hi", "--target-devices", "0,1", "--draft-devices", "2", "--bs", "16",
+                     "--w", "4", "--d", "3", "--max-seq-len", "2048", "--draft", "/models/small", "--threads", "2"])
+    assert result.exit_code == 0, result.output
+    config = fake[0]
+    assert (config.target_devices, config.draft_devices, config.draft) == ([0, 1], [2], "/models/small")
+    assert (config.tree.bs, config.tree.w, config.tree.d, config.max_seq_len, config.threads) == (16, 4, 3, 2048, 2)
+
+
+def test_sampling_flags_reach_the_engine(fake, data_dir, monkeypatch):
+    seen = []
+    generate = FakeEngine.generate
+    monkeypatch.setattr(FakeEngine, "generate", lambda self, m, p: seen.append(p) or generate(self, m, p))
+    result = invoke(["chat", "-p", "hi", "--mode", "sync", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "40",
+                     "--seed", "7", "--max-new-tokens", "5", "--stop", "END", "--stop", "###"])
+    assert result.exit_code == 0, result.output
+    p = seen[0]
+    assert (p.mode, p.temperature, p.top_p, p.top_k, p.seed, p.max_new_tokens, p.stop) == (
+        "sync", 0.8, 0.9, 40, 7, 5, ["END", "###"])
+
+
+def test_piped_stdin_answers_on_stdout(fake, data_dir):
+    result = invoke(["chat"], b"hello\n")
+    assert result.exit_code == 0
+    assert result.stdout == ANSWER + "\n"
+    assert "tok/s" in result.stderr and "loading target" in result.stderr
+
+
+def test_jsonl_each_line(fake, data_dir):
+    result = invoke(["chat", "--jsonl", "--each-line", "--max-new-tokens", "2"], b"one\ntwo\n")
+    assert result.exit_code == 0
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [e["index"] for e in events if e["event"] == "done"] == [0, 1]
+    assert all(e["finish_reason"] == "length" for e in events if e["event"] == "done")
+
+
+@pytest.mark.parametrize("stdin, message", [(b"", "empty input"), (b"\xff\xfe\x00", "not valid UTF-8")])
+def test_bad_input_exit_2(stdin, message, fake, data_dir):
+    result = invoke(["chat"], stdin)
+    assert result.exit_code == 2 and message in result.stderr
+    assert not fake
+
+
+def test_engine_start_failure_exit_1(monkeypatch, data_dir):
+    from swiftspec.engine.client import EngineError
+
+    def start(config, progress):
+        raise EngineError("the workers exited (torchrun exit code 1)")
+
+    monkeypatch.setattr(cli, "_start_engine", start)
+    result = invoke(["chat", "-p", "hi"])
+    assert result.exit_code == 1 and "torchrun exit code 1" in result.stderr
+
+
+def test_resume_in_scripted_mode_uses_the_saved_conversation(fake, data_dir, monkeypatch):
+    store = HistoryStore()
+    old = store.create("old", system="Be terse.")
+    store.add(old, "user", "my name is Ada")
+    store.add(old, "assistant", "hello Ada")
+    generate = FakeEngine.generate
+    calls = []
+    monkeypatch.setattr(FakeEngine, "generate", lambda self, m, p: calls.append(m) or generate(self, m, p))
+    assert invoke(["chat", "-p", "what is my name?", "--resume"]).exit_code == 0
+    assert [m["content"] for m in calls[0]] == ["Be terse.", "my name is Ada", "hello Ada", "what is my name?"]
+    saved = HistoryStore().messages(old)  # the new turn is appended to the resumed conversation
+    assert [(m.role, m.content) for m in saved[2:]] == [("user", "what is my name?"), ("assistant", ANSWER)]
+    assert saved[3].stats["finish_reason"] == "eos"
+    assert invoke(["chat", "-p", "x", "--resume", "999"]).exit_code == 2
+
+
+def test_normalise_argv():
+    assert cli.normalise_argv(["chat", "--resume"]) == ["chat", "--resume", "latest"]
+    assert cli.normalise_argv(["chat", "--resume", "--mode", "ar"]) == ["chat", "--resume", "latest", "--mode", "ar"]
+    assert cli.normalise_argv(["chat", "--resume", "7"]) == ["chat", "--resume", "7"]
+
+
+def test_python_dash_m_help():
+    result = subprocess.run([sys.executable, "-m", "swiftspec", "--version"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("swiftspec ")
+
+
+# --- the real engine, in a subprocess, on a tiny random model ---------------------------------------------
+
+def swiftspec(args, stdin: bytes, tmp_path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SWIFTSPEC_DATA_DIR": str(tmp_path)}
+    return subprocess.run([sys.executable, "-m", "swiftspec", "chat", *args], input=stdin, capture_output=True,
+                          env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    from tiny_models import tiny_model_dir
+
+    return str(tiny_model_dir(seed=0, layers=2))
+
+
+@pytest.mark.slow
+def test_real_engine_jsonl_each_line(tiny_target, tmp_path):
+    result = swiftspec(["--target", tiny_target, "--max-seq-len", "256", "--max-new-tokens", "12", "--jsonl",
+                        "--each-line", "--mode", "async"], b"first prompt\nsecond prompt\n", tmp_path)
+    assert result.returncode == 0, result.stderr.decode()
+    events = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert {e["event"] for e in events} == {"token", "done"}
+    done = [e for e in events if e["event"] == "done"]
+    assert [d["index"] for d in done] == [0, 1]
+    for d in done:
+        tokens = [i for e in events if e["event"] == "token" and e["index"] == d["index"] for i in e["token_ids"]]
+        assert len(tokens) == d["stats"]["generated"] <= 12
+        assert d["stats"]["mode"] == "async" and d["finish_reason"] in ("eos", "length")
+    assert "ready" in result.stderr.decode()
+
+
+def test_real_bad_target_exit_2(tmp_path):
+    """A missing model is found before any worker starts: a usage error naming the path."""
+    missing = swiftspec(["--target", str(tmp_path / "nope"), "-p", "hi"], b"", tmp_path)
+    assert missing.returncode == 2 and b"nope" in missing.stderr
+
+
+def test_terminal_runs_the_tui(monkeypatch, data_dir, tmp_path):
+    from swiftspec.tui.app import SwiftSpecApp
+
+    store = HistoryStore()
+    old = store.create("earlier")
+    apps = []
+    monkeypatch.setattr(cli, "_interactive", lambda: True)
+    monkeypatch.setattr(cli, "_prepare_models", lambda config: None)
+    monkeypatch.setattr(SwiftSpecApp, "run", lambda self: apps.append(self) or 0)
+    result = invoke(["chat", "--mode", "sync", "--temperature", "0.5", "--system", "Be kind.", "--resume"])
+    assert result.exit_code == 0, result.output
+    app = apps[0]
+    assert (app.params.mode, app.params.temperature, app.system, app._resume) == ("sync", 0.5, "Be kind.", old)
+
+
+def test_missing_model_is_a_usage_error_before_the_tui(monkeypatch, data_dir, tmp_path):
+    monkeypatch.setattr(cli, "_interactive", lambda: True)
+    result = invoke(["chat", "--target", str(tmp_path / "missing")])
+    assert result.exit_code == 2 and "does not exist" in result.stderr
+    result = invoke(["chat", "--draft", str(tmp_path / "missing-draft.gguf")])
+    assert result.exit_code == 2 and "missing-draft" in result.stderr
+
+
+def test_bench_passes_its_options_through(monkeypatch, tmp_path):
+    import swiftspec.bench
+
+    bad = invoke(["bench", "--modes", "bogus"])  # checked before any model loads
+    assert bad.exit_code == 2 and "bogus" in bad.stderr
+    seen = {}
+    monkeypatch.setattr(swiftspec.bench, "bench_command", lambda **kw: seen.update(kw))
+    result = invoke(["bench", "--modes", "ar,async", "--set", "code", "--limit", "2", "--max-new-tokens", "16",
+                     "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"), "--target-procs", "2"])
+    assert result.exit_code == 0, result.output
+    assert (seen["modes"], seen["prompt_set"], seen["limit"], seen["max_new_tokens"]) == ("ar,async", "code", 2, 16)
+    assert (seen["json_path"], seen["plot_path"]) == (tmp_path / "r.json", tmp_path / "r.png")
+    assert seen["config"].target_procs == 2 and seen["prompts"] is None

@@ -1,0 +1,93 @@
+"""Scripted mode in-process against the FakeEngine: stdout/stderr split, --jsonl schema, --each-line,
+exit codes and bad input. Real subprocess runs against the real engine are in test_cli."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from fake_engine import ANSWER, FakeEngine, chunks
+
+from swiftspec import scripted
+from swiftspec.config import SamplingParams
+
+
+def run(prompts, engine=None, **kw):
+    out, err = io.StringIO(), io.StringIO()
+    code = scripted.run(engine or FakeEngine(), prompts, kw.pop("params", SamplingParams()), out=out, err=err, **kw)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_answer_alone_on_stdout_stats_on_stderr():
+    code, out, err = run(["hello"])
+    assert code == 0
+    assert out == ANSWER + "\n"
+    assert "async" in err and "tok/s" in err and "eos" in err
+    assert ANSWER not in err
+
+
+def test_jsonl_schema():
+    engine = FakeEngine()
+    code, out, _ = run(["hello"], engine, jsonl=True)
+    assert code == 0
+    events = [json.loads(line) for line in out.splitlines()]
+    tokens, done = events[:-1], events[-1]
+    assert tokens and all(e["event"] == "token" for e in tokens)
+    assert all(set(e) == {"event", "index", "text", "token_ids"} for e in tokens)
+    assert "".join(e["text"] for e in tokens) == ANSWER
+    assert [i for e in tokens for i in e["token_ids"]] == list(range(len(chunks(ANSWER))))
+    assert done["event"] == "done" and done["finish_reason"] == "eos"
+    for key in ("acceptance_rate", "mean_accepted", "tokens_per_s", "token_latency_ms", "tree_size", "draft_ms",
+                "target_ms", "d", "generated", "ms_per_token_p50", "mode"):
+        assert key in done["stats"], key
+
+
+def test_each_line_prompts_are_independent():
+    engine = FakeEngine(answer="ok")
+    code, out, err = run(["first", "second"], engine, jsonl=True, system="Be brief.")
+    assert code == 0
+    done = [json.loads(line) for line in out.splitlines() if '"done"' in line]
+    assert [d["index"] for d in done] == [0, 1]
+    assert [m for m, _ in engine.calls] == [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "second"}],
+    ]
+    assert err.count("\n") == 2  # one stats line per answer
+
+
+def test_max_new_tokens_and_context():
+    engine = FakeEngine()
+    code, out, err = run(["q"], engine, params=SamplingParams(max_new_tokens=2),
+                         context=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    assert code == 0 and out == ANSWER[:8] + "\n" and "length" in err
+    assert [m["content"] for m in engine.calls[0][0]] == ["a", "b", "q"]
+
+
+@pytest.mark.parametrize("jsonl", [False, True])
+def test_engine_error_exit_1(jsonl):
+    code, out, err = run(["hello"], FakeEngine(die_after=2), jsonl=jsonl)
+    assert code == 1
+    assert "engine error" in err and "signal 9" in err
+    if jsonl:
+        last = json.loads(out.splitlines()[-1])
+        assert last["event"] == "error" and "signal 9" in last["message"]
+
+
+def test_read_prompts():
+    assert scripted.read_prompts(b"  whole\nstdin  \n") == ["whole\nstdin"]
+    assert scripted.read_prompts(b"a\n\n b \n", each_line=True) == ["a", "b"]
+    assert scripted.read_prompts(b"", prompt="-p text") == ["-p text"]
+    assert scripted.read_prompts(b"material", prompt="Summarise:") == ["Summarise:\n\nmaterial"]
+    assert scripted.read_prompts("\ufeffcaf\u00e9 \U0001f600".encode()) == ["caf\u00e9 \U0001f600"]
+
+
+@pytest.mark.parametrize("data, kw, message", [
+    (b"", {}, "empty input"),
+    (b" \n\t\n", {"each_line": True}, "empty input"),
+    (b"caf\xe9", {}, "not valid UTF-8"),
+    (b"", {"prompt": "  "}, "-p is empty"),
+])
+def test_bad_input(data, kw, message):
+    with pytest.raises(scripted.InputError, match=message):
+        scripted.read_prompts(data, **kw)

@@ -1,0 +1,336 @@
+"""Pilot tests of the chat app against the scripted FakeEngine (fast); the real engine is in test_tui_real."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import pytest
+from fake_engine import ANSWER, FakeEngine
+from rich.console import Console
+from textual import events
+
+from swiftspec.config import SamplingParams
+from swiftspec.history import HistoryStore
+from swiftspec.tui.app import SwiftSpecApp
+from swiftspec.tui.screens import ErrorScreen, HelpScreen, LoadingScreen
+from swiftspec.tui.widgets.chat_view import ChatView
+from swiftspec.tui.widgets.message import MessageBox
+from swiftspec.tui.widgets.prompt_input import PromptInput
+from swiftspec.tui.widgets.stats_panel import StatsPanel
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = HistoryStore(tmp_path / "history.sqlite3")
+    yield s
+    s.close()
+
+
+def make_app(store, factory=None, **params) -> SwiftSpecApp:
+    return SwiftSpecApp(factory or FakeEngine.factory(), SamplingParams(**params), store=store, model_line="fake")
+
+
+async def wait_for(pilot, condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for the app")
+        await pilot.pause(0.02)
+
+
+async def ready(pilot, timeout: float = 10.0) -> None:
+    await wait_for(pilot, lambda: pilot.app.engine is not None and not isinstance(pilot.app.screen, LoadingScreen),
+                   timeout)
+
+
+async def idle(pilot, timeout: float = 10.0) -> None:
+    await wait_for(pilot, lambda: pilot.app._buffer is None, timeout)
+    await pilot.pause()
+
+
+async def type_and_send(pilot, text: str) -> None:
+    pilot.app.query_one(PromptInput).load_text(text)
+    await pilot.press("enter")
+
+
+def boxes(app) -> list[tuple[str, str]]:
+    return [(b.role, b.text) for b in app.query_one(ChatView).query(MessageBox)]
+
+
+def text_of(static) -> str:
+    """What a Static shows, as plain text (Rich renderables included)."""
+    console = Console(width=60, file=io.StringIO(), record=True)
+    console.print(static.content)
+    return console.export_text()
+
+
+def figures(app) -> str:
+    return text_of(app.query_one(StatsPanel).query_one("#figures"))
+
+
+async def test_type_send_stream_stats_and_history(store, monkeypatch):
+    fragments = []  # what each UI flush appended to the answer
+    append = MessageBox.append
+
+    async def spy(self, fragment):
+        fragments.append(fragment)
+        await append(self, fragment)
+
+    monkeypatch.setattr(MessageBox, "append", spy)
+    factory = FakeEngine.factory(step_delay=0.05)
+    app = make_app(store, factory)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await pilot.press(*"hello")
+        await pilot.press("enter")
+        assert app.query_one(PromptInput).text == ""
+        await idle(pilot)
+        assert boxes(app) == [("user", "hello"), ("assistant", ANSWER)]
+        # streamed in several flushes, each batching several decoding steps (11 here)
+        assert "".join(fragments) == ANSWER and 2 <= len(fragments) < 11
+        engine = factory.started[0]
+        assert engine.calls[0][0] == [{"role": "user", "content": "hello"}]
+        panel = app.query_one(StatsPanel)
+        assert "async" in figures(app) and "50.0" in figures(app)
+        assert panel.query_one("Sparkline").data  # latency of recent steps
+        assert "fake-target" in text_of(panel.query_one("#layout"))
+        assert "async" in app.query_one(ChatView).query(MessageBox).last().border_subtitle
+    saved = store.messages(app.conversation_id)
+    assert [(m.role, m.content) for m in saved] == [("user", "hello"), ("assistant", ANSWER)]
+    assert saved[1].stats["finish_reason"] == "eos"
+    assert engine.closed  # leaving the app closes the engine
+
+
+async def test_newline_keys_and_prompt_recall(store):
+    app = make_app(store)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await pilot.press("a", "ctrl+j", "b")
+        prompt = app.query_one(PromptInput)
+        assert prompt.text == "a\nb"
+        await pilot.press("enter")
+        await idle(pilot)
+        await type_and_send(pilot, "second")
+        await idle(pilot)
+        await pilot.press(*"draft")
+        await pilot.press("up")
+        assert prompt.text == "second"
+        await pilot.press("up")
+        assert prompt.text == "a\nb"
+        await pilot.press("down", "down")
+        assert prompt.text == "draft"
+
+
+async def test_fast_burst_keeps_key_order(store):
+    """A terminal delivers pasted or fast-typed text and Enter in one read: all of it must be sent."""
+    factory = FakeEngine.factory()
+    app = make_app(store, factory)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        for key in ["a", "b", "ctrl+j", "c", "d", "enter"]:
+            app._driver.send_message(events.Key(key, key if len(key) == 1 else None))
+        await idle(pilot)
+        await wait_for(pilot, lambda: factory.started[0].calls)
+        assert factory.started[0].calls[0][0][-1]["content"] == "ab\ncd"
+
+
+async def test_escape_stops_and_engine_stays_usable(store):
+    factory = FakeEngine.factory(step_delay=0.05, answer="word " * 200)
+    app = make_app(store, factory)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "long please")
+        await wait_for(pilot, lambda: boxes(app)[-1][1])
+        await pilot.press("escape")
+        await idle(pilot)
+        answer = app.query_one(ChatView).query(MessageBox).last()
+        assert "cancelled" in answer.border_subtitle
+        assert 0 < len(answer.text) < len("word " * 200)
+        engine = factory.started[0]
+        engine.step_delay = 0
+        await type_and_send(pilot, "again")
+        await idle(pilot)
+        assert boxes(app)[-1][1] == "word " * 200
+        # the stopped answer stays in the context of the next turn
+        assert [m["role"] for m in engine.calls[1][0]] == ["user", "assistant", "user"]
+
+
+async def test_slash_commands(store, tmp_path):
+    factory = FakeEngine.factory()
+    app = make_app(store, factory)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        prompt = app.query_one(PromptInput)
+        for command in ("/mode sync", "/temp 0.7", "/max 3", "/system Be brief."):
+            await type_and_send(pilot, command)
+            assert prompt.text == ""
+        assert (app.params.mode, app.params.temperature, app.params.max_new_tokens) == ("sync", 0.7, 3)
+        assert "sync" in app.sub_title and "T=0.7" in app.sub_title
+        await type_and_send(pilot, "/mode turbo")
+        assert prompt.text == "/mode turbo"  # a failed command keeps what was typed
+        await type_and_send(pilot, "/nonsense")
+        assert prompt.text == "/nonsense"
+        prompt.clear()
+
+        await type_and_send(pilot, "hi")
+        await idle(pilot)
+        messages, params = factory.started[0].calls[0]
+        assert messages[0] == {"role": "system", "content": "Be brief."}
+        assert (params.mode, params.temperature, params.max_new_tokens) == ("sync", 0.7, 3)
+
+        await type_and_send(pilot, "/save My title")
+        assert store.get(app.conversation_id).title == "My title"
+        out = tmp_path / "chat.md"
+        await type_and_send(pilot, f"/export {out}")
+        exported = out.read_text()
+        assert exported.startswith("# My title") and "**System:** Be brief." in exported and "## You\n\nhi" in exported
+
+        first = app.conversation_id
+        await type_and_send(pilot, "/new")
+        assert boxes(app) == [] and app.messages == [] and app.conversation_id is None
+        assert len(store.messages(first)) == 2  # the old conversation stays saved
+
+        await type_and_send(pilot, "/help")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+        await type_and_send(pilot, "again")
+        await idle(pilot)
+        second = app.conversation_id
+        await type_and_send(pilot, "/clear")
+        assert boxes(app) == [] and store.messages(second) == []
+
+        await type_and_send(pilot, "/quit")
+        await pilot.pause()
+    assert app.return_code == 0
+
+
+async def test_copy_last_answer(store):
+    app = make_app(store)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "hello")
+        await idle(pilot)
+        await pilot.press("ctrl+o")
+        assert app.clipboard == ANSWER
+
+
+async def test_history_resume(store):
+    app = make_app(store)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "remember 42")
+        await idle(pilot)
+    conversation = app.conversation_id
+
+    factory = FakeEngine.factory()
+    resumed = SwiftSpecApp(factory, SamplingParams(), store=store, resume=conversation)
+    async with resumed.run_test() as pilot:
+        await ready(pilot)
+        assert boxes(resumed) == [("user", "remember 42"), ("assistant", ANSWER)]
+        await pilot.press("up")
+        assert resumed.query_one(PromptInput).text == "remember 42"
+        await type_and_send(pilot, "what number?")
+        await idle(pilot)
+        assert [m["content"] for m in factory.started[0].calls[0][0]] == ["remember 42", ANSWER, "what number?"]
+    assert len(store.messages(conversation)) == 4
+
+
+async def test_resume_from_command_palette(store):
+    conversation = store.create("an old chat")
+    store.add(conversation, "user", "old question")
+    store.add(conversation, "assistant", "old answer")
+    app = make_app(store)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+p", *"resume #", "enter")
+        await wait_for(pilot, lambda: boxes(app))
+        assert boxes(app) == [("user", "old question"), ("assistant", "old answer")]
+        assert app.conversation_id == conversation
+
+
+async def test_engine_death_keeps_typed_text_and_restarts(store):
+    starts = []
+
+    def factory(progress):
+        engine = FakeEngine(die_after=1 if not starts else None)
+        starts.append(engine)
+        return engine
+
+    app = make_app(store, factory)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "this prompt must survive")
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen))
+        assert "exited with signal 9" in text_of(app.screen.query_one("#error-cause Static"))
+        assert app.query_one(PromptInput).text == "this prompt must survive"
+        assert boxes(app) == [] and app.messages == []
+        await pilot.press("r")
+        await ready(pilot)
+        assert starts[0].closed and len(starts) == 2
+        await pilot.press("enter")
+        await idle(pilot)
+        assert boxes(app) == [("user", "this prompt must survive"), ("assistant", ANSWER)]
+
+
+async def test_start_failure_shows_cause_then_restart(store):
+    attempts = []
+
+    def factory(progress):
+        progress("spawning workers")
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise RuntimeError("torchrun: rendezvous timed out")
+        return FakeEngine()
+
+    app = make_app(store, factory)
+    async with app.run_test() as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen))
+        assert "rendezvous timed out" in text_of(app.screen.query_one("#error-cause Static"))
+        await pilot.click("#restart")
+        await ready(pilot)
+        assert len(attempts) == 2
+
+
+async def test_narrow_terminal_hides_stats(store):
+    app = make_app(store)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await ready(pilot)
+        assert not app.query_one(StatsPanel).display
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause()
+        assert app.query_one(StatsPanel).display
+
+
+async def test_refused_answer_keeps_engine_and_prompt(store):
+    factory = FakeEngine.factory(refuse="the conversation is 5000 tokens, but the context length is 4096")
+    app = make_app(store, factory)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "too long")
+        await wait_for(pilot, lambda: app.query_one(PromptInput).text == "too long")
+        assert not isinstance(app.screen, ErrorScreen) and app.engine is factory.started[0]
+        assert boxes(app) == [] and app.messages == []
+
+
+async def test_quitting_while_loading_abandons_the_start(store):
+    abandoned = threading.Event()
+
+    def factory(progress):
+        try:
+            for i in range(600):  # a slow start that reports progress, as Engine.start does per stage
+                progress(f"stage {i}")
+                time.sleep(0.02)
+        except RuntimeError:
+            abandoned.set()
+            raise
+        return FakeEngine()
+
+    app = make_app(store, factory)
+    async with app.run_test() as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, LoadingScreen))
+        await pilot.press("ctrl+q")
+    assert abandoned.wait(5) and app.engine is None

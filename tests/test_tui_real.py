@@ -1,0 +1,156 @@
+"""Pilot tests of the chat app wired to the real Engine (torchrun workers) on a tiny random model.
+
+One engine serves the module (a start costs tens of seconds here); each app gets it through a wrapper
+whose close() is a no-op, and the module closes it at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_tui import boxes, figures, idle, ready, text_of, type_and_send, wait_for
+
+from swiftspec.config import EngineConfig, SamplingParams
+from swiftspec.history import HistoryStore
+from swiftspec.tui.app import SwiftSpecApp
+from swiftspec.tui.widgets.chat_view import ChatView
+from swiftspec.tui.widgets.message import MessageBox
+from swiftspec.tui.widgets.prompt_input import PromptInput
+from swiftspec.tui.widgets.stats_panel import StatsPanel
+
+pytestmark = pytest.mark.slow
+STARTUP_S, ANSWER_S = 300, 120  # generous: the CI machine has 2 shared cores
+
+
+class Shared:
+    """The module's engine, lent to one app: everything passes through except close()."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from tiny_models import tiny_model_dir
+
+    from swiftspec import Engine
+
+    eng = Engine.start(EngineConfig(target=str(tiny_model_dir(seed=0, layers=2)), draft="suffix", max_seq_len=512))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = HistoryStore(tmp_path / "history.sqlite3")
+    yield s
+    s.close()
+
+
+def app_on(engine, store, **kw) -> SwiftSpecApp:
+    def start(progress):
+        progress("lent by the test module")
+        return Shared(engine)
+
+    return SwiftSpecApp(start, SamplingParams(max_new_tokens=24), store=store, **kw)
+
+
+def last_answer(app) -> MessageBox:
+    return app.query_one(ChatView).query(MessageBox).last()
+
+
+async def test_chat_stream_stats_stop_slash_and_history(engine, store):
+    app = app_on(engine, store)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, STARTUP_S)
+        assert "target" in text_of(app.query_one(StatsPanel).query_one("#layout"))
+
+        await pilot.press(*"hello")
+        await pilot.press("enter")
+        await idle(pilot, ANSWER_S)
+        async_answer = last_answer(app).text
+        assert async_answer and boxes(app)[0] == ("user", "hello")
+        stats = figures(app)
+        assert "async" in stats and "tokens/s" in stats
+        assert "async" in last_answer(app).border_subtitle
+
+        # lossless: target-only decoding gives the same greedy answer
+        await type_and_send(pilot, "/mode ar")
+        await type_and_send(pilot, "/new")
+        await type_and_send(pilot, "hello")
+        await idle(pilot, ANSWER_S)
+        assert last_answer(app).text == async_answer
+        assert "ar" in last_answer(app).border_subtitle
+
+        # Esc stops a long answer; the engine answers again afterwards
+        await type_and_send(pilot, "/mode async")
+        await type_and_send(pilot, "/max 400")
+        app.params.ignore_eos = True
+        await type_and_send(pilot, "tell me everything")
+        await wait_for(pilot, lambda: last_answer(app).text, timeout=60)
+        await pilot.press("escape")
+        await idle(pilot, ANSWER_S)
+        assert "cancelled" in last_answer(app).border_subtitle
+        app.params.ignore_eos = False
+        await type_and_send(pilot, "/max 8")
+        await type_and_send(pilot, "and again")
+        await idle(pilot, ANSWER_S)
+        assert "cancelled" not in last_answer(app).border_subtitle and last_answer(app).text
+        conversation = app.conversation_id
+        saved = store.messages(conversation)
+        assert [m.role for m in saved] == ["user", "assistant"] * 3
+        assert saved[3].stats["finish_reason"] == "cancelled"
+
+    resumed = app_on(engine, store, resume=conversation)
+    async with resumed.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, STARTUP_S)
+        assert boxes(resumed) == [(m.role, m.content) for m in saved]
+        await pilot.press("up")
+        assert resumed.query_one(PromptInput).text == "and again"
+        await type_and_send(pilot, "one more")
+        await idle(pilot, ANSWER_S)
+    assert len(store.messages(conversation)) == 8
+
+
+async def test_worker_killed_shows_error_and_restart(store):
+    """kill -9 a worker mid-answer: the error screen names the cause, the prompt is back in the input,
+    and Restart brings up a fresh engine that answers."""
+    import os
+    import signal
+
+    from tiny_models import tiny_model_dir
+
+    from swiftspec import Engine
+    from swiftspec.tui.screens import ErrorScreen
+
+    started = []
+
+    def start(progress):
+        eng = Engine.start(EngineConfig(target=str(tiny_model_dir(seed=0, layers=2)), max_seq_len=512),
+                           progress=progress)
+        started.append(eng)
+        return eng
+
+    app = SwiftSpecApp(start, SamplingParams(max_new_tokens=400, ignore_eos=True), store=store)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, STARTUP_S)
+        await type_and_send(pilot, "a long answer please")
+        await wait_for(pilot, lambda: last_answer(app).text, timeout=60)
+        victim = next(r.pid for r in started[0].info.ranks if r.role == "draft")
+        os.kill(victim, signal.SIGKILL)
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen), timeout=30)
+        assert "workers" in text_of(app.screen.query_one("#error-cause Static"))
+        assert app.query_one(PromptInput).text == "a long answer please"
+        await pilot.press("r")
+        await ready(pilot, STARTUP_S)
+        assert len(started) == 2 and started[1].alive and not started[0].alive
+        app.params.max_new_tokens = 8
+        await pilot.press("enter")
+        await idle(pilot, ANSWER_S)
+        assert boxes(app)[0] == ("user", "a long answer please") and last_answer(app).text
+    assert not started[1].alive  # leaving the app closed the engine

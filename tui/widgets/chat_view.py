@@ -1,0 +1,28 @@
+"""The scrolling conversation."""
+
+from __future__ import annotations
+
+from textual.containers import VerticalScroll
+
+from swiftspec.tui.widgets.message import MessageBox
+
+
+class ChatView(VerticalScroll):
+    """Holds MessageBoxes and stays pinned to the bottom while an answer grows, unless the user scrolls up."""
+
+    def on_mount(self) -> None:
+        self.anchor()
+
+    async def add(self, role: str, text: str = "", footer: str = "", streaming: bool = False) -> MessageBox:
+        box = MessageBox(role, text, footer, streaming=streaming)
+        await self.mount(box)
+        self.anchor()
+        return box
+
+    async def clear(self) -> None:
+        await self.remove_children()
+
+    @property
+    def last_answer(self) -> str | None:
+        answers = [box.text for box in self.query(MessageBox) if box.role == "assistant" and box.text]
+        return answers[-1] if answers else None

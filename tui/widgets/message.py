@@ -1,0 +1,45 @@
+"""One turn of the conversation: the user's text verbatim, or an answer rendered as Markdown."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Markdown, Static
+from textual.widgets.markdown import MarkdownStream
+
+ROLE_TITLES = {"user": "You", "assistant": "Assistant", "note": "SwiftSpec", "error": "Error"}
+
+
+class MessageBox(Vertical):
+    """A bordered block per message. Answers stream through a MarkdownStream, which coalesces fragments
+    when they arrive faster than Markdown can re-render."""
+
+    def __init__(self, role: str, text: str = "", footer: str = "", streaming: bool = False) -> None:
+        super().__init__(classes=f"-{role} -streaming" if streaming else f"-{role}")
+        self.role = role
+        self.text = text
+        self.border_title = ROLE_TITLES.get(role, role)
+        self.border_subtitle = footer
+        self._stream: MarkdownStream | None = None
+
+    def compose(self) -> ComposeResult:
+        if self.role == "user":
+            yield Static(Text(self.text), classes="body")
+        else:
+            yield Markdown(self.text, classes="body")
+
+    async def append(self, fragment: str) -> None:
+        """Streams more answer text in; called from the app's flush timer, never per token."""
+        self.text += fragment
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self.query_one(Markdown))
+        await self._stream.write(fragment)
+
+    async def finish(self, footer: str) -> None:
+        """Ends the stream (flushing what it still holds) and shows the answer's figures under it."""
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.border_subtitle = footer
+        self.remove_class("-streaming")

@@ -1,0 +1,114 @@
+"""The live figures beside the chat: how well speculation works right now, and where it runs."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Label, Sparkline, Static
+
+from swiftspec.config import StepStats
+
+SPARK_STEPS = 60  # recent steps drawn in the latency sparkline
+
+
+def _grid(rows: list[tuple[str, str]]) -> Table:
+    grid = Table.grid(expand=True)
+    grid.add_column(style="dim", no_wrap=True)
+    grid.add_column(justify="right", no_wrap=True)
+    for label, value in rows:
+        grid.add_row(label, value)
+    return grid
+
+
+def _layout_text(info: dict) -> Group:
+    """One line per group (wrapping when there are many ranks), e.g. 'target r0 cuda:0, r1 cuda:1', then
+    the model names, cut to the panel's width."""
+    ranks = Text()
+    for role in ("target", "draft"):
+        members = [r for r in info.get("ranks", []) if r.get("role") == role]
+        if members:
+            where = ", ".join(f"r{r['rank']} {r['device']}" + (f" {r['threads']}t" if r["device"] == "cpu" else "")
+                              for r in members)
+            ranks.append(f"{role:<7}", style=f"bold {'green' if role == 'target' else 'cyan'}")
+            ranks.append(f"{where}\n")
+    models = Text(no_wrap=True, overflow="ellipsis")
+    models.append("model  ", style="dim")
+    models.append(f"{info.get('target', '?')}\n")
+    models.append("draft  ", style="dim")
+    models.append(str(info.get("draft", "?")))
+    ranks.rstrip()
+    return Group(ranks, models)
+
+
+class StatsPanel(VerticalScroll, can_focus=False):
+    """Shows the latest StepStats; the app feeds it from its flush timer, a batch of steps at a time."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "Live stats"
+        self._recent: deque[float] = deque(maxlen=SPARK_STEPS)  # per-token latency of recent steps
+        self._turn_latencies: list[float] = []  # one per token this turn, for the median
+        self._stats = StepStats()
+        self._mode = ""
+        self._d_configured = ""  # d as the workers chose it at start, e.g. "4 auto"
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="figures")
+        yield Sparkline([], id="latency-spark")
+        yield Static(id="steps")
+        yield Label("Layout", classes="section")
+        yield Static(id="layout")
+
+    def on_mount(self) -> None:
+        self._refresh_figures()
+
+    def set_info(self, info: dict) -> None:
+        """Takes EngineInfo as a dict: models, ranks, tree policy."""
+        self._d_configured = f"{info['d']} auto" if info.get("d_auto") else str(info.get("d", ""))
+        self.query_one("#layout", Static).update(_layout_text(info))
+        self._refresh_figures()
+
+    def start_turn(self, mode: str) -> None:
+        self._mode = mode
+        self._turn_latencies = []
+        self._stats = StepStats()
+        self._refresh_figures()
+
+    def add_steps(self, steps: list[tuple[StepStats, int]]) -> None:
+        """Takes the (stats, tokens produced) of the steps since the last refresh."""
+        for stats, tokens in steps:
+            self._stats = stats
+            if tokens:
+                self._recent.append(stats.token_latency_ms)
+                self._turn_latencies.extend([stats.token_latency_ms] * tokens)
+        self.query_one(Sparkline).data = list(self._recent)
+        self._refresh_figures()
+
+    def _refresh_figures(self) -> None:
+        s = self._stats
+        speculative = self._mode != "ar"
+        p50 = statistics.median(self._turn_latencies) if self._turn_latencies else 0.0
+        dash = "–"
+        self.query_one("#figures", Static).update(_grid([
+            ("mode", self._mode or dash),
+            ("acceptance", f"{100 * s.acceptance_rate:.1f} %" if speculative and s.generated else dash),
+            ("mean accepted", f"{s.mean_accepted:.2f}" if speculative and s.generated else dash),
+            ("tokens/s", f"{s.tokens_per_s:.1f}" if s.generated else dash),
+            ("latency now", f"{s.token_latency_ms:.1f} ms" if s.generated else dash),
+            ("latency p50", f"{p50:.1f} ms" if s.generated else dash),
+        ]))
+        d = str(s.d) if s.d else self._d_configured
+        self.query_one("#steps", Static).update(_grid([
+            ("tree size", str(s.tree_size) if speculative and s.generated else dash),
+            ("draft step", f"{s.draft_ms:.1f} ms" if speculative and s.generated else dash),
+            ("target step", f"{s.target_ms:.1f} ms" if s.generated else dash),
+            ("d", d or dash),
+            ("tokens", str(s.generated) if s.generated else dash),
+            ("prefilled", str(s.prefill_tokens) if s.generated else dash),
+        ]))
