@@ -1,0 +1,159 @@
+"""Drafters: what proposes the children of tree leaves, behind one small interface.
+
+A drafter has a ``cache`` (a TreeKVCache; model-free drafters keep bookkeeping only) and three methods:
+
+* ``prefill(tokens, reuse)`` — the committed context is now ``tokens``; its first ``reuse`` tokens were
+  already committed before, so their KV is kept (a model-free drafter compares the context itself);
+* ``extend(tokens)`` — these verified tokens were appended to the committed context;
+* ``propose(expansion, k)`` — for each leaf of the expansion, up to k (token, log-prob) children, most
+  probable first. A model drafter computes the KV of the expansion's rows as a side effect.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from swiftspec.engine.tree import TokenTree
+from swiftspec.engine.tree_cache import TreeKVCache, prefill_forward
+
+
+class VocabMismatch(ValueError):
+    """The draft does not share the target's vocabulary, so its proposals would be garbage."""
+
+
+@dataclass
+class Expansion:
+    """One draft forward: the pending tokens (verified, draft KV not computed yet) then the leaves."""
+
+    tree: TokenTree
+    leaves: list[int]
+    n_prefix: int  # committed tokens whose draft KV exists (slots 0..n_prefix)
+    pending: list[int]
+
+    def paths(self) -> list[list[int]]:
+        """Per leaf, the tokens from the root to the leaf."""
+        return [[self.tree.token[a] for a in self.tree.path_to(leaf)] for leaf in self.leaves]
+
+
+def check_vocab_compatible(target_tokenizer, draft_tokenizer) -> int:
+    """Raises VocabMismatch unless both tokenizers map the same strings to the same ids; returns the
+    shared vocabulary size (model vocabularies may be padded beyond it)."""
+    tv, dv = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if tv != dv:
+        diff = sorted(set(tv.items()) ^ set(dv.items()), key=lambda kv: kv[1])
+        example = ", ".join(f"{tok!r}->{i}" for tok, i in diff[:3])
+        raise VocabMismatch(
+            f"the draft's tokenizer differs from the target's ({len(tv)} vs {len(dv)} tokens, "
+            f"{len(diff)} differing entries, e.g. {example}); a draft model must share the target's "
+            "tokenizer (same family), or use --draft suffix")
+    return len(tv)
+
+
+class ModelDrafter:
+    """A Llama-family draft model with its own evolving tree cache."""
+
+    def __init__(self, model, vocab_size: int | None = None):
+        """vocab_size: the shared vocabulary (see check_vocab_compatible); padded ids beyond it are never
+        proposed."""
+        self.model = model
+        self.cache = TreeKVCache(model)
+        self.vocab_size = vocab_size or model.args.vocab_size
+
+    def prefill(self, tokens: list[int], reuse: int) -> None:
+        prefill_forward(self.model, tokens[reuse:], reuse, logits=False)
+
+    def extend(self, tokens: list[int]) -> None:
+        pass  # the KV of verified tokens is moved by the cache commit
+
+    def propose(self, exp: Expansion, k: int) -> list[list[tuple[int, float]]]:
+        tokens, positions, slots, mask = exp.tree.draft_inputs(exp.leaves, exp.n_prefix, exp.pending)
+        dev = self.model.k_cache.device
+        logits = self.model(tokens.to(dev), positions.to(dev), slots.to(dev), mask.to(dev),
+                            logits_rows=slice(len(exp.pending), None))
+        top = logits[:, :self.vocab_size].log_softmax(-1).topk(k, dim=-1)
+        ids, logps = top.indices.tolist(), top.values.tolist()
+        return [list(zip(i, v, strict=True)) for i, v in zip(ids, logps, strict=True)]
+
+
+class SuffixIndex:
+    """A bounded-depth suffix trie over a token sequence, extended incrementally: for every position and
+    every context length n <= max_order, the n tokens before it map to counts of the token that followed."""
+
+    def __init__(self, max_order: int):
+        self.max_order = max_order
+        self.tokens: list[int] = []
+        self.counts: dict[tuple[int, ...], dict[int, int]] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        ctx = self.tokens
+        for t in tokens:
+            n = len(ctx)
+            for order in range(1, min(self.max_order, n) + 1):
+                counts = self.counts.setdefault(tuple(ctx[n - order:]), {})
+                counts[t] = counts.get(t, 0) + 1
+            ctx.append(t)
+
+    def lookup(self, context: list[int]) -> tuple[dict[int, int], int]:
+        """Counts of the continuations of the longest indexed suffix of context, and its length."""
+        for order in range(min(self.max_order, len(context)), 0, -1):
+            counts = self.counts.get(tuple(context[-order:]))
+            if counts is not None:
+                return counts, order
+        return {}, 0
+
+
+class SuffixDrafter:
+    """Model-free: proposes what followed the current context earlier in the conversation, or in earlier
+    conversations of this session.
+
+    A leaf's context is the committed text plus its root path; its children come from the longest suffix
+    of that context found in the current conversation's index (the prompt and everything generated), or in
+    the session's history index when that match is longer and the conversation's is shorter than two
+    tokens (a model reuses its own phrasing across answers). Lookups cost O(max_order) per leaf.
+    Probabilities are the continuation frequencies times a confidence n / (n + confidence) in the match
+    length n: on SmolLM2's answers a one-token match predicts the next token ~25 % of the time and a
+    twelve-token one ~90 %, so weights stay roughly calibrated and the tree grows deep along confident
+    copies and stays small where the context is ambiguous.
+    """
+
+    def __init__(self, max_order: int = 16, confidence: float = 2.0, history_tokens: int = 200_000):
+        self.max_order = max_order
+        self.confidence = confidence
+        self.history_tokens = history_tokens
+        self.cache = TreeKVCache(None)
+        self.context = SuffixIndex(max_order)
+        self.history = SuffixIndex(max_order)
+
+    def prefill(self, tokens: list[int], reuse: int) -> None:
+        old = self.context.tokens
+        if tokens[:len(old)] != old:  # another conversation, or an edited one: index it afresh
+            if len(self.history.tokens) + len(old) > self.history_tokens:
+                self.history = SuffixIndex(self.max_order)
+            self.history.extend(old)
+            self.context = SuffixIndex(self.max_order)
+        self.context.extend(tokens[len(self.context.tokens):])
+
+    def extend(self, tokens: list[int]) -> None:
+        self.context.extend(tokens)
+
+    def lookup(self, context: list[int]) -> tuple[dict[int, int], int]:
+        counts, order = self.context.lookup(context)
+        if order < 2:
+            older, longer = self.history.lookup(context)
+            if longer > order:
+                return older, longer
+        return counts, order
+
+    def propose(self, exp: Expansion, k: int) -> list[list[tuple[int, float]]]:
+        tail = self.context.tokens[-self.max_order:]
+        out = []
+        for path in exp.paths():
+            counts, order = self.lookup(tail + path)
+            if not counts:
+                out.append([])
+                continue
+            scale = order / (order + self.confidence) / sum(counts.values())
+            best = sorted(counts.items(), key=lambda kv: -kv[1])[:k]
+            out.append([(t, math.log(c * scale)) for t, c in best])
+        return out

@@ -1,0 +1,166 @@
+"""The draft's token tree and the attention inputs built from it (DESIGN.md section 1).
+
+A node carries its token, its parent, its depth below the root, ``value`` = log p_draft(token | ancestors)
+and ``weight`` = the sum of values from the root, so a node's weight never exceeds its parent's. A node's
+draft KV exists once it has been *expanded* (fed to the draft, which proposed its children); its cache
+slot is then ``slot[i] >= 0``. Leaves are the nodes not expanded yet; expansion takes the w leaves of
+highest weight. Node ids are creation order, so a parent's id is always below its children's.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+from torch import Tensor
+
+
+class TokenTree:
+    def __init__(self, root: int):
+        self.token = [root]
+        self.parent = [-1]
+        self.depth = [0]
+        self.value = [0.0]
+        self.weight = [0.0]
+        self.slot = [-1]
+        self.children: list[dict[int, int]] = [{}]  # token -> node id
+        self.leaves = {0}  # nodes not expanded yet
+
+    @property
+    def size(self) -> int:
+        return len(self.token)
+
+    @property
+    def root(self) -> int:
+        return self.token[0]
+
+    def add(self, parent: int, token: int, logp: float) -> int:
+        i = len(self.token)
+        self.token.append(token)
+        self.parent.append(parent)
+        self.depth.append(self.depth[parent] + 1)
+        self.value.append(logp)
+        self.weight.append(self.weight[parent] + logp)
+        self.slot.append(-1)
+        self.children.append({})
+        self.children[parent][token] = i
+        self.leaves.add(i)
+        return i
+
+    def best_leaves(self, w: int) -> list[int]:
+        """The w leaves of highest weight (ties: the older node), in that order."""
+        return heapq.nlargest(w, self.leaves, key=lambda i: (self.weight[i], -i))
+
+    def expand(self, leaves: list[int], proposals: list[list[tuple[int, float]]]) -> None:
+        """Marks leaves expanded (their slots are set by the caller) and adds their proposed children."""
+        for leaf, props in zip(leaves, proposals, strict=True):
+            self.leaves.discard(leaf)
+            for token, logp in props:
+                if token not in self.children[leaf] and logp > float("-inf"):
+                    self.add(leaf, token, logp)
+
+    def path_to(self, i: int) -> list[int]:
+        """Node ids from the root down to i."""
+        path = []
+        while i >= 0:
+            path.append(i)
+            i = self.parent[i]
+        return path[::-1]
+
+    def subtree(self, bs: int) -> list[int]:
+        """The most probable connected subtree of at most bs nodes containing the root, best first.
+
+        Best-first search from the root: since weights only decrease downwards, the bs nodes it pops are
+        the bs heaviest nodes of the tree, and every parent comes before its children (and siblings in
+        decreasing draft probability, which is the order verification tries them in).
+        """
+        out, heap = [], [(-0.0, 0)]
+        while heap and len(out) < bs:
+            _, i = heapq.heappop(heap)
+            out.append(i)
+            for c in self.children[i].values():
+                heapq.heappush(heap, (-self.weight[c], c))
+        return out
+
+    def walk(self, tokens: list[int]) -> list[int]:
+        """Node ids reached from the root along ``tokens`` (root first); stops where a token is absent."""
+        nodes = [0]
+        for t in tokens:
+            nxt = self.children[nodes[-1]].get(t)
+            if nxt is None:
+                break
+            nodes.append(nxt)
+        return nodes
+
+    def reroot(self, new_root: int) -> tuple[TokenTree, list[int]]:
+        """The subtree under node ``new_root`` as a new tree (weights re-based at 0, ids renumbered in
+        creation order), and the old ids of its nodes in new-id order."""
+        keep = [new_root]
+        for i in keep:  # breadth-first; grows while iterating
+            keep.extend(self.children[i].values())
+        keep.sort()
+        new_id = {old: j for j, old in enumerate(keep)}
+        t = TokenTree.__new__(TokenTree)
+        base_w, base_d = self.weight[new_root], self.depth[new_root]
+        t.token = [self.token[i] for i in keep]
+        t.parent = [-1] + [new_id[self.parent[i]] for i in keep[1:]]
+        t.depth = [self.depth[i] - base_d for i in keep]
+        t.value = [0.0] + [self.value[i] for i in keep[1:]]
+        t.weight = [self.weight[i] - base_w for i in keep]
+        t.slot = [self.slot[i] for i in keep]
+        t.children = [{tok: new_id[c] for tok, c in self.children[i].items()} for i in keep]
+        t.leaves = {new_id[i] for i in keep if i in self.leaves}
+        return t, keep
+
+    def draft_inputs(self, leaves: list[int], n_prefix: int, pending: list[int]
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Inputs of one draft forward: the pending tokens (verified, no draft KV yet; they go to slots
+        ``n_prefix..``) then the leaves, which must already have their slots. Non-square mask: each leaf
+        sees the whole prefix (pending included) and the slots of its ancestors and itself.
+
+        Returns tokens, positions, slots, mask [len(pending) + len(leaves), kv_len].
+        """
+        n_p = len(pending)
+        base = n_prefix + n_p
+        kv_len = max([base] + [self.slot[i] + 1 for i in leaves])
+        mask = torch.zeros(n_p + len(leaves), kv_len, dtype=torch.bool)
+        if n_p:
+            mask[:n_p, :base] = torch.ones(n_p, base, dtype=torch.bool).tril(n_prefix)
+        mask[n_p:, :base] = True
+        rows, cols = [], []
+        for r, leaf in enumerate(leaves):
+            for a in self.path_to(leaf):
+                rows.append(n_p + r)
+                cols.append(self.slot[a])
+        mask[rows, cols] = True
+        tokens = pending + [self.token[i] for i in leaves]
+        positions = list(range(n_prefix, base)) + [base + self.depth[i] for i in leaves]
+        slots = list(range(n_prefix, base)) + [self.slot[i] for i in leaves]
+        as_t = lambda x: torch.tensor(x, dtype=torch.long)
+        return as_t(tokens), as_t(positions), as_t(slots), mask
+
+
+def tree_mask(parents: list[int]) -> Tensor:
+    """[n, n] bool: node i attends to its ancestors and itself (parents[i] < i, parents[0] == -1)."""
+    n = len(parents)
+    m = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        m[i] |= m[parents[i]]
+    return m
+
+
+def depths(parents: list[int]) -> list[int]:
+    d = [0] * len(parents)
+    for i in range(1, len(parents)):
+        d[i] = d[parents[i]] + 1
+    return d
+
+
+def target_inputs(parents: list[int], n_prefix: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Positions, slots and mask of a target verification: the n tree nodes go to slots
+    ``n_prefix..n_prefix+n`` in order; the mask is full over the prefix and the tree mask over the nodes."""
+    n = len(parents)
+    positions = n_prefix + torch.tensor(depths(parents), dtype=torch.long)
+    slots = torch.arange(n_prefix, n_prefix + n)
+    mask = torch.cat([torch.ones(n, n_prefix, dtype=torch.bool), tree_mask(parents)], dim=1)
+    return positions, slots, mask

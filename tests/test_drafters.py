@@ -1,0 +1,115 @@
+"""Drafters: the suffix index against brute-force scans, the model drafter's proposals against a
+from-scratch forward, and the vocabulary check."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import make_tokenizer, single_thread, tiny_model_dir
+
+from swiftspec.config import TreeParams
+from swiftspec.engine.decode import DraftState
+from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter, VocabMismatch, check_vocab_compatible
+from swiftspec.engine.loader import load_model
+from swiftspec.engine.tree_cache import causal_mask
+
+tokens_st = st.lists(st.integers(0, 3), max_size=60)  # a small alphabet makes repeats likely
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+def brute_lookup(corpus: list[int], context: list[int], max_order: int) -> tuple[dict[int, int], int]:
+    for order in range(min(max_order, len(context)), 0, -1):
+        key = context[-order:]
+        counts: dict[int, int] = {}
+        for j in range(len(corpus) - order):
+            if corpus[j:j + order] == key:
+                counts[corpus[j + order]] = counts.get(corpus[j + order], 0) + 1
+        if counts:
+            return counts, order
+    return {}, 0
+
+
+@given(tokens_st, tokens_st, st.lists(st.integers(0, 3), min_size=1, max_size=8), st.integers(1, 6))
+@settings(max_examples=200, deadline=None)
+def test_suffix_lookup_matches_brute_force(first, more, context, max_order):
+    sd = SuffixDrafter(max_order=max_order)
+    sd.prefill(first, 0)
+    sd.extend(more)  # incremental indexing
+    corpus = first + more
+    assert sd.lookup(context) == brute_lookup(corpus, context, max_order)
+    assert sd.lookup(corpus + context) == brute_lookup(corpus, corpus + context, max_order)
+    assert sd.context.tokens == corpus
+
+
+@given(tokens_st, tokens_st, st.integers(0, 60))
+@settings(max_examples=100, deadline=None)
+def test_suffix_prefill_extends_or_reindexes(old, new, keep):
+    """A prompt that extends the context is indexed incrementally; any other starts a new context index
+    and moves the old one into the session history."""
+    sd = SuffixDrafter(max_order=4)
+    sd.prefill(old, 0)
+    new = old[:min(keep, len(old))] + new
+    sd.prefill(new, 0)
+    fresh = SuffixDrafter(max_order=4)
+    fresh.prefill(new, 0)
+    assert sd.context.tokens == new and sd.context.counts == fresh.context.counts
+    assert sd.history.tokens == ([] if new[:len(old)] == old else old)
+
+
+def test_suffix_history_serves_short_matches():
+    sd = SuffixDrafter(max_order=4)
+    sd.prefill([1, 2, 3, 4, 5], 0)
+    sd.prefill([9, 9, 2, 3], 0)  # a new conversation: the first one becomes history
+    assert sd.lookup([9, 2, 3]) == ({4: 1}, 2)  # only the history knows "2 3"
+    sd.extend([7, 9, 9])
+    assert sd.lookup([5, 9, 9]) == ({2: 1}, 2)  # the conversation's own match of length 2 wins
+
+
+def test_suffix_drafter_proposes_frequent_continuations_first():
+    state = DraftState(SuffixDrafter(), TreeParams(bs=4, w=2))
+    state.prefill([5, 6, 7, 1, 5, 6, 8, 2, 5, 6, 8, 3, 9])
+    state.start(5)
+    state.expand()  # root 5 after ...9: context [.., 9, 5] -> longest match "5" -> 6 (x3)
+    state.expand()  # "5 6" -> 8 (x2), 7 (x1)
+    tokens, parents = state.subtree()
+    assert tokens == [5, 6, 8, 7] and parents == [-1, 0, 1, 1]
+    assert state.tree.value[2] > state.tree.value[3] and max(state.tree.value) <= 0
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    path = tiny_model_dir(seed=2)
+    return load_model(path, max_slots=256), load_model(path, max_slots=256)
+
+
+def test_model_drafter_proposals_are_the_draft_top_k(tiny_pair):
+    model, ref = tiny_pair
+    state = DraftState(ModelDrafter(model), TreeParams(bs=4, w=3))
+    prompt = [7, 100, 42, 9, 300]
+    state.prefill(prompt)
+    state.start(11)
+    for _ in range(3):
+        state.expand()
+    tree = state.tree
+    expanded = [i for i in range(tree.size) if tree.slot[i] >= 0]
+    assert len(expanded) == 1 + 3 + 3
+    for i in expanded:
+        ctx = prompt + [tree.token[a] for a in tree.path_to(i)]
+        pos = torch.arange(len(ctx))
+        logp = ref(torch.tensor(ctx), pos, pos, causal_mask(0, len(ctx)), logits_rows=slice(-1, None))[0]
+        top = logp.log_softmax(-1).topk(state.k)
+        kids = sorted(tree.children[i].values(), key=lambda c: -tree.value[c])
+        assert [tree.token[c] for c in kids] == top.indices.tolist()
+        torch.testing.assert_close(torch.tensor([tree.value[c] for c in kids]), top.values, atol=1e-4, rtol=0)
+
+
+def test_vocab_check():
+    a, b = make_tokenizer(512), make_tokenizer(512)
+    assert check_vocab_compatible(a, b) == 512
+    with pytest.raises(VocabMismatch, match="tokenizer differs"):
+        check_vocab_compatible(a, make_tokenizer(400))

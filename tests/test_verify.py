@@ -1,0 +1,143 @@
+"""Verification: greedy against a brute-force walk; sampling is lossless (chi-square against the target's
+distribution on synthetic targets, for chains and for trees with siblings); the Sampler's distribution
+equals transformers' logits processors."""
+
+import functools
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swiftspec.config import SamplingParams
+from swiftspec.engine.sampling import Sampler
+from swiftspec.engine.verify import verify_greedy, verify_sampling
+
+V = 5  # synthetic vocabulary
+
+
+@given(st.data())
+@settings(max_examples=200, deadline=None)
+def test_greedy_follows_the_argmax_path(data):
+    n = data.draw(st.integers(1, 12))
+    parents = [-1] + [data.draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = [0] * n
+    for i in range(1, n):  # distinct tokens among siblings, as in the draft tree
+        used = {tokens[j] for j in range(1, i) if parents[j] == parents[i]}
+        tokens[i] = data.draw(st.integers(0, V - 1).filter(lambda t, used=used: t not in used))
+    logits = torch.tensor(data.draw(st.lists(st.lists(st.floats(-5, 5), min_size=V, max_size=V),
+                                             min_size=n, max_size=n)))
+    path, bonus = verify_greedy(logits, tokens, parents)
+    u, want = 0, []
+    while True:  # brute force: the child carrying the argmax, if any
+        best = int(logits[u].argmax())
+        match = [c for c in range(n) if parents[c] == u and tokens[c] == best]
+        if not match:
+            break
+        u = match[0]
+        want.append(u)
+    assert path == want and bonus == int(logits[u].argmax())
+
+
+@functools.cache
+def synthetic_logits(context: tuple[int, ...], sharp: float) -> torch.Tensor:
+    """A fixed, context-dependent target distribution over V tokens (some nearly zero)."""
+    g = torch.Generator().manual_seed(hash(context) % (2**31))
+    return torch.randn(V, generator=g) * sharp
+
+
+def chi_square_p(observed: torch.Tensor, expected_p: torch.Tensor) -> float:
+    """p-value of Pearson's chi-square test. Cells of zero expected mass must be empty; cells expecting
+    fewer than 5 counts are pooled into one, as the test's approximation requires."""
+    n = observed.sum()
+    live = expected_p > 0
+    assert observed[~live].sum() == 0, "a token of zero target probability was emitted"
+    exp, obs = expected_p[live] * n, observed[live]
+    small = exp < 5
+    exp = torch.cat([exp[~small], exp[small].sum(0, keepdim=True)])
+    obs = torch.cat([obs[~small], obs[small].sum(0, keepdim=True)])
+    stat = ((obs - exp) ** 2 / exp.clamp_min(1e-12)).sum()
+    df = len(exp) - 1 - int(not small.any())
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2.0))
+
+
+TREES = {  # (parents, tokens): the root's token is irrelevant, the others are draft candidates
+    "chain": ([-1, 0, 1, 2], [0, 1, 3, 2]),
+    "siblings": ([-1, 0, 0, 0, 0], [0, 2, 0, 4, 1]),
+    "tree": ([-1, 0, 0, 1, 1, 2, 3], [0, 3, 1, 0, 4, 2, 1]),
+    "all-children": ([-1, 0, 0, 0, 0, 0], [0, 0, 1, 2, 3, 4]),
+}
+PARAMS = {
+    "plain": SamplingParams(temperature=1.0),
+    "processed": SamplingParams(temperature=0.7, top_k=3, top_p=0.8),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(TREES))
+@pytest.mark.parametrize("setting", sorted(PARAMS))
+def test_sampling_is_lossless(shape, setting):
+    """The first two emitted tokens are distributed as p(x1) p(x2 | x1) under the processed target
+    distribution. When a verification emits one token, the second comes from the next step's draw."""
+    parents, tokens = TREES[shape]
+    params = SamplingParams(**{**PARAMS[setting].to_dict(), "seed": 1234})
+    sampler = Sampler(params)
+    contexts = [()]
+    for i in range(1, len(parents)):
+        contexts.append(contexts[parents[i]] + (tokens[i],))
+    logits = torch.stack([synthetic_logits(c, 2.0) for c in contexts])
+    n_trials = 6000
+    counts = torch.zeros(V * V)
+    accepted = 0
+    for _ in range(n_trials):
+        path, bonus = verify_sampling(logits, tokens, parents, sampler)
+        out = [tokens[i] for i in path] + [bonus]
+        accepted += len(path)
+        if len(out) == 1:
+            out.append(sampler.draw(sampler.probs(synthetic_logits((out[0],), 2.0))))
+        counts[out[0] * V + out[1]] += 1
+    p1 = sampler.probs(synthetic_logits((), 2.0))
+    expected = torch.stack([p1[a] * sampler.probs(synthetic_logits((a,), 2.0)) for a in range(V)]).flatten()
+    assert chi_square_p(counts, expected) > 1e-3
+    assert accepted > 0.2 * n_trials  # the draft tokens were really used
+
+
+def test_sampling_chain_depth_marginals():
+    """Deeper along a chain: the third emitted token's joint law with the first two, chi-square too."""
+    parents, tokens = [-1, 0, 1, 2], [0, 1, 3, 2]
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=7))
+    contexts = [(), (1,), (1, 3), (1, 3, 2)]
+    logits = torch.stack([synthetic_logits(c, 1.0) for c in contexts])
+    counts = torch.zeros(V ** 3)
+    for _ in range(8000):
+        path, bonus = verify_sampling(logits, tokens, parents, sampler)
+        out = [tokens[i] for i in path] + [bonus]
+        while len(out) < 3:
+            out.append(sampler.draw(sampler.probs(synthetic_logits(tuple(out), 1.0))))
+        counts[out[0] * V * V + out[1] * V + out[2]] += 1
+    expected = torch.tensor([
+        float(sampler.probs(synthetic_logits((), 1.0))[a] * sampler.probs(synthetic_logits((a,), 1.0))[b]
+              * sampler.probs(synthetic_logits((a, b), 1.0))[c])
+        for a, b, c in itertools.product(range(V), repeat=3)])
+    assert chi_square_p(counts, expected) > 1e-3
+
+
+def test_sampler_matches_transformers_processors():
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 3
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.6, 20, 1.0), (1.3, 0, 0.85), (0.8, 50, 0.7)]:
+        ours = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)).probs(logits)
+        x = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_k:
+            x = TopKLogitsWarper(top_k)(None, x)
+        if top_p < 1:
+            x = TopPLogitsWarper(top_p)(None, x)
+        torch.testing.assert_close(ours, torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
+
+
+def test_seeded_sampler_is_reproducible():
+    logits = torch.randn(100)
+    a, b = (Sampler(SamplingParams(temperature=1.0, seed=5)) for _ in range(2))
+    assert [a.sample(logits) for _ in range(20)] == [b.sample(logits) for _ in range(20)]
+    assert Sampler(SamplingParams()).sample(logits) == int(logits.argmax())

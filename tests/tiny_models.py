@@ -1,0 +1,126 @@
+"""Tiny random Hugging Face checkpoints for tests, with a real (small, fast) tokenizer.
+
+``make_tiny_model(dir, ...)`` writes a LlamaForCausalLM or Qwen2ForCausalLM with random weights
+(safetensors, config.json) and a byte-level BPE tokenizer of exactly ``vocab`` tokens with a ChatML chat
+template, so the directory loads through ``swiftspec.engine.loader`` like a real model.
+
+Greedy robustness: batched forwards (a verified tree, a prefill chunk) differ from one-token forwards by
+~1e-6 relative in fp32, so a greedy choice whose top-2 logit gap is that small can flip between ``ar`` and
+tree decoding. Random models at the default init have flat logits (gaps often that small), so weights
+are drawn with a large ``init_range`` and the lm_head is scaled by ``logit_scale``: top-1 gaps are then
+typically whole units and the greedy output is the same on every path. Random weights also make the
+models peaked and repetitive, which is what speculative decoding tests want.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import shutil
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2; <|im_end|> is EOS
+EOS_ID = 2
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = """\
+Speculative decoding lets a small draft model propose several tokens which the large target model then
+checks in a single forward pass. Every token the target would have produced itself is kept, so the output
+is exactly the target's, while the target reads its weights once for many tokens. The draft keeps a tree of
+candidate continuations rooted at the last verified token; each node stores the log probability of its
+token and the sum of those values from the root. The target verifies the most probable connected subtree.
+def fibonacci(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+Question: what is 17 times 23? Answer: 17 times 23 is 391. The quick brown fox jumps over the lazy dog.
+Summaries should be short, factual and written in plain language; the reader wants the main points first.
+{"name": "SwiftSpec", "tokens": [1, 2, 3], "ok": true} -- 0123456789 !? () [] {} <> = + - * / % & | ^ ~
+"""
+
+
+@cache
+def _tokenizer_json(vocab: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    # Small corpora yield fewer merges than asked: fill up with plain tokens so len(tokenizer) == vocab.
+    tok.add_tokens([f"<extra_{i}>" for i in range(vocab - tok.get_vocab_size())])
+    return tok.to_str()
+
+
+def make_tokenizer(vocab: int = 512):
+    """A PreTrainedTokenizerFast of exactly ``vocab`` tokens (vocab >= 300) with a ChatML template."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab)),
+                                  bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>")
+    tok.chat_template = CHAT_TEMPLATE
+    assert len(tok) == vocab
+    return tok
+
+
+def make_tiny_model(dir: str | Path, arch: str = "llama", vocab: int = 512, layers: int = 2,
+                    hidden: int = 64, heads: int = 4, kv_heads: int = 2, seed: int = 0,
+                    init_range: float = 0.2, logit_scale: float = 4.0, tie: bool = False) -> Path:
+    """Writes a random ``arch`` ("llama" | "qwen2") model and its tokenizer to dir; returns the path.
+
+    Same ``vocab`` means the same tokenizer, so any two tiny models of one vocab form a valid
+    target/draft pair. Qwen2 gets random (non-zero) q/k/v biases so that the bias path is exercised.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                          "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    cfg = cfg_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=4096, initializer_range=init_range, tie_word_embeddings=tie,
+                  bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():
+        if not tie:
+            model.lm_head.weight.mul_(logit_scale)
+        if arch == "qwen2":
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    torch.nn.init.normal_(proj.bias, std=init_range)
+    path = Path(dir)
+    model.save_pretrained(path)
+    make_tokenizer(vocab).save_pretrained(path)
+    return path
+
+
+@cache
+def tiny_model_dir(**kwargs) -> Path:
+    """``make_tiny_model(**kwargs)`` written once per test process into a temporary directory (removed
+    at exit), so several test modules can share one checkpoint."""
+    path = tempfile.mkdtemp(prefix="swiftspec-tiny-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return make_tiny_model(path, **kwargs)
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Tiny models run far faster on one thread: OpenMP fork/join costs more than their math, and a
+    shared, oversubscribed machine makes a second thread worse still."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
