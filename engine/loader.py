@@ -128,7 +128,7 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str =
         model.output.weight = model.tok_embeddings.weight
     model = model.to(device=device, dtype=torch_dtype)
     if device.type == "cpu":
-        model.use_column_major_weights()
+        model.pack_cpu_linears()
     model.eval()
     model.setup_cache(max_slots)
     return model
