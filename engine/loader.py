@@ -108,8 +108,13 @@ def default_dtype(device: torch.device, dtype: str = "auto") -> torch.dtype:
 
 
 def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str = "auto",
-               max_slots: int = 4096, tp_group=None, tp_rank: int = 0, tp_world: int = 1) -> Transformer:
-    """Builds our Transformer from a Hugging Face directory, sharded for tensor parallelism if asked."""
+               max_slots: int = 4096, tp_group=None, tp_rank: int = 0, tp_world: int = 1,
+               int8: bool = False) -> Transformer:
+    """Builds our Transformer from a Hugging Face directory, sharded for tensor parallelism if asked.
+
+    ``int8``: dynamic int8 linears (FBGEMM, CPU only), for a fast approximate copy of a model that
+    serves as a draft: its proposals are verified, so the approximation never reaches the output.
+    """
     from swiftspec.engine import tp
 
     device = torch.device(device)
@@ -127,11 +132,27 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str =
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model = model.to(device=device, dtype=torch_dtype)
-    if device.type == "cpu":
+    if int8:
+        if device.type != "cpu" or torch_dtype != torch.float32:
+            raise LoadError("the int8 draft is a CPU (fp32) feature; on GPUs pass a draft model path")
+        quantize_int8(model)
+    elif device.type == "cpu":
         model.pack_cpu_linears()
     model.eval()
     model.setup_cache(max_slots)
     return model
+
+
+def quantize_int8(model: Transformer) -> None:
+    """Dynamic int8 weights for every linear (the lm_head too: 11 ms -> 2.7 ms per step on SmolLM2)."""
+    import warnings
+
+    from torch import nn
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's deprecation notice; the FBGEMM kernels are what we want
+        quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
 def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):

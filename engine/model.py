@@ -234,7 +234,7 @@ class Transformer(nn.Module):
     def setup_cache(self, max_slots: int) -> None:
         """Allocates the static cache once (its contents are managed by the caller through slots) and
         the RoPE frequencies (fp32, on the weights' device)."""
-        p = self.output.weight
+        p = self.tok_embeddings.weight
         self.inv_freq = rope_inv_freq(self.args).to(p.device)
         nkv = self.layers[0].attention.n_kv_heads
         shape = (self.args.n_layers, nkv, max_slots, self.args.head_dim)
@@ -244,7 +244,7 @@ class Transformer(nn.Module):
     def pack_cpu_linears(self, rows: int = 8) -> None:
         """Replaces every linear by a PackedLinear (fp32 CPU only): cheap multi-row verification. The
         tied lm_head gets its own copy, so the embedding lookup keeps reading contiguous rows."""
-        if not torch.backends.mkl.is_available() or self.output.weight.dtype != torch.float32:
+        if not torch.backends.mkl.is_available() or self.tok_embeddings.weight.dtype != torch.float32:
             return
         for mod in list(self.modules()):
             for name, child in list(mod.named_children()):
@@ -275,7 +275,7 @@ class Transformer(nn.Module):
         assert self.k_cache is not None, "call setup_cache() first"
         freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None]
         emb = torch.cat((freqs, freqs), dim=-1)
-        dtype = self.output.weight.dtype
+        dtype = self.tok_embeddings.weight.dtype
         cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
         x = self.tok_embeddings(tokens)
         residual = None
