@@ -1,0 +1,368 @@
+"""The in-process Engine: starts the torchrun worker group, talks to its leader, streams answers.
+
+    with Engine.start(EngineConfig()) as engine:
+        for event in engine.generate([{"role": "user", "content": "Hi"}], SamplingParams(mode="async")):
+            print(event.text, end="")
+
+The workers run in their own process groups (see ``launcher``); whatever happens to them, the Engine
+raises EngineError with the tail of their output, and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import re
+import socket
+import subprocess
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from swiftspec.config import EngineConfig, SamplingParams, StepEvent, StepStats
+from swiftspec.engine import launcher, protocol
+from swiftspec.engine.protocol import EngineInfo
+
+POLL_S = 0.25  # how often a blocked receive looks at the worker processes
+CLOSE_GRACE_S = 1.0  # for a clean exit after "shutdown", before signals
+
+
+class EngineError(RuntimeError):
+    """The engine cannot do what was asked: its workers failed, or the request is impossible."""
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation through the tokenizer's chat template, ready for the answer
+    (``add_generation_prompt=True``). A tokenizer without a template gets plain "role: content" lines."""
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise EngineError("messages must be a list of {'role': str, 'content': str} dicts")
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    return list(tokenizer(text)["input_ids"])
+
+
+def _event(data: dict) -> StepEvent:
+    return StepEvent(token_ids=list(data["token_ids"]), text=data["text"], stats=StepStats(**data["stats"]),
+                     finished=bool(data["finished"]), finish_reason=data["finish_reason"])
+
+
+class _Tail:
+    """Keeps the last lines the workers wrote (stdout and stderr together), read by a thread."""
+
+    def __init__(self, stream):
+        self.lines: deque[str] = deque(maxlen=400)
+        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True, name="worker-output")
+        self.thread.start()
+
+    def _read(self, stream) -> None:
+        for raw in iter(stream.readline, b""):
+            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+        stream.close()
+
+    def text(self, n: int = 40, wait_s: float = 0.0) -> str:
+        """The last ``n`` lines, after waiting up to ``wait_s`` for the stream to end (the workers' last
+        words usually come right after a failure is noticed)."""
+        self.thread.join(wait_s)
+        return "\n".join(list(self.lines)[-n:])
+
+    def headline(self) -> str | None:
+        """The last exception line, e.g. ``LoadError: ...``, to put first in an error message."""
+        for line in reversed(self.lines):
+            m = re.search(r"\b(\w+(Error|Exception|Interrupt)): (.+)", line)
+            if m and "ChildFailedError" not in m.group(1):
+                return f"{m.group(1)}: {m.group(3)}"
+        return None
+
+
+_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for engine in list(_live_engines):
+        engine.close()
+
+
+class Engine:
+    """A running worker group. Use ``Engine.start``; one answer at a time; ``close()`` (or ``with``) ends
+    every worker process.
+
+    ``info`` (EngineInfo): model names, every rank's role / device / TP position / threads / pid, d and
+    the profiled step times it came from, bs, w, context length, backend. ``tokenizer``: the target's.
+    """
+
+    def __init__(self, config: EngineConfig, proc: subprocess.Popen, conn: protocol.Connection, tail: _Tail,
+                 pgids: set[int], info: EngineInfo, tokenizer):
+        self.config, self.info, self.tokenizer = config, info, tokenizer
+        self._proc, self._conn, self._tail, self._pgids = proc, conn, tail, pgids
+        self._ids = itertools.count(1)
+        self._current: int | None = None  # the request whose events are still to be read
+        self._closed = False
+        self._dead: str | None = None
+        _live_engines.add(self)
+        threading.Thread(target=self._watch, daemon=True, name="engine-watch").start()
+
+    # ------------------------------------------------------------------------------------ start-up
+    @classmethod
+    def start(cls, config: EngineConfig | None = None,
+              progress: Callable[[str], None] | None = None) -> Engine:
+        """Resolves (and converts, once) the models here, then starts the workers and waits until they
+        are loaded and profiled. ``progress`` receives one line per loading stage.
+
+        Raises ConfigError / LoadError / VocabMismatch for bad settings, model paths or a draft with
+        another vocabulary (before any process starts), EngineError if the workers fail.
+        """
+        import torch
+
+        from swiftspec.engine.drafters import check_vocab_compatible
+        from swiftspec.engine.loader import load_tokenizer, resolve_model_dir
+
+        config = (config or EngineConfig()).validate()
+        say = progress or (lambda _text: None)
+        say("resolving the models")
+        target_dir = resolve_model_dir(config.target)
+        draft = "suffix" if config.draft == "suffix" else str(resolve_model_dir(config.draft))
+        if config.target is None:
+            from swiftspec.embedded import EMBEDDED_NAME
+            target_name = EMBEDDED_NAME
+        else:
+            target_name = Path(config.target).name
+        tokenizer = load_tokenizer(target_dir, config.trust_remote_code)
+        if draft != "suffix":  # a clear error now rather than garbage proposals later
+            check_vocab_compatible(tokenizer, load_tokenizer(Path(draft), config.trust_remote_code))
+        n_gpus = torch.cuda.device_count() if config.device != "cpu" and torch.cuda.is_available() else 0
+        layout = launcher.plan_layout(config, n_gpus)
+        worker = launcher.worker_args(config, layout, target_dir, draft) + ["--target-name", target_name]
+        cmd = launcher.build_command(worker, layout.world)
+        listener = socket.create_server(("127.0.0.1", 0))
+        key = protocol.new_key()
+        addr = f"127.0.0.1:{listener.getsockname()[1]}"
+        where = "GPU" if layout.cuda else "CPU"
+        say(f"starting {layout.world} worker processes on {where} ({layout.n_target} target, "
+            f"{layout.n_draft} draft)")
+        proc = launcher.spawn(cmd, {protocol.ENV_ADDR: addr, protocol.ENV_KEY: key})
+        tail = _Tail(proc.stdout)
+        pgids = {proc.pid}
+        conn = None
+        try:
+            deadline = time.monotonic() + config.startup_timeout_s
+            conn = _accept_worker(listener, key, proc, tail, deadline)
+            info = _wait_ready(conn, proc, tail, deadline, pgids, say)
+        except BaseException as e:
+            launcher.kill_groups(pgids)
+            proc.wait()
+            if conn is not None:
+                conn.close()
+            if isinstance(e, EngineError) or not isinstance(e, Exception):
+                raise
+            raise EngineError(f"the engine failed to start: {e}") from e
+        finally:
+            listener.close()
+        say(f"ready: d={info.d}, context {info.context_length} tokens")
+        return cls(config, proc, conn, tail, pgids, info, tokenizer)
+
+    # ------------------------------------------------------------------------------------- answers
+    def generate(self, messages: list[dict], params: SamplingParams | None = None) -> Iterator[StepEvent]:
+        """Streams the answer to ``messages`` (chat format) as StepEvents; the last has finished=True.
+
+        Ctrl-C while waiting cancels the answer (the KeyboardInterrupt is re-raised once the workers have
+        stopped), and abandoning the iterator cancels it too; either way the engine stays usable.
+        """
+        params = (params or SamplingParams()).validate()
+        ids = encode_chat(self.tokenizer, messages)
+        if len(ids) >= self.info.context_length:
+            raise EngineError(f"the conversation is {len(ids)} tokens, but the context length is "
+                              f"{self.info.context_length}: shorten it or raise max_seq_len")
+        return self._stream(ids, params)
+
+    def _stream(self, ids: list[int], params: SamplingParams) -> Iterator[StepEvent]:
+        self._check_alive()
+        self._finish_pending()
+        rid = next(self._ids)
+        self._current = rid
+        self._send("generate", id=rid, token_ids=ids, params=params.to_dict())
+        try:
+            while True:
+                if self._current != rid:
+                    raise EngineError("this answer was abandoned for a newer generate() call")
+                event = self._next_event(rid)
+                if event.finished:
+                    self._current = None
+                yield event
+                if event.finished:
+                    return
+        except KeyboardInterrupt:
+            self.cancel()
+            self._finish_pending()
+            raise
+        finally:
+            if self._current == rid and self._dead is None:  # abandoned: stop the workers' loop
+                self.cancel()
+                self._finish_pending()
+
+    def cancel(self) -> None:
+        """Stops the current answer at the next step (thread-safe; its last event says "cancelled")."""
+        rid = self._current
+        if rid is not None and self._dead is None:
+            try:
+                self._conn.send("cancel", id=rid)
+            except OSError:
+                pass
+
+    def _finish_pending(self) -> None:
+        """Reads away the rest of a cancelled or abandoned answer."""
+        rid = self._current
+        if rid is None:
+            return
+        self.cancel()
+        while not self._next_event(rid).finished:
+            pass
+        self._current = None
+
+    def _next_event(self, rid: int) -> StepEvent:
+        while True:
+            try:
+                msg = self._conn.recv(POLL_S)
+            except (OSError, protocol.ProtocolError) as e:
+                self._fail(f"lost the connection to the workers ({e})")
+            if msg is None:
+                self._check_alive()
+                continue
+            if msg["type"] == "event" and msg.get("id") == rid:
+                return _event(msg["event"])
+            if msg["type"] == "error":
+                if msg.get("fatal", True):
+                    self._fail(f"a worker failed: {msg.get('message')}")
+                if msg.get("id") == rid:
+                    self._current = None
+                    raise EngineError(str(msg.get("message")))
+
+    def _send(self, type_: str, **fields) -> None:
+        try:
+            self._conn.send(type_, **fields)
+        except OSError as e:
+            self._fail(f"lost the connection to the workers ({e})")
+
+    # --------------------------------------------------------------------------------- failures, end
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise EngineError("the engine is closed")
+        if self._dead is not None or self._proc.poll() is not None:
+            self._fail(self._dead or f"the workers exited (torchrun exit code {self._proc.returncode})")
+
+    def _fail(self, why: str):
+        """Ends the whole group and raises EngineError with the workers' last output."""
+        self._dead = self._dead or why
+        self._current = None
+        self._end_processes(grace_s=1.0)
+        tail = self._tail.text(wait_s=1.0)
+        head = self._tail.headline()
+        msg = why if head is None or head in why else f"{why}\n{head}"
+        raise EngineError(f"{msg}\n--- last lines of the workers' output ---\n{tail}")
+
+    def _watch(self) -> None:
+        """When torchrun exits (a worker died and it tore the rest down, or it was killed), makes sure no
+        worker outlives it, even while no answer is being read."""
+        code = self._proc.wait()
+        if not self._closed and self._dead is None:
+            self._dead = f"the workers exited (torchrun exit code {code})"
+        launcher.kill_groups(self._pgids, grace_s=1.0)
+
+    def _end_processes(self, grace_s: float) -> None:
+        launcher.kill_groups(self._pgids, grace_s=grace_s)
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._conn.close()
+
+    def close(self) -> None:
+        """Asks the workers to exit, then ends every process of the group (SIGTERM, then SIGKILL)."""
+        if self._closed:
+            return
+        self._closed = True
+        _live_engines.discard(self)
+        if self._dead is None:
+            try:
+                self._conn.send("shutdown")
+                self._proc.wait(timeout=CLOSE_GRACE_S)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self._end_processes(grace_s=1.0)
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._dead is None and self._proc.poll() is None
+
+    @property
+    def pgids(self) -> set[int]:
+        """The process groups of torchrun and of every worker (what close() ends)."""
+        return set(self._pgids)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _startup_error(why: str, tail: _Tail) -> EngineError:
+    head = tail.headline()
+    lines = tail.text(wait_s=1.0)
+    return EngineError(f"{why}{': ' + head if head else ''}\n--- last lines of the workers' output ---\n{lines}")
+
+
+def _accept_worker(listener: socket.socket, key: str, proc: subprocess.Popen, tail: _Tail,
+                   deadline: float) -> protocol.Connection:
+    """Waits for the leader to connect and authenticate; peers without the key are refused and the
+    wait goes on."""
+    listener.settimeout(POLL_S)
+    while True:
+        if proc.poll() is not None:
+            raise _startup_error(f"the workers exited during start-up (torchrun exit code {proc.returncode})",
+                                 tail)
+        if time.monotonic() > deadline:
+            raise _startup_error("no worker connected and authenticated before the start-up timeout", tail)
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError:
+            continue
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = protocol.Connection(sock)
+        try:
+            protocol.server_handshake(conn, key)
+            return conn
+        except (OSError, protocol.ProtocolError):
+            conn.close()
+
+
+def _wait_ready(conn: protocol.Connection, proc: subprocess.Popen, tail: _Tail, deadline: float,
+                pgids: set[int], say: Callable[[str], None]) -> EngineInfo:
+    while True:
+        try:
+            msg = conn.recv(POLL_S)
+        except (OSError, protocol.ProtocolError) as e:
+            raise _startup_error(f"the workers dropped the connection during start-up ({e})", tail) from None
+        if msg is None:
+            if proc.poll() is not None:
+                raise _startup_error(
+                    f"the workers exited during start-up (torchrun exit code {proc.returncode})", tail)
+            if time.monotonic() > deadline:
+                raise _startup_error("the workers were not ready before the start-up timeout", tail)
+            continue
+        kind = msg["type"]
+        if kind == "hello":
+            pgids.update(int(pid) for _, pid in msg["pids"])
+        elif kind == "progress":
+            say(str(msg.get("text")))
+        elif kind == "error":
+            raise _startup_error(f"the workers failed to start: {msg.get('message')}", tail)
+        elif kind == "ready":
+            return EngineInfo.from_dict(msg["info"])

@@ -1,0 +1,474 @@
+"""The disaggregated runtime: socket protocol, launcher, worker groups and their loops, the Engine, faults.
+
+The tests that start workers are marked slow (each start is a torchrun group of 2-3 processes); their
+greedy outputs are compared with target-only decoding run in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from tiny_models import tiny_model_dir
+
+from swiftspec.config import ConfigError, EngineConfig, SamplingParams, TreeParams
+from swiftspec.engine import launcher, protocol
+from swiftspec.engine.client import Engine, EngineError, _accept_worker, _Tail, encode_chat
+from swiftspec.engine.worker import StopMatcher, choose_d
+
+PROMPTS = [
+    [{"role": "user", "content": "What is 17 times 23?"}],
+    [{"role": "user", "content": "def fibonacci(n):"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Summarise speculative decoding."}],
+]
+
+
+# ------------------------------------------------------------------------------------------- protocol
+
+def _pair():
+    a, b = socket.socketpair()
+    return protocol.Connection(a), protocol.Connection(b)
+
+
+def _run(fn, *args):
+    """Runs fn in a thread; returns a callable giving its result or raising its exception."""
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = e
+
+    t = threading.Thread(target=target)
+    t.start()
+
+    def result():
+        t.join(10)
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    return result
+
+
+def test_handshake_and_frames():
+    server, client = _pair()
+    key = protocol.new_key()
+    done = _run(protocol.client_handshake, client, key)
+    protocol.server_handshake(server, key)
+    done()
+    server.send("generate", id=1, token_ids=[1, 2, 3], params=SamplingParams().to_dict())
+    msg = client.recv(1)
+    assert msg["type"] == "generate" and msg["token_ids"] == [1, 2, 3] and msg["v"] == protocol.VERSION
+    assert client.recv(0.05) is None  # a timeout keeps the connection usable
+    server.send("cancel", id=1)
+    assert client.recv(1)["type"] == "cancel"
+
+
+def test_wrong_key_is_refused_on_both_sides():
+    server, client = _pair()
+    done = _run(protocol.client_handshake, client, protocol.new_key())
+    with pytest.raises(protocol.AuthError, match="wrong key"):
+        protocol.server_handshake(server, protocol.new_key())
+    with pytest.raises(protocol.AuthError, match="refused"):
+        done()
+
+
+def test_engine_impostor_is_detected_by_the_worker():
+    server, client = _pair()
+    done = _run(protocol.client_handshake, client, protocol.new_key())
+    server.send("challenge", nonce="00")
+    assert server.recv(1)["type"] == "auth"
+    server.send("welcome", mac="0" * 64)
+    with pytest.raises(protocol.AuthError, match="did not prove"):
+        done()
+
+
+def test_handshake_timeouts_are_clear_errors():
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts (backlog) but never speaks
+    addr = f"127.0.0.1:{listener.getsockname()[1]}"
+    t0 = time.monotonic()
+    with pytest.raises(protocol.AuthError, match="handshake timed out"):
+        protocol.connect(addr, protocol.new_key(), timeout=0.5)
+    assert time.monotonic() - t0 < 3
+    listener.close()
+    server, _silent = _pair()
+    with pytest.raises(protocol.AuthError, match="handshake timed out"):
+        protocol.server_handshake(server, protocol.new_key(), timeout=0.3)
+
+
+def test_bad_frames_are_protocol_errors():
+    server, client = _pair()
+    client.sock.sendall((protocol.MAX_HANDSHAKE_FRAME + 1).to_bytes(4, "big"))
+    with pytest.raises(protocol.ProtocolError, match="exceeds"):
+        server.recv(1)
+    server, client = _pair()
+    client.sock.sendall(b"\0\0\0\x02{}")
+    with pytest.raises(protocol.ProtocolError, match="malformed"):
+        server.recv(1)
+    server, client = _pair()
+    data = b'{"v": 99, "type": "challenge"}'
+    client.sock.sendall(len(data).to_bytes(4, "big") + data)
+    with pytest.raises(protocol.ProtocolError, match="version"):
+        server.recv(1)
+    server, client = _pair()
+    client.close()
+    with pytest.raises(protocol.ConnectionClosed):
+        server.recv(1)
+
+
+class _Running:
+    def poll(self):
+        return None
+
+
+def test_engine_refuses_impostors_and_keeps_waiting_for_its_worker():
+    listener = socket.create_server(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{listener.getsockname()[1]}"
+    key = protocol.new_key()
+    impostor = _run(protocol.connect, addr, protocol.new_key())
+    worker = _run(lambda: (time.sleep(0.3), protocol.connect(addr, key))[1])
+    r, w = os.pipe()
+    os.close(w)
+    conn = _accept_worker(listener, key, _Running(), _Tail(os.fdopen(r, "rb")), time.monotonic() + 10)
+    with pytest.raises(protocol.AuthError, match="refused"):
+        impostor()
+    conn.send("welcome-check")
+    assert worker().recv(1)["type"] == "welcome-check"
+    listener.close()
+
+
+# ------------------------------------------------------------------------------------ launcher, pieces
+
+def test_plan_layout():
+    cfg = EngineConfig(target_procs=2)
+    assert launcher.plan_layout(cfg, 0) == launcher.Layout(2, 1)
+    with pytest.raises(ConfigError, match="one process"):
+        launcher.plan_layout(EngineConfig(draft_procs=2), 0)
+    assert launcher.plan_layout(EngineConfig(), 4) == launcher.Layout(4, 1, [0, 1, 2, 3], [])
+    lay = launcher.plan_layout(EngineConfig(draft="/m", gpus=8), 8)
+    assert (lay.n_target, lay.n_draft, lay.draft_devices) == (6, 2, [6, 7])
+    lay = launcher.plan_layout(EngineConfig(draft="/m", target_devices=[0, 1, 2], draft_devices=[3]), 4)
+    assert (lay.n_target, lay.n_draft, lay.world) == (3, 1, 4)
+    with pytest.raises(ConfigError, match="overlap"):
+        launcher.plan_layout(EngineConfig(draft="/m", target_devices=[0, 1], draft_devices=[1]), 4)
+    with pytest.raises(ConfigError, match="do not exist"):
+        launcher.plan_layout(EngineConfig(draft="/m", target_devices=[0, 5], draft_devices=[1]), 4)
+    with pytest.raises(ConfigError, match="no CUDA"):
+        launcher.plan_layout(EngineConfig(device="cuda"), 0)
+
+
+def test_build_command():
+    cfg = EngineConfig(tree=TreeParams(bs=6, w=4, d=3), threads=2, trust_remote_code=True)
+    worker = launcher.worker_args(cfg, launcher.Layout(2, 1), "/models/t", "suffix")
+    cmd = launcher.build_command(worker, 3)
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node=3"] and "--standalone" in cmd
+    tail = cmd[cmd.index("swiftspec.engine.worker") + 1:]
+    assert tail[:6] == ["--target", "/models/t", "--draft", "suffix", "--target-procs", "2"]
+    assert {"--tree-bs", "6", "--tree-w", "4", "--tree-d", "3", "--threads", "2"} <= set(tail)
+    from torch.distributed.run import get_args_parser
+
+    parsed = get_args_parser().parse_args(cmd[3:])  # torchrun must hand every worker flag through
+    assert parsed.training_script == "swiftspec.engine.worker" and parsed.training_script_args == worker
+    multi = launcher.build_command(worker, 1, nnodes=2, rdzv_endpoint="h:29400")
+    assert "--nnodes=2" in multi and "--rdzv-endpoint=h:29400" in multi and "--rdzv-backend=c10d" in multi
+    assert "--standalone" not in multi
+    with pytest.raises(ConfigError):
+        launcher.build_command(worker, 1, nnodes=2)
+
+
+def test_stop_matcher_holds_back_partial_stops():
+    m = StopMatcher(["\nUser:", "END"])
+    assert m.push("Hello\nUs") == ("Hello", False)
+    assert m.push("ual text E") == ("\nUsual text ", False)
+    assert m.push("N") == ("", False)
+    assert m.push("D and more") == ("", True)
+    m = StopMatcher(["aab"])
+    assert m.push("xaa") == ("x", False)
+    assert m.push("ab") == ("a", True)
+    m = StopMatcher([])
+    assert m.push("abc") == ("abc", False) and m.flush() == ""
+
+
+def test_choose_d():
+    assert choose_d(70.0, 8.0) == 8
+    assert choose_d(70.0, 0.01) == 16
+    assert choose_d(5.0, 9.0) == 1
+
+
+def test_encode_chat_uses_the_template():
+    from swiftspec.engine.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir())
+    ids = encode_chat(tok, PROMPTS[0])
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+    with pytest.raises(EngineError, match="messages"):
+        encode_chat(tok, [{"role": "user"}])
+
+
+# ------------------------------------------------------------------------------------------- TP logits
+
+def _tp_logits(rank: int, world: int, store_path: str, paths: list, out: dict) -> None:
+    import torch.distributed as dist
+
+    from swiftspec.engine.loader import load_model
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    group = dist.new_group(list(range(world)))
+    ids = torch.arange(3, 40) % 300
+    pos = torch.arange(len(ids))
+    mask = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
+    for i, path in enumerate(paths):
+        model = load_model(path, max_slots=64, tp_group=group, tp_rank=rank, tp_world=world)
+        got = model(ids, pos, pos, mask)
+        if rank == 0:
+            ref = load_model(path, max_slots=64)(ids, pos, pos, mask)
+            out[i] = float((got - ref).abs().max())
+    dist.destroy_process_group()
+
+
+TP_CONFIGS = [
+    dict(heads=4, kv_heads=2),  # divides
+    dict(heads=4, kv_heads=1),  # fewer KV heads than ranks: replicated
+    dict(heads=6, kv_heads=3, hidden=96),  # KV heads do not divide: padded
+    dict(arch="qwen2", heads=4, kv_heads=2),  # q/k/v biases
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_tp_logits_equal_tp1(world, tmp_path):
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        paths = [tiny_model_dir(**kw) for kw in TP_CONFIGS]  # written here: ranks > 0 would not save
+        mp.spawn(_tp_logits, args=(world, str(tmp_path / "store"), paths, out), nprocs=world)
+        diffs = dict(out)
+    assert len(diffs) == len(TP_CONFIGS)
+    assert max(diffs.values()) <= 1e-4, diffs
+
+
+# ------------------------------------------------------------------------------------ engines (slow)
+
+def reference(model_dir, messages, n: int) -> list[int]:
+    """Greedy target-only decoding in this process: what every mode must reproduce."""
+    from swiftspec.engine.decode import TargetState, generate_ar
+    from swiftspec.engine.loader import load_model, load_tokenizer
+
+    ids = encode_chat(load_tokenizer(model_dir), messages)
+    target = TargetState(load_model(model_dir, max_slots=len(ids) + n + 16), len(ids) + n + 16)
+    params = SamplingParams(mode="ar", max_new_tokens=n, ignore_eos=True)
+    return [t for step in generate_ar(target, ids, params) for t in step.tokens]
+
+
+def answer(engine: Engine, messages, **kw) -> tuple[list[int], str, list]:
+    events = list(engine.generate(messages, SamplingParams(**kw)))
+    assert events[-1].finished and all(not e.finished for e in events[:-1])
+    return [t for e in events for t in e.token_ids], "".join(e.text for e in events), events
+
+
+def no_processes_left(engine: Engine, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while launcher.alive_groups(engine.pgids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not launcher.alive_groups(engine.pgids)
+
+
+ENGINES = {
+    # name: (target_procs, draft); "self" = the target as its own draft (deep acceptance),
+    # "other" = a different tiny model (mostly rejected)
+    "1+1-self": (1, "self"),
+    "1+1-suffix": (1, "suffix"),
+    "2+1-other": (2, "other"),
+    "2+1-suffix": (2, "suffix"),
+}
+N_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def target_dir():
+    return tiny_model_dir(seed=0, layers=2)
+
+
+@pytest.fixture(scope="module")
+def references(target_dir):
+    return [reference(target_dir, m, N_TOKENS) for m in PROMPTS]
+
+
+def start(target_dir, draft: str = "suffix", target_procs: int = 1, **kw) -> Engine:
+    """An engine on the tiny target; draft "self" is the target itself, "other" a different tiny model."""
+    draft = {"self": str(target_dir), "other": str(tiny_model_dir(seed=1, layers=1))}.get(draft, draft)
+    return Engine.start(EngineConfig(target=str(target_dir), draft=draft, target_procs=target_procs,
+                                     max_seq_len=kw.pop("max_seq_len", 512), **kw))
+
+
+@pytest.fixture(scope="module", params=sorted(ENGINES))
+def engine(request, target_dir):
+    procs, draft = ENGINES[request.param]
+    eng = start(target_dir, draft, procs)
+    yield eng
+    eng.close()
+    assert no_processes_left(eng)
+
+
+@pytest.mark.slow
+def test_every_mode_equals_target_greedy(engine, references):
+    roles = [r.role for r in engine.info.ranks]
+    assert roles[-1] == "draft" and set(roles[:-1]) == {"target"}
+    assert 1 <= engine.info.d <= 16
+    for messages, ref in zip(PROMPTS, references, strict=True):
+        for mode in ("async", "ar", "sync"):
+            tokens, _, events = answer(engine, messages, mode=mode, max_new_tokens=N_TOKENS, ignore_eos=True)
+            assert tokens == ref, (mode, messages)
+            assert events[-1].finish_reason == "length"
+            if mode != "ar":
+                assert events[-1].stats.d == engine.info.d and events[-1].stats.mean_accepted >= 1
+
+
+@pytest.fixture(scope="module")
+def self_engine(target_dir):
+    eng = start(target_dir, "self", max_seq_len=2048, tree=TreeParams(d=4))
+    yield eng
+    eng.close()
+    assert no_processes_left(eng)
+
+
+@pytest.mark.slow
+def test_self_draft_accepts_deep_paths(self_engine, references):
+    tokens, _, events = answer(self_engine, PROMPTS[0], mode="async", max_new_tokens=N_TOKENS, ignore_eos=True)
+    assert tokens == references[0]
+    # a perfect draft (d fixed: profiling gives d = 1, as the draft is as slow as the target)
+    assert self_engine.info.d == 4 and not self_engine.info.d_auto
+    assert events[-1].stats.mean_accepted > 2.5
+
+
+@pytest.mark.slow
+def test_stop_strings_eos_and_multi_turn_reuse(self_engine):
+    messages = PROMPTS[1]
+    ref, text, _ = answer(self_engine, messages, mode="ar", max_new_tokens=N_TOKENS, ignore_eos=True)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    _, cut, events = answer(self_engine, messages, mode="async", max_new_tokens=N_TOKENS, ignore_eos=True,
+                            stop=[stop])
+    assert events[-1].finish_reason == "stop" and cut == text[:text.index(stop)]
+    tokens, _, events = answer(self_engine, messages, mode="async", max_new_tokens=N_TOKENS)
+    if 2 in ref:  # the tiny models' EOS ends the answer, and is its last token
+        assert events[-1].finish_reason == "eos" and tokens == ref[:ref.index(2) + 1]
+    else:
+        assert events[-1].finish_reason == "length" and tokens == ref
+    # a follow-up turn prefills only what is new since the committed conversation
+    follow = messages + [{"role": "assistant", "content": "Sure."}, {"role": "user", "content": "Again."}]
+    first, second = (encode_chat(self_engine.tokenizer, m) for m in (messages, follow))
+    assert second[:len(first)] == first
+    _, _, events = answer(self_engine, follow, mode="async", max_new_tokens=4)
+    assert events[0].stats.prefill_tokens <= len(second) - len(first)
+
+
+@pytest.mark.slow
+def test_cancel_then_generate_again(self_engine, references):
+    gen = self_engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=2000, ignore_eos=True))
+    next(gen)
+    threading.Thread(target=self_engine.cancel).start()
+    events = list(gen)
+    assert events[-1].finish_reason == "cancelled" and sum(len(e.token_ids) for e in events) < 1999
+    tokens, _, _ = answer(self_engine, PROMPTS[0], max_new_tokens=N_TOKENS, ignore_eos=True)
+    assert tokens == references[0]
+    gen = self_engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=2000, ignore_eos=True))
+    next(gen)
+    del gen  # abandoning an answer cancels it
+    tokens, _, _ = answer(self_engine, PROMPTS[0], mode="sync", max_new_tokens=N_TOKENS, ignore_eos=True)
+    assert tokens == references[0]
+
+
+@pytest.mark.slow
+def test_ctrl_c_cancels_and_the_engine_stays_usable(self_engine, references):
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):
+        timer.start()
+        for _ in self_engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=2000, ignore_eos=True,
+                                                                 mode="ar")):
+            pass
+    timer.join()
+    assert self_engine.alive
+    tokens, _, _ = answer(self_engine, PROMPTS[0], max_new_tokens=N_TOKENS, ignore_eos=True)
+    assert tokens == references[0]
+
+
+@pytest.mark.slow
+def test_over_long_prompt_is_refused_before_sending(self_engine):
+    with pytest.raises(EngineError, match="context length"):
+        self_engine.generate([{"role": "user", "content": "speculative decoding " * 2000}])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["draft", "target"])
+def test_killed_rank_fails_fast_and_leaves_no_process(victim, target_dir):
+    eng = start(target_dir, "suffix", max_seq_len=4096)
+    try:
+        pid = next(r.pid for r in eng.info.ranks if r.role == victim)
+        gen = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=4000, ignore_eos=True))
+        next(gen)
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="last lines of the workers' output"):
+            for _ in gen:
+                pass
+        assert time.monotonic() - t0 < 10
+        assert no_processes_left(eng, within_s=10 - (time.monotonic() - t0))
+        with pytest.raises(EngineError):
+            answer(eng, PROMPTS[0], max_new_tokens=4)
+    finally:
+        eng.close()
+    assert no_processes_left(eng)
+
+
+@pytest.mark.slow
+def test_worker_start_up_failure_carries_the_cause(tmp_path, target_dir):
+    bad = tmp_path / "no-weights"
+    bad.mkdir()
+    for f in target_dir.iterdir():
+        if not f.name.startswith("model"):
+            (bad / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(EngineError, match="model.safetensors"):
+        start(target_dir, str(bad))
+
+
+def test_draft_with_another_vocabulary_is_refused_at_start(target_dir):
+    from swiftspec.engine.drafters import VocabMismatch
+
+    with pytest.raises(VocabMismatch, match="tokenizer"):
+        start(target_dir, str(tiny_model_dir(vocab=320)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("draft", ["self", "suffix"])
+def test_cuda_async_equals_ar(target_dir, draft):
+    """NCCL inside the target group, gloo for control; a model draft shares GPU 0 with the target, the
+    suffix drafter's rank stays on the CPU."""
+    with start(target_dir, draft, device="cuda", dtype="float32") as eng:
+        assert eng.info.backend == "cpu:gloo,cuda:nccl" and eng.info.ranks[0].device == "cuda:0"
+        for messages in PROMPTS:
+            ar, _, _ = answer(eng, messages, mode="ar", max_new_tokens=N_TOKENS, ignore_eos=True)
+            for mode in ("async", "sync"):
+                assert answer(eng, messages, mode=mode, max_new_tokens=N_TOKENS, ignore_eos=True)[0] == ar
+    assert no_processes_left(eng)
+
+
+@pytest.mark.slow
+def test_embedded_model_async_equals_ar():
+    with Engine.start(EngineConfig()) as eng:
+        assert eng.info.draft == "suffix"
+        for messages in PROMPTS[:2]:
+            ar, _, _ = answer(eng, messages, mode="ar", max_new_tokens=32)
+            for mode in ("async", "sync"):
+                tokens, _, _ = answer(eng, messages, mode=mode, max_new_tokens=32)
+                assert tokens == ar, mode
+    assert no_processes_left(eng)
