@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from swiftspec.config import EngineConfig, SamplingParams, StepEvent, StepStats
+from swiftspec.config import BUILTIN_DRAFTS, EngineConfig, SamplingParams, StepEvent, StepStats
 from swiftspec.engine import launcher, protocol
 from swiftspec.engine.protocol import EngineInfo
 
@@ -128,14 +128,14 @@ class Engine:
         say = progress or (lambda _text: None)
         say("resolving the models")
         target_dir = resolve_model_dir(config.target)
-        draft = "suffix" if config.draft == "suffix" else str(resolve_model_dir(config.draft))
+        draft = config.draft if config.draft in BUILTIN_DRAFTS else str(resolve_model_dir(config.draft))
         if config.target is None:
             from swiftspec.embedded import EMBEDDED_NAME
             target_name = EMBEDDED_NAME
         else:
             target_name = Path(config.target).name
         tokenizer = load_tokenizer(target_dir, config.trust_remote_code)
-        if draft != "suffix":  # a clear error now rather than garbage proposals later
+        if draft not in BUILTIN_DRAFTS:  # a clear error now rather than garbage proposals later
             check_vocab_compatible(tokenizer, load_tokenizer(Path(draft), config.trust_remote_code))
         n_gpus = torch.cuda.device_count() if config.device != "cpu" and torch.cuda.is_available() else 0
         layout = launcher.plan_layout(config, n_gpus)

@@ -56,6 +56,9 @@ def plan_layout(config: EngineConfig, n_gpus: int) -> Layout:
     use_cuda = config.device == "cuda" or (config.device == "auto" and n_gpus > 0)
     if config.device == "cuda" and n_gpus == 0:
         raise ConfigError("device cuda was asked for, but no CUDA device is visible")
+    if use_cuda and config.draft == "int8":
+        raise ConfigError("the int8 draft runs on the CPU only: on GPUs pass a draft model path "
+                          "(or --device cpu)")
     if not use_cuda:
         if config.target_devices or config.draft_devices or config.gpus:
             raise ConfigError("GPU devices were given, but the engine runs on the CPU (no CUDA visible)")

@@ -33,7 +33,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from swiftspec.config import MODES, ConfigError, SamplingParams, StepEvent, StepStats, TreeParams
+from swiftspec.config import (
+    BUILTIN_DRAFTS,
+    MODES,
+    ConfigError,
+    SamplingParams,
+    StepEvent,
+    StepStats,
+    TreeParams,
+)
 from swiftspec.engine import protocol
 from swiftspec.engine.protocol import EngineInfo, RankInfo
 
@@ -126,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m swiftspec.engine.worker",
                                 description="SwiftSpec worker (started by torchrun; one process per rank)")
     p.add_argument("--target", required=True, help="target model directory (Hugging Face layout)")
-    p.add_argument("--draft", default="suffix", help="draft model directory, or 'suffix'")
+    p.add_argument("--draft", default="suffix", help="draft model directory, 'suffix' or 'int8'")
     p.add_argument("--target-name", help="name shown for the target (default: its directory name)")
     p.add_argument("--target-procs", type=int, default=1, help="ranks 0..N-1 form the target group")
     p.add_argument("--target-devices", help="CUDA devices of the target ranks, e.g. 0,1,2")
@@ -259,6 +267,10 @@ def load(ctx: Ctx) -> None:
     else:
         if args.draft == "suffix":
             drafter = SuffixDrafter()
+        elif args.draft == "int8":
+            model = load_model(target_dir, ctx.device, args.dtype, max_slots=slots + DRAFT_TREE_SLOTS,
+                               tp_group=ctx.draft_group, tp_rank=ctx.tp_rank, tp_world=ctx.tp_world, int8=True)
+            drafter = ModelDrafter(model)
         else:
             draft_dir = Path(args.draft)
             vocab = check_vocab_compatible(load_tokenizer(target_dir, args.trust_remote_code),
@@ -692,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         ranks = gather_ranks(ctx)
         if io is not None:
             io.send("hello", pids=[[r.rank, r.pid] for r in ranks])
-            draft = "the suffix drafter" if args.draft == "suffix" else f"draft {Path(args.draft).name}"
+            draft = BUILTIN_DRAFTS.get(args.draft) or f"draft {Path(args.draft).name}"
             io.progress(f"loading target {args.target_name or Path(args.target).name} on {ctx.n_target} "
                         f"rank(s) and {draft} on {ctx.world - ctx.n_target} rank(s)")
         load(ctx)
@@ -704,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         if io is not None:
             info = EngineInfo(
                 target=args.target_name or Path(args.target).name,
-                draft="suffix" if args.draft == "suffix" else Path(args.draft).name,
+                draft=args.draft if args.draft in BUILTIN_DRAFTS else Path(args.draft).name,
                 ranks=ranks, context_length=args.max_seq_len, backend=ctx.backend, bs=args.bs, w=args.w,
                 d=ctx.d, d_auto=args.d is None, t_verify_ms=t_verify, t_expand_ms=t_expand,
                 eos_token_ids=sorted(ctx.eos))

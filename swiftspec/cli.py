@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from swiftspec.config import ConfigError, EngineConfig, SamplingParams, TreeParams
+from swiftspec.config import BUILTIN_DRAFTS, ConfigError, EngineConfig, SamplingParams, TreeParams
 
 app = typer.Typer(
     name="swiftspec",
@@ -64,8 +64,8 @@ def _device_list(value: str | None) -> list[int] | None:
 
 
 def _complete_draft(incomplete: str) -> list[str]:
-    """Offers the model-free drafter, then model directories and GGUF files."""
-    found = ["suffix"] if "suffix".startswith(incomplete) else []
+    """Offers the built-in drafts, then model directories and GGUF files."""
+    found = [name for name in BUILTIN_DRAFTS if name.startswith(incomplete)]
     head = incomplete[: incomplete.rfind("/") + 1]
     try:
         entries = sorted(Path(head or ".").expanduser().iterdir())
@@ -83,8 +83,9 @@ TargetOpt = Annotated[Path | None, typer.Option(
     "--target", metavar="PATH", rich_help_panel=MODEL,
     help="Target model: a Hugging Face model directory or a .gguf file. Default: the embedded SmolLM2-135M.")]
 DraftOpt = Annotated[str, typer.Option(
-    "--draft", metavar="PATH|suffix", rich_help_panel=MODEL, autocompletion=_complete_draft,
-    help="Draft model sharing the target's tokenizer, or 'suffix' for the model-free suffix drafter.")]
+    "--draft", metavar="PATH|suffix|int8", rich_help_panel=MODEL, autocompletion=_complete_draft,
+    help="Draft model sharing the target's tokenizer, 'suffix' for the model-free suffix drafter, or "
+         "'int8' for a dynamic-int8 copy of the target (CPU).")]
 TargetDevicesOpt = Annotated[str | None, typer.Option(
     "--target-devices", metavar="0,1", rich_help_panel=MODEL,
     help="GPU indices of the target group (tensor parallel over them).")]
@@ -288,7 +289,7 @@ def _prepare_models(config: EngineConfig) -> None:
     embedded default included) is converted now, once, with its progress bar, rather than unseen."""
     from swiftspec import embedded
 
-    for spec in [config.target] + ([config.draft] if config.draft != "suffix" else []):
+    for spec in [config.target] + ([config.draft] if config.draft not in BUILTIN_DRAFTS else []):
         path = embedded.embedded_gguf_path() if spec is None else Path(spec).expanduser()
         if not path.exists():
             raise FileNotFoundError(f"model path {spec!r} does not exist (expected a Hugging Face model "
@@ -305,7 +306,7 @@ def _start_engine(config: EngineConfig, progress):
 
 def _model_line(config: EngineConfig) -> str:
     target = Path(config.target).name if config.target else "embedded SmolLM2-135M-Instruct"
-    draft = config.draft if config.draft == "suffix" else Path(config.draft).name
+    draft = config.draft if config.draft in BUILTIN_DRAFTS else Path(config.draft).name
     return f"target {target} · draft {draft}"
 
 

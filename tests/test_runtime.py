@@ -287,6 +287,7 @@ ENGINES = {
     # "other" = a different tiny model (mostly rejected)
     "1+1-self": (1, "self"),
     "1+1-suffix": (1, "suffix"),
+    "1+1-int8": (1, "int8"),
     "2+1-other": (2, "other"),
     "2+1-suffix": (2, "suffix"),
 }
