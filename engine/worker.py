@@ -250,6 +250,7 @@ def _eos_ids(model_dir: Path, tokenizer, args_eos: tuple[int, ...]) -> set[int]:
 
 def load(ctx: Ctx) -> None:
     """Target ranks load their shard of the target; draft ranks build the drafter and its tree state."""
+    from swiftspec.engine.cuda_graphs import GraphedModel
     from swiftspec.engine.decode import DraftState, TargetState
     from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter, check_vocab_compatible
     from swiftspec.engine.loader import load_model, load_tokenizer
@@ -257,9 +258,17 @@ def load(ctx: Ctx) -> None:
     args = ctx.args
     target_dir = Path(args.target)
     slots = args.max_seq_len + args.bs + 1  # the prefix plus one tree being verified
+
+    def model_for(path: Path, n_slots: int, group, int8: bool = False):
+        """Our model on this rank's device; on CUDA wrapped in CUDA graphs (one more slot: the graphs'
+        scratch slot, hidden from the caller)."""
+        cuda = ctx.device.type == "cuda"
+        model = load_model(path, ctx.device, args.dtype, max_slots=n_slots + cuda, tp_group=group,
+                           tp_rank=ctx.tp_rank, tp_world=ctx.tp_world, int8=int8)
+        return GraphedModel(model) if cuda else model
+
     if ctx.role == "target":
-        model = load_model(target_dir, ctx.device, args.dtype, max_slots=slots, tp_group=ctx.target_group,
-                           tp_rank=ctx.tp_rank, tp_world=ctx.tp_world)
+        model = model_for(target_dir, slots, ctx.target_group)
         ctx.target = TargetState(model, slots)
         if ctx.rank == 0:
             ctx.tokenizer = load_tokenizer(target_dir, args.trust_remote_code)
@@ -268,16 +277,12 @@ def load(ctx: Ctx) -> None:
         if args.draft == "suffix":
             drafter = SuffixDrafter()
         elif args.draft == "int8":
-            model = load_model(target_dir, ctx.device, args.dtype, max_slots=slots + DRAFT_TREE_SLOTS,
-                               tp_group=ctx.draft_group, tp_rank=ctx.tp_rank, tp_world=ctx.tp_world, int8=True)
-            drafter = ModelDrafter(model)
+            drafter = ModelDrafter(model_for(target_dir, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8=True))
         else:
             draft_dir = Path(args.draft)
             vocab = check_vocab_compatible(load_tokenizer(target_dir, args.trust_remote_code),
                                            load_tokenizer(draft_dir, args.trust_remote_code))
-            model = load_model(draft_dir, ctx.device, args.dtype, max_slots=slots + DRAFT_TREE_SLOTS,
-                               tp_group=ctx.draft_group, tp_rank=ctx.tp_rank, tp_world=ctx.tp_world)
-            drafter = ModelDrafter(model, vocab)
+            drafter = ModelDrafter(model_for(draft_dir, slots + DRAFT_TREE_SLOTS, ctx.draft_group), vocab)
         ctx.draft = DraftState(drafter, TreeParams(args.bs, args.w, args.d))
 
 
