@@ -117,7 +117,9 @@ class SuffixDrafter:
     copies and stays small where the context is ambiguous.
     """
 
-    def __init__(self, max_order: int = 16, confidence: float = 2.0, history_tokens: int = 200_000):
+    HISTORY_TOKENS = 200_000
+
+    def __init__(self, max_order: int = 16, confidence: float = 2.0, history_tokens: int = HISTORY_TOKENS):
         self.max_order = max_order
         self.confidence = confidence
         self.history_tokens = history_tokens
@@ -130,7 +132,8 @@ class SuffixDrafter:
         if tokens[:len(old)] != old:  # another conversation, or an edited one: index it afresh
             if len(self.history.tokens) + len(old) > self.history_tokens:
                 self.history = SuffixIndex(self.max_order)
-            self.history.extend(old)
+            if len(old) <= self.history_tokens:  # history_tokens=0: no history at all
+                self.history.extend(old)
             self.context = SuffixIndex(self.max_order)
         self.context.extend(tokens[len(self.context.tokens):])
 

@@ -97,6 +97,8 @@ def worker_args(config: EngineConfig, layout: Layout, target_dir: Path, draft: s
         args += ["--threads", str(config.threads)]
     if config.trust_remote_code:
         args.append("--trust-remote-code")
+    if not config.draft_history:
+        args.append("--no-draft-history")
     if layout.cuda:
         args += ["--target-devices", ",".join(map(str, layout.target_devices or []))]
         args += ["--draft-devices", ",".join(map(str, layout.draft_devices or []))]

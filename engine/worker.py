@@ -135,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 description="SwiftSpec worker (started by torchrun; one process per rank)")
     p.add_argument("--target", required=True, help="target model directory (Hugging Face layout)")
     p.add_argument("--draft", default="suffix", help="draft model directory, 'suffix' or 'int8'")
+    p.add_argument("--no-draft-history", dest="draft_history", action="store_false",
+                   help="the suffix drafter forgets earlier conversations (fair benchmarks)")
     p.add_argument("--target-name", help="name shown for the target (default: its directory name)")
     p.add_argument("--target-procs", type=int, default=1, help="ranks 0..N-1 form the target group")
     p.add_argument("--target-devices", help="CUDA devices of the target ranks, e.g. 0,1,2")
@@ -275,7 +277,7 @@ def load(ctx: Ctx) -> None:
             ctx.eos = _eos_ids(target_dir, ctx.tokenizer, model.args.eos_token_ids)
     else:
         if args.draft == "suffix":
-            drafter = SuffixDrafter()
+            drafter = SuffixDrafter(history_tokens=SuffixDrafter.HISTORY_TOKENS if args.draft_history else 0)
         elif args.draft == "int8":
             drafter = ModelDrafter(model_for(target_dir, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8=True))
         else:

@@ -109,6 +109,9 @@ class EngineConfig:
     max_seq_len: int = 4096
     tree: TreeParams = field(default_factory=TreeParams)
     trust_remote_code: bool = False
+    # The suffix drafter also drafts from earlier conversations of the session (a model reuses its own
+    # phrasing). Off for benchmarks, where the same prompt runs once per mode.
+    draft_history: bool = True
     startup_timeout_s: float = 600.0
     threads: int | None = None  # CPU threads in all; None = every core
 

@@ -70,6 +70,14 @@ def test_suffix_history_serves_short_matches():
     assert sd.lookup([5, 9, 9]) == ({2: 1}, 2)  # the conversation's own match of length 2 wins
 
 
+def test_suffix_history_can_be_turned_off():
+    """Benchmarks run one prompt once per mode: an earlier mode's answer must not draft a later one's."""
+    sd = SuffixDrafter(max_order=4, history_tokens=0)
+    sd.prefill([1, 2, 3, 4, 5], 0)
+    sd.prefill([9, 9, 2, 3], 0)
+    assert sd.history.tokens == [] and sd.lookup([9, 2, 3]) == ({}, 0)
+
+
 def test_suffix_drafter_proposes_frequent_continuations_first():
     state = DraftState(SuffixDrafter(), TreeParams(bs=4, w=2))
     state.prefill([5, 6, 7, 1, 5, 6, 8, 2, 5, 6, 8, 3, 9])
