@@ -269,11 +269,10 @@ class ReplayEngine:
         from transformers import AutoModelForCausalLM
 
         from swiftspec.engine.loader import load_tokenizer
+        from swiftspec.engine.protocol import EngineInfo, RankInfo
 
         self.tokenizer = load_tokenizer(Path(config.target))
         self.model = AutoModelForCausalLM.from_pretrained(config.target).eval()
-        from swiftspec.engine.protocol import EngineInfo, RankInfo
-
         self.info = EngineInfo(target="tiny", draft=config.draft, context_length=config.max_seq_len,
                                ranks=[RankInfo(rank=0, role="target", device="cpu", tp_rank=0, tp_world=1,
                                                threads=1, host="h", pid=1)],
