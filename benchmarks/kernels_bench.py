@@ -97,11 +97,12 @@ def row(label: str, seconds: float, nbytes: int, peak_bw: float) -> str:
     return f"  {label:<34} {seconds * 1e6:10.1f} us  {bw / 1e9:8.0f} GB/s  {100 * bw / peak_bw:5.1f} % of peak"
 
 
-def rope(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(pos: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    """The [T, D, D] RoPE rotations of the model's forward (bf16, as the model builds them)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim)
     freqs = pos[:, None].float() * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    return reference.rope_rotation(emb.cos().to(DTYPE), emb.sin().to(DTYPE))
 
 
 def chain_mask(T: int, prefix: int) -> torch.Tensor:
@@ -136,16 +137,15 @@ def micro(timer: Timer, triton_ops, peak_bw: float) -> None:
             q = torch.randn(T, H, D, device="cuda", dtype=DTYPE)
             k, v = (torch.randn(Hkv, S, D, device="cuda", dtype=DTYPE) for _ in range(2))
             mask = chain_mask(T, S - T)
-            cos, sin = rope(torch.arange(S - T, S, device="cuda"), D, shape.rope_theta)
-            q_rot = reference.apply_rope(q, cos, sin).transpose(0, 1)[None]
+            q_rot = q.transpose(0, 1)[None]
             nbytes = 2 * k.numel() * k.element_size() + mask.numel()
             print(f"tree_attention {shape.name} T={T} S={S} H={H} Hkv={Hkv} D={D} (bytes: K, V, mask)")
-            for name, ops in [("triton (RoPE fused)", triton_ops), ("reference (RoPE + eager)", reference)]:
-                t = timer(partial(ops.tree_attention, q, k, v, mask, cos, sin))
+            for name, ops in [("triton", triton_ops), ("reference (eager)", reference)]:
+                t = timer(partial(ops.tree_attention, q, k, v, mask))
                 print(row(name, t, nbytes, peak_bw))
             try:
                 sdpa = partial(F.scaled_dot_product_attention, q_rot, k[None], v[None], attn_mask=mask, enable_gqa=True)
-                print(row("torch SDPA (q pre-rotated)", timer(sdpa), nbytes, peak_bw))
+                print(row("torch SDPA", timer(sdpa), nbytes, peak_bw))
             except RuntimeError as e:  # no SDPA backend for this combination: say so, keep going
                 print(f"  torch SDPA: not available ({str(e).splitlines()[0]})")
 
@@ -192,15 +192,16 @@ class RandomLlama:
     def step(self, ops, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor):
         s, hd = self.shape, self.shape.head_dim
         T, S = tokens.shape[0], mask.shape[1]
-        cos, sin = rope(pos, hd, s.rope_theta)
+        rotation = rope(pos, hd, s.rope_theta)
         h, residual = self.embed[tokens], None
         for i, layer in enumerate(self.layers):
             x, residual = ops.add_rms_norm(h, residual, layer["attn_norm"], s.eps)
-            q, k, v = F.linear(x, layer["wqkv"]).split([s.n_heads * hd, s.n_kv_heads * hd, s.n_kv_heads * hd], -1)
-            k = reference.apply_rope(k.reshape(T, s.n_kv_heads, hd), cos, sin)
-            self.k_cache[i].index_copy_(1, slots, k.transpose(0, 1))
-            self.v_cache[i].index_copy_(1, slots, v.reshape(T, s.n_kv_heads, hd).transpose(0, 1))
-            o = ops.tree_attention(q.view(T, s.n_heads, hd), self.k_cache[i, :, :S], self.v_cache[i, :, :S], mask, cos, sin)
+            qkv = F.linear(x, layer["wqkv"])
+            nqk = s.n_heads + s.n_kv_heads
+            qk = reference.apply_rope(qkv[:, : nqk * hd].view(T, nqk, hd), rotation)
+            self.k_cache[i].index_copy_(1, slots, qk[:, s.n_heads :].transpose(0, 1))
+            self.v_cache[i].index_copy_(1, slots, qkv[:, nqk * hd :].view(T, s.n_kv_heads, hd).transpose(0, 1))
+            o = ops.tree_attention(qk[:, : s.n_heads], self.k_cache[i, :, :S], self.v_cache[i, :, :S], mask)
             h = F.linear(o.reshape(T, s.n_heads * hd), layer["wo"])
             x, residual = ops.add_rms_norm(h, residual, layer["ffn_norm"], s.eps)
             h = F.linear(ops.swiglu(x, layer["w13"], s.inter), layer["w2"])

@@ -136,17 +136,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * args.head_dim, args.dim, bias=False)
         self.scale = 1.0 / math.sqrt(args.head_dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor,
-                k_cache: Tensor, v_cache: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rotation: Tensor, slots: Tensor, mask: Tensor, k_cache: Tensor,
+                v_cache: Tensor) -> Tensor:
         t = x.shape[0]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
-        q, k, v = self.wqkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        k = apply_rope(k.view(t, nkv, hd), cos, sin)
-        k_cache[:, slots] = k.transpose(0, 1).to(k_cache.dtype)
-        v_cache[:, slots] = v.view(t, nkv, hd).transpose(0, 1).to(v_cache.dtype)
+        qkv = self.wqkv(x)
+        qk = kernels.apply_rope(qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd), rotation)
+        k_cache.index_copy_(1, slots, qk[:, nh:].transpose(0, 1))
+        v_cache.index_copy_(1, slots, qkv[:, (nh + nkv) * hd:].view(t, nkv, hd).transpose(0, 1))
         kv_len = mask.shape[-1]
-        out = kernels.tree_attention(q.view(t, nh, hd), k_cache[:, :kv_len], v_cache[:, :kv_len],
-                                     mask, cos, sin, self.scale)
+        out = kernels.tree_attention(qk[:, :nh], k_cache[:, :kv_len], v_cache[:, :kv_len], mask, self.scale)
         return self.wo(out.reshape(t, nh * hd))
 
 
@@ -183,16 +182,11 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         m = x.shape[0]
-        if 1 < m < self.rows:
+        if m == 1 or m > self.rows:
+            return F.linear(x, self.weight, self.bias)
+        if m < self.rows:
             x = torch.cat([x, x.new_zeros(self.rows - m, x.shape[1])])
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)[:m]
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE (the Hugging Face layout). x: [T, H, D]; cos, sin: [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
 class TransformerBlock(nn.Module):
@@ -276,12 +270,12 @@ class Transformer(nn.Module):
         freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None]
         emb = torch.cat((freqs, freqs), dim=-1)
         dtype = self.tok_embeddings.weight.dtype
-        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        rotation = kernels.rope_rotation(emb.cos().to(dtype), emb.sin().to(dtype))
         x = self.tok_embeddings(tokens)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer.attention_norm(x, residual)
-            x = self._all_reduce(layer.attention(h, cos, sin, slots, mask, self.k_cache[i], self.v_cache[i]))
+            x = self._all_reduce(layer.attention(h, rotation, slots, mask, self.k_cache[i], self.v_cache[i]))
             h, residual = layer.ffn_norm(x, residual)
             x = self._all_reduce(layer.feed_forward(h))
         hidden, _ = self.norm(x, residual)

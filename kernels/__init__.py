@@ -9,7 +9,11 @@ from torch import Tensor
 
 from . import reference
 
-__all__ = ["add_rms_norm", "swiglu", "tree_attention", "use_triton"]
+__all__ = ["add_rms_norm", "apply_rope", "rope_rotation", "swiglu", "tree_attention", "use_triton"]
+
+# RoPE is one batched matmul, on every device.
+rope_rotation = reference.rope_rotation
+apply_rope = reference.apply_rope
 
 
 @functools.cache
@@ -26,12 +30,10 @@ def use_triton(tensor: Tensor) -> bool:
     return tensor.is_cuda and _triton_kernels() is not None
 
 
-def tree_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, cos: Tensor, sin: Tensor, scale: float | None = None
-) -> Tensor:
-    """q [T, H, D] (RoPE applied inside), k/v cache [Hkv, S, D], mask [T, S] bool -> [T, H, D]."""
+def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
+    """q [T, H, D] (rotated), k/v cache [Hkv, S, D], mask [T, S] bool -> [T, H, D]."""
     ops = _triton_kernels() if use_triton(q) else reference
-    return ops.tree_attention(q, k_cache, v_cache, mask, cos, sin, scale)
+    return ops.tree_attention(q, k_cache, v_cache, mask, scale)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:

@@ -7,25 +7,24 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    """HF (non-interleaved) RoPE: the two halves of the head dim form the complex pairs."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rope_rotation(cos: Tensor, sin: Tensor) -> Tensor:
+    """[T, D] cos/sin tables -> [T, D, D] matrices R with x @ R = x * cos + [-x2, x1] * sin: Hugging Face's
+    rotate-half RoPE as one batched matmul over every head of q and k, built once per forward."""
+    half = cos.shape[-1] // 2
+    return (torch.diag_embed(cos) + torch.diag_embed(sin[:, half:], offset=half)
+            + torch.diag_embed(-sin[:, :half], offset=-half))
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, H, D], cos/sin [T, D]; rotated in fp32 so every path rounds once, at the end."""
-    xf = x.float()
-    cos, sin = cos.float()[:, None], sin.float()[:, None]
-    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+def apply_rope(x: Tensor, rotation: Tensor) -> Tensor:
+    """x [T, N, D] (any number of q and k heads) rotated by rope_rotation's [T, D, D]: one op, where the
+    elementwise form costs six, and on a CPU ops, not flops, cost at decode sizes."""
+    return torch.bmm(x, rotation)
 
 
-def tree_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, cos: Tensor, sin: Tensor, scale: float | None = None
-) -> Tensor:
+def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
     """Attention of T new tokens over S cached keys under an arbitrary [T, S] mask (prefix + draft tree).
 
-    q [T, H, D] is not rotated yet; k/v [Hkv, S, D] hold rotated keys; head h reads kv head h // (H // Hkv).
+    q [T, H, D] and k/v [Hkv, S, D] hold rotated keys; head h reads kv head h // (H // Hkv).
     Every mask row needs a True (pad rows can attend to themselves): an empty row is NaN here, 0 in Triton.
     Matmuls run in the input dtype and the softmax in fp32, like HF's eager attention.
     """
@@ -33,10 +32,11 @@ def tree_attention(
     Hkv, S, _ = k_cache.shape
     G = H // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    q = apply_rope(q, cos, sin).view(T, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * T, D)
-    scores = torch.bmm(q, k_cache.transpose(1, 2)).float().view(Hkv, G, T, S) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(scores, dim=-1).to(v_cache.dtype).view(Hkv, G * T, S)
+    q = q.view(T, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * T, D)
+    scores = torch.bmm(q, k_cache.transpose(1, 2)).view(Hkv, G, T, S)
+    # Scale and additive mask (0 or -inf, broadcast over heads) in one op: on a CPU ops, not flops, cost.
+    scores = torch.add(torch.where(mask, 0.0, float("-inf")), scores, alpha=scale)
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v_cache.dtype).view(Hkv, G * T, S)
     out = torch.bmm(p, v_cache).view(Hkv, G, T, D)
     return out.permute(2, 0, 1, 3).reshape(T, H, D)
 
@@ -47,10 +47,11 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
     The sum is rounded to x's dtype before normalising, so the fused and unfused paths agree bit for bit
     on what the residual stream holds.
     """
-    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    h = x if residual is None else x + residual
     hf = h.float()
-    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return normed.to(x.dtype), h
+    # mean(h^2) as ||h||^2 / D: one reduction op, where pow + mean take three (ops, not flops, cost here).
+    ms = torch.linalg.vector_norm(hf, dim=-1, keepdim=True).square_().div_(hf.shape[-1])
+    return (hf * ms.add_(eps).rsqrt_()).mul_(weight).to(x.dtype), h
 
 
 def swiglu(x: Tensor, w_gate_up: Tensor, inter: int) -> Tensor:

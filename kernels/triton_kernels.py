@@ -44,9 +44,9 @@ def _counters_for(device: torch.device, n: int) -> Tensor:
 # (query block, kv head) to finish merges the partial softmaxes, so a forward is one launch, not two.
 @triton.jit
 def _tree_attention_kernel(
-    Q, K, V, Mask, Cos, Sin, Out, MidM, MidL, MidO, Counter,
+    Q, K, V, Mask, Out, MidM, MidL, MidO, Counter,
     scale_log2, T, S, G, num_splits, keys_per_split,
-    stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_mt, stride_ct, stride_st,
+    stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_mt,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
@@ -61,14 +61,8 @@ def _tree_attention_kernel(
     head = kvh * G + rows % G
     d = tl.arange(0, HEAD_DIM)
 
-    # RoPE on q (rotate_half): out = q * cos + [-q2, q1] * sin.
     q_ptrs = Q + t[:, None] * stride_qt + head[:, None] * stride_qh
-    q = tl.load(q_ptrs + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q_swap = tl.load(q_ptrs + ((d + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=row_ok[:, None], other=0.0)
-    q_swap = tl.where(d[None, :] < HEAD_DIM // 2, -q_swap.to(tl.float32), q_swap.to(tl.float32))
-    cos = tl.load(Cos + t[:, None] * stride_ct + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    sin = tl.load(Sin + t[:, None] * stride_st + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q = (q * cos + q_swap * sin).to(K.dtype.element_ty)
+    q = tl.load(q_ptrs + d[None, :], mask=row_ok[:, None], other=0.0)
 
     # Online softmax over this program's key range, in base 2. Rows with no allowed key so far keep
     # m = -inf; m_safe keeps their exp2 arguments at -inf (weight 0) instead of NaN.
@@ -140,8 +134,6 @@ def tree_attention(
     k_cache: Tensor,
     v_cache: Tensor,
     mask: Tensor,
-    cos: Tensor,
-    sin: Tensor,
     scale: float | None = None,
     *,
     num_splits: int | None = None,
@@ -150,8 +142,8 @@ def tree_attention(
     T, H, D = q.shape
     Hkv, S, _ = k_cache.shape
     assert H % Hkv == 0 and D >= 16 and D & (D - 1) == 0, (H, Hkv, D)
-    assert mask.shape == (T, S) and cos.shape == sin.shape == (T, D), (mask.shape, cos.shape)
-    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1
+    assert mask.shape == (T, S), mask.shape
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     G = H // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     mask = mask.contiguous().view(torch.uint8)
@@ -172,10 +164,10 @@ def tree_attention(
     counter = _counters_for(q.device, m_blocks * Hkv) if split else mid_m  # unused without a split
 
     _tree_attention_kernel[(m_blocks, Hkv, num_splits)](
-        q, k_cache, v_cache, mask, cos, sin, out, mid_m, mid_l, mid_o, counter,
+        q, k_cache, v_cache, mask, out, mid_m, mid_l, mid_o, counter,
         scale * math.log2(math.e), T, S, G, num_splits, blocks_per_split * ATTN_BLOCK_N,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        mask.stride(0), cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),
+        mask.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=ATTN_BLOCK_N, SPLIT=split, IEEE=q.dtype == torch.float32,
     )  # fmt: skip
     return out

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1; run tests/test_kernels.py", allow_module_level=True)
 
-from kernels_helpers import rope_tables, tree_case  # noqa: E402
+from kernels_helpers import tree_case  # noqa: E402
 
 from swiftspec.kernels import reference  # noqa: E402
 from swiftspec.kernels import triton_kernels as tk  # noqa: E402
@@ -30,8 +30,7 @@ FP16_TOL = dict(atol=1e-2, rtol=1e-2)
 
 def check_attention(T, H, Hkv, D, S, kind, num_splits, seed, views=False, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    mask, pos = tree_case(g, T, S, kind)
-    cos, sin = rope_tables(pos, D)
+    mask, _ = tree_case(g, T, S, kind)
     if views:  # q sliced out of a fused qkv projection, k/v sliced out of a longer cache
         q = torch.randn(T, (H + 2 * Hkv) * D, generator=g)[:, : H * D].view(T, H, D)
         k = torch.randn(Hkv, S + 13, D, generator=g)[:, :S]
@@ -41,9 +40,9 @@ def check_attention(T, H, Hkv, D, S, kind, num_splits, seed, views=False, dtype=
         k = torch.randn(Hkv, S, D, generator=g)
         v = torch.randn(Hkv, S, D, generator=g)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    out = tk.tree_attention(q, k, v, mask, cos, sin, num_splits=num_splits)
+    out = tk.tree_attention(q, k, v, mask, num_splits=num_splits)
     tol = ATTN_TOL if dtype == torch.float32 else FP16_TOL
-    torch.testing.assert_close(out, reference.tree_attention(q, k, v, mask, cos, sin), **tol)
+    torch.testing.assert_close(out, reference.tree_attention(q, k, v, mask), **tol)
 
 
 @pytest.mark.parametrize(

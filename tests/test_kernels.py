@@ -47,26 +47,34 @@ def test_cpu_dispatches_to_reference():
     assert torch.equal(kernels.swiglu(x, wgu, 16), reference.swiglu(x, wgu, 16))
 
 
+def test_rope_rotation_is_the_complex_rotation():
+    """Independent formula: RoPE rotates each (x[i], x[i + D/2]) pair by position * inv_freq[i]."""
+    T, N, D = 9, 5, 32
+    g = torch.Generator().manual_seed(0)
+    pos = torch.randint(0, 100, (T,), generator=g)  # fp32 tables lose ~pos * 6e-8 rad, as in HF
+    x = torch.randn(T, N, D, generator=g)
+    angles = pos[:, None, None].double() * (1.0 / 10000 ** (torch.arange(0, D, 2).double() / D))
+    z = torch.complex(x[..., : D // 2].double(), x[..., D // 2 :].double()) * torch.polar(torch.ones_like(angles), angles)
+    expected = torch.cat([z.real, z.imag], dim=-1).float()
+    rotation = reference.rope_rotation(*rope_tables(pos, D))
+    torch.testing.assert_close(reference.apply_rope(x, rotation), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (8, 2)])
 def test_reference_tree_attention_matches_sdpa(H, Hkv):
-    """Independent formula: RoPE as a complex rotation, GQA by repeating kv heads, then torch SDPA."""
+    """Independent formula: GQA by repeating kv heads, then torch SDPA."""
     T, S, D = 9, 50, 32
     g = torch.Generator().manual_seed(H * Hkv)
-    mask, pos = tree_case(g, T, S, "tree")
-    cos, sin = rope_tables(pos, D)
+    mask, _ = tree_case(g, T, S, "tree")
     q, k, v = torch.randn(T, H, D, generator=g), torch.randn(Hkv, S, D, generator=g), torch.randn(Hkv, S, D, generator=g)
-
-    angles = pos[:, None, None].double() * (1.0 / 10000 ** (torch.arange(0, D, 2).double() / D))
-    z = torch.complex(q[..., : D // 2].double(), q[..., D // 2 :].double()) * torch.polar(torch.ones_like(angles), angles)
-    q_rot = torch.cat([z.real, z.imag], dim=-1).float()
     expected = F.scaled_dot_product_attention(
-        q_rot.transpose(0, 1),
+        q.transpose(0, 1),
         k.repeat_interleave(H // Hkv, dim=0),
         v.repeat_interleave(H // Hkv, dim=0),
         attn_mask=mask,
         scale=1 / math.sqrt(D),
     ).transpose(0, 1)
-    out = reference.tree_attention(q, k, v, mask, cos, sin)
+    out = reference.tree_attention(q, k, v, mask)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -86,8 +94,8 @@ def test_reference_add_rms_norm_and_swiglu():
 
 # (kernel, pointer dtypes, float arguments, constexprs, num_warps, num_stages): the variants the wrappers
 # launch for 8B-shaped bf16 decode/verify steps; other arguments are int32.
-ATTN_POINTERS = dict(Q="bf16", K="bf16", V="bf16", Mask="u8", Cos="fp32", Sin="fp32", Out="bf16", MidM="fp32",
-                     MidL="fp32", MidO="fp32", Counter="i32")
+ATTN_POINTERS = dict(Q="bf16", K="bf16", V="bf16", Mask="u8", Out="bf16", MidM="fp32", MidL="fp32", MidO="fp32",
+                     Counter="i32")
 HOPPER_VARIANTS = {
     "tree_attention_split": ("_tree_attention_kernel", ATTN_POINTERS, ["scale_log2"],
                              dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, SPLIT=True, IEEE=False), 4, 3),
@@ -126,10 +134,9 @@ def test_triton_kernels_compile_for_hopper(variant):
 
 def _attention_inputs(T, H, Hkv, D, S, kind, seed, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    mask, pos = tree_case(g, T, S, kind)
-    cos, sin = rope_tables(pos, D)
+    mask, _ = tree_case(g, T, S, kind)
     q, k, v = torch.randn(T, H, D, generator=g), torch.randn(Hkv, S, D, generator=g), torch.randn(Hkv, S, D, generator=g)
-    return [t.to("cuda", dtype) for t in (q, k, v)] + [mask.cuda()] + [t.cuda() for t in (cos, sin)]
+    return [t.to("cuda", dtype) for t in (q, k, v)] + [mask.cuda()]
 
 
 @pytest.mark.gpu
@@ -140,10 +147,10 @@ def _attention_inputs(T, H, Hkv, D, S, kind, seed, dtype=torch.bfloat16):
      (64, 16, 16, 128, 32768, "tree"), (40, 8, 2, 64, 100, "sparse")],
 )  # fmt: skip
 def test_gpu_tree_attention_bf16(T, H, Hkv, D, S, kind):
-    q, k, v, mask, cos, sin = _attention_inputs(T, H, Hkv, D, S, kind, seed=S)
+    q, k, v, mask = _attention_inputs(T, H, Hkv, D, S, kind, seed=S)
     assert kernels.use_triton(q)
-    out = kernels.tree_attention(q, k, v, mask, cos, sin)
-    expected = reference.tree_attention(q.float(), k.float(), v.float(), mask, cos, sin)
+    out = kernels.tree_attention(q, k, v, mask)
+    expected = reference.tree_attention(q.float(), k.float(), v.float(), mask)
     torch.testing.assert_close(out.float(), expected, **BF16_TOL)
 
 
@@ -151,18 +158,18 @@ def test_gpu_tree_attention_bf16(T, H, Hkv, D, S, kind):
 @cuda
 def test_gpu_tree_attention_graph_replay():
     """The cross-program merge (arrival counters) must survive relaunches and CUDA-graph replays."""
-    q, k, v, mask, cos, sin = _attention_inputs(16, 32, 8, 128, 8191, "tree", seed=0)
-    first = kernels.tree_attention(q, k, v, mask, cos, sin)
-    assert torch.equal(kernels.tree_attention(q, k, v, mask, cos, sin), first)  # merge order is fixed
+    q, k, v, mask = _attention_inputs(16, 32, 8, 128, 8191, "tree", seed=0)
+    first = kernels.tree_attention(q, k, v, mask)
+    assert torch.equal(kernels.tree_attention(q, k, v, mask), first)  # merge order is fixed
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = kernels.tree_attention(q, k, v, mask, cos, sin)
+        out = kernels.tree_attention(q, k, v, mask)
     for seed in range(3):
         new = _attention_inputs(16, 32, 8, 128, 8191, "tree", seed=seed + 1)
-        for dst, src in zip((q, k, v, mask, cos, sin), new, strict=True):
+        for dst, src in zip((q, k, v, mask), new, strict=True):
             dst.copy_(src)
         graph.replay()
-        expected = reference.tree_attention(q.float(), k.float(), v.float(), mask, cos, sin)
+        expected = reference.tree_attention(q.float(), k.float(), v.float(), mask)
         torch.testing.assert_close(out.float(), expected, **BF16_TOL)
 
 
