@@ -140,12 +140,12 @@ class Attention(nn.Module):
                 v_cache: Tensor) -> Tensor:
         t = x.shape[0]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
-        qkv = self.wqkv(x)
-        qk = kernels.apply_rope(qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd), rotation)
-        k_cache.index_copy_(1, slots, qk[:, nh:].transpose(0, 1))
-        v_cache.index_copy_(1, slots, qkv[:, (nh + nkv) * hd:].view(t, nkv, hd).transpose(0, 1))
+        qk, v = self.wqkv(x).split_with_sizes([(nh + nkv) * hd, nkv * hd], dim=-1)
+        q, k = kernels.apply_rope(qk.view(t, nh + nkv, hd), rotation).split_with_sizes([nh, nkv], dim=1)
+        k_cache.index_copy_(1, slots, k.transpose(0, 1))
+        v_cache.index_copy_(1, slots, v.view(t, nkv, hd).transpose(0, 1))
         kv_len = mask.shape[-1]
-        out = kernels.tree_attention(qk[:, :nh], k_cache[:, :kv_len], v_cache[:, :kv_len], mask, self.scale)
+        out = kernels.tree_attention(q, k_cache.narrow(1, 0, kv_len), v_cache.narrow(1, 0, kv_len), mask, self.scale)
         return self.wo(out.reshape(t, nh * hd))
 
 
@@ -159,7 +159,7 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if isinstance(self.w13, nn.Linear):
             return self.w2(kernels.swiglu(x, self.w13.weight, self.inter))
-        gate, up = self.w13(x).split(self.inter, dim=-1)  # a CPU linear (packed or int8): same math
+        gate, up = self.w13(x).chunk(2, dim=-1)  # a CPU linear (packed or int8): same math
         return self.w2(F.silu(gate) * up)
 
 
@@ -273,9 +273,9 @@ class Transformer(nn.Module):
         rotation = kernels.rope_rotation(emb.cos().to(dtype), emb.sin().to(dtype))
         x = self.tok_embeddings(tokens)
         residual = None
-        for i, layer in enumerate(self.layers):
+        for layer, k_cache, v_cache in zip(self.layers, self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True):
             h, residual = layer.attention_norm(x, residual)
-            x = self._all_reduce(layer.attention(h, rotation, slots, mask, self.k_cache[i], self.v_cache[i]))
+            x = self._all_reduce(layer.attention(h, rotation, slots, mask, k_cache, v_cache))
             h, residual = layer.ffn_norm(x, residual)
             x = self._all_reduce(layer.feed_forward(h))
         hidden, _ = self.norm(x, residual)

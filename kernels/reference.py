@@ -1,5 +1,6 @@
 """Plain-PyTorch kernels: the CPU path runs these, and the Triton kernels are tested against them."""
 
+import functools
 import math
 
 import torch
@@ -36,8 +37,8 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, sc
     scores = torch.bmm(q, k_cache.transpose(1, 2)).view(Hkv, G, T, S)
     # Scale and additive mask (0 or -inf, broadcast over heads) in one op: on a CPU ops, not flops, cost.
     scores = torch.add(torch.where(mask, 0.0, float("-inf")), scores, alpha=scale)
-    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v_cache.dtype).view(Hkv, G * T, S)
-    out = torch.bmm(p, v_cache).view(Hkv, G, T, D)
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).view(Hkv, G * T, S)
+    out = torch.bmm(_cast(p, v_cache.dtype), v_cache).view(Hkv, G, T, D)
     return out.permute(2, 0, 1, 3).reshape(T, H, D)
 
 
@@ -49,9 +50,21 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
     """
     h = x if residual is None else x + residual
     hf = h.float()
-    # mean(h^2) as ||h||^2 / D: one reduction op, where pow + mean take three (ops, not flops, cost here).
-    ms = torch.linalg.vector_norm(hf, dim=-1, keepdim=True).square_().div_(hf.shape[-1])
-    return (hf * ms.add_(eps).rsqrt_()).mul_(weight).to(x.dtype), h
+    # rsqrt(mean(h^2) + eps) as rsqrt(eps + n * n / D), n = ||h||: three ops where pow, mean, add and
+    # rsqrt take five (at decode sizes a CPU pays per op, not per flop).
+    n = torch.linalg.vector_norm(hf, dim=-1, keepdim=True)
+    inv_rms = torch.addcmul(_scalar(eps), n, n, value=1.0 / hf.shape[-1]).rsqrt_()
+    return _cast((hf * inv_rms).mul_(weight), x.dtype), h
+
+
+def _cast(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x.to(dtype), without the call when it would be a no-op (a call costs more than the math here)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+@functools.cache
+def _scalar(value: float) -> Tensor:
+    return torch.tensor(value, dtype=torch.float32)
 
 
 def swiglu(x: Tensor, w_gate_up: Tensor, inter: int) -> Tensor:
