@@ -141,7 +141,7 @@ def micro(timer: Timer, triton_ops, peak_bw: float) -> None:
             nbytes = 2 * k.numel() * k.element_size() + mask.numel()
             print(f"tree_attention {shape.name} T={T} S={S} H={H} Hkv={Hkv} D={D} (bytes: K, V, mask)")
             for name, ops in [("triton", triton_ops), ("reference (eager)", reference)]:
-                t = timer(partial(ops.tree_attention, q, k, v, mask))
+                t = timer(partial(ops.tree_attention, q, k, v, ops.prepare_mask(mask, H // Hkv, DTYPE)))
                 print(row(name, t, nbytes, peak_bw))
             try:
                 sdpa = partial(F.scaled_dot_product_attention, q_rot, k[None], v[None], attn_mask=mask, enable_gqa=True)
@@ -193,6 +193,7 @@ class RandomLlama:
         s, hd = self.shape, self.shape.head_dim
         T, S = tokens.shape[0], mask.shape[1]
         rotation = rope(pos, hd, s.rope_theta)
+        mask = ops.prepare_mask(mask, s.n_heads // s.n_kv_heads, DTYPE)
         h, residual = self.embed[tokens], None
         for i, layer in enumerate(self.layers):
             x, residual = ops.add_rms_norm(h, residual, layer["attn_norm"], s.eps)

@@ -144,7 +144,7 @@ class Attention(nn.Module):
         q, k = kernels.apply_rope(qk.view(t, nh + nkv, hd), rotation).split_with_sizes([nh, nkv], dim=1)
         k_cache.index_copy_(1, slots, k.transpose(0, 1))
         v_cache.index_copy_(1, slots, v.view(t, nkv, hd).transpose(0, 1))
-        kv_len = mask.shape[-1]
+        kv_len = mask.shape[-1]  # mask: kernels.prepare_mask's form of the [t, kv_len] bool mask
         out = kernels.tree_attention(q, k_cache.narrow(1, 0, kv_len), v_cache.narrow(1, 0, kv_len), mask, self.scale)
         return self.wo(out.reshape(t, nh * hd))
 
@@ -271,11 +271,13 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         dtype = self.tok_embeddings.weight.dtype
         rotation = kernels.rope_rotation(emb.cos().to(dtype), emb.sin().to(dtype))
+        attn = self.layers[0].attention
+        attn_mask = kernels.prepare_mask(mask, attn.n_heads // attn.n_kv_heads, dtype)
         x = self.tok_embeddings(tokens)
         residual = None
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True):
             h, residual = layer.attention_norm(x, residual)
-            x = self._all_reduce(layer.attention(h, rotation, slots, mask, k_cache, v_cache))
+            x = self._all_reduce(layer.attention(h, rotation, slots, attn_mask, k_cache, v_cache))
             h, residual = layer.ffn_norm(x, residual)
             x = self._all_reduce(layer.feed_forward(h))
         hidden, _ = self.norm(x, residual)

@@ -5,11 +5,12 @@ Triton is imported on the first CUDA call only, so importing this package stays 
 
 import functools
 
+import torch
 from torch import Tensor
 
 from . import reference
 
-__all__ = ["add_rms_norm", "apply_rope", "rope_rotation", "swiglu", "tree_attention", "use_triton"]
+__all__ = ["add_rms_norm", "apply_rope", "prepare_mask", "rope_rotation", "swiglu", "tree_attention", "use_triton"]
 
 # RoPE is one batched matmul, on every device.
 rope_rotation = reference.rope_rotation
@@ -30,8 +31,15 @@ def use_triton(tensor: Tensor) -> bool:
     return tensor.is_cuda and _triton_kernels() is not None
 
 
+def prepare_mask(mask: Tensor, group: int, dtype: torch.dtype) -> Tensor:
+    """The [T, S] bool mask (True = attend) in the form tree_attention takes; once per forward. ``group``:
+    query heads per kv head; ``dtype``: the attention inputs' dtype."""
+    ops = _triton_kernels() if use_triton(mask) else reference
+    return ops.prepare_mask(mask, group, dtype)
+
+
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
-    """q [T, H, D] (rotated), k/v cache [Hkv, S, D], mask [T, S] bool -> [T, H, D]."""
+    """q [T, H, D] (rotated), k/v cache [Hkv, S, D], mask from prepare_mask -> [T, H, D]."""
     ops = _triton_kernels() if use_triton(q) else reference
     return ops.tree_attention(q, k_cache, v_cache, mask, scale)
 

@@ -22,10 +22,17 @@ def apply_rope(x: Tensor, rotation: Tensor) -> Tensor:
     return torch.bmm(x, rotation)
 
 
-def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
-    """Attention of T new tokens over S cached keys under an arbitrary [T, S] mask (prefix + draft tree).
+def prepare_mask(mask: Tensor, group: int, dtype: torch.dtype) -> Tensor:
+    """The [T, S] bool mask as tree_attention takes it, built once per forward rather than once per layer:
+    an additive mask (0 or -inf) with one row per (query head of a kv group, token), in the scores' dtype."""
+    return torch.where(mask, 0.0, float("-inf")).to(dtype).repeat(group, 1)
 
-    q [T, H, D] and k/v [Hkv, S, D] hold rotated keys; head h reads kv head h // (H // Hkv).
+
+def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
+    """Attention of T new tokens over S cached keys under an arbitrary mask (prefix + draft tree).
+
+    q [T, H, D] and k/v [Hkv, S, D] hold rotated queries and keys; head h reads kv head h // (H // Hkv);
+    ``mask`` is prepare_mask's [G * T, S] form of the [T, S] bool mask.
     Every mask row needs a True (pad rows can attend to themselves): an empty row is NaN here, 0 in Triton.
     Matmuls run in the input dtype and the softmax in fp32, like HF's eager attention.
     """
@@ -34,10 +41,8 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, sc
     G = H // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     q = q.view(T, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * T, D)
-    scores = torch.bmm(q, k_cache.transpose(1, 2)).view(Hkv, G, T, S)
-    # Scale and additive mask (0 or -inf, broadcast over heads) in one op: on a CPU ops, not flops, cost.
-    scores = torch.add(torch.where(mask, 0.0, float("-inf")), scores, alpha=scale)
-    p = torch.softmax(scores, dim=-1, dtype=torch.float32).view(Hkv, G * T, S)
+    scores = torch.baddbmm(mask, q, k_cache.transpose(1, 2), alpha=scale)  # scale and mask in the same op
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32)
     out = torch.bmm(_cast(p, v_cache.dtype), v_cache).view(Hkv, G, T, D)
     return out.permute(2, 0, 1, 3).reshape(T, H, D)
 

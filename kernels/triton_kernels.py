@@ -129,6 +129,11 @@ def _tree_attention_kernel(
             tl.store(counter, 0)
 
 
+def prepare_mask(mask: Tensor, group: int, dtype: torch.dtype) -> Tensor:
+    """The kernel reads the [T, S] bool mask as it is."""
+    return mask
+
+
 def tree_attention(
     q: Tensor,
     k_cache: Tensor,

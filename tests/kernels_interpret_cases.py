@@ -42,7 +42,8 @@ def check_attention(T, H, Hkv, D, S, kind, num_splits, seed, views=False, dtype=
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     out = tk.tree_attention(q, k, v, mask, num_splits=num_splits)
     tol = ATTN_TOL if dtype == torch.float32 else FP16_TOL
-    torch.testing.assert_close(out, reference.tree_attention(q, k, v, mask), **tol)
+    expected = reference.tree_attention(q, k, v, reference.prepare_mask(mask, H // Hkv, dtype))
+    torch.testing.assert_close(out, expected, **tol)
 
 
 @pytest.mark.parametrize(

@@ -74,7 +74,7 @@ def test_reference_tree_attention_matches_sdpa(H, Hkv):
         attn_mask=mask,
         scale=1 / math.sqrt(D),
     ).transpose(0, 1)
-    out = reference.tree_attention(q, k, v, mask)
+    out = reference.tree_attention(q, k, v, reference.prepare_mask(mask, H // Hkv, q.dtype))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -149,8 +149,10 @@ def _attention_inputs(T, H, Hkv, D, S, kind, seed, dtype=torch.bfloat16):
 def test_gpu_tree_attention_bf16(T, H, Hkv, D, S, kind):
     q, k, v, mask = _attention_inputs(T, H, Hkv, D, S, kind, seed=S)
     assert kernels.use_triton(q)
-    out = kernels.tree_attention(q, k, v, mask)
-    expected = reference.tree_attention(q.float(), k.float(), v.float(), mask)
+    out = kernels.tree_attention(q, k, v, kernels.prepare_mask(mask, H // Hkv, q.dtype))
+    expected = reference.tree_attention(
+        q.float(), k.float(), v.float(), reference.prepare_mask(mask, H // Hkv, torch.float32)
+    )
     torch.testing.assert_close(out.float(), expected, **BF16_TOL)
 
 
@@ -169,7 +171,7 @@ def test_gpu_tree_attention_graph_replay():
         for dst, src in zip((q, k, v, mask), new, strict=True):
             dst.copy_(src)
         graph.replay()
-        expected = reference.tree_attention(q.float(), k.float(), v.float(), mask)
+        expected = reference.tree_attention(q.float(), k.float(), v.float(), reference.prepare_mask(mask, 4, torch.float32))
         torch.testing.assert_close(out.float(), expected, **BF16_TOL)
 
 
