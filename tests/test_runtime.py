@@ -390,13 +390,19 @@ def test_cancel_then_generate_again(self_engine, references):
 
 @pytest.mark.slow
 def test_ctrl_c_cancels_and_the_engine_stays_usable(self_engine, references):
-    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    streaming = threading.Event()  # Ctrl-C once tokens flow: mid-answer however fast the engine is
+
+    def ctrl_c():
+        streaming.wait(60)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    interrupter = threading.Thread(target=ctrl_c)
     with pytest.raises(KeyboardInterrupt):
-        timer.start()
+        interrupter.start()
         for _ in self_engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=2000, ignore_eos=True,
                                                                  mode="ar")):
-            pass
-    timer.join()
+            streaming.set()
+    interrupter.join()
     assert self_engine.alive
     tokens, _, _ = answer(self_engine, PROMPTS[0], max_new_tokens=N_TOKENS, ignore_eos=True)
     assert tokens == references[0]
