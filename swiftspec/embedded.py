@@ -46,11 +46,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SWIFTSPEC_CACHE") or platformdirs.user_cache_dir("swiftspec"))
 
 
+CONVERSION_FORMAT = 1  # bump when the converted files change, so older conversions are not reused
+
+
 def converted_dir(gguf: Path) -> Path:
-    """Where the conversion of this exact GGUF file (by name, size and mtime) lives."""
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "converted" / f"{gguf.stem}-{key}"
+    """Where the conversion of this GGUF lives: keyed by its content (size, first and last MiB: the header
+    with every tensor's name, shape and offset, and the last tensors' data), not its path, so each venv that
+    installs the same file shares one conversion instead of leaving a 540 MB copy per install behind."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(f"{CONVERSION_FORMAT}:{size}:".encode())
+    with gguf.open("rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    return cache_dir() / "converted" / f"{gguf.stem}-{digest.hexdigest()[:16]}"
 
 
 def _save_dequantised(model, out: Path) -> None:

@@ -48,6 +48,19 @@ def test_conversion_happens_once(embedded_dir, monkeypatch):
     load_tokenizer(embedded_dir)
 
 
+def test_conversion_is_keyed_by_content_not_path(tmp_path, monkeypatch):
+    """Two installs of the same file share a conversion; a different file (same size) gets its own."""
+    monkeypatch.setenv("SWIFTSPEC_CACHE", str(tmp_path / "cache"))
+    content = bytes(range(256)) * 12_000  # ~3 MiB: the first and the last MiB are hashed, not the middle
+    a, b, c = (tmp_path / d / embedded.EMBEDDED_FILE for d in "abc")
+    for path in (a, b, c):
+        path.parent.mkdir()
+        path.write_bytes(content)
+    c.write_bytes(content[:-1] + b"x")
+    assert embedded.converted_dir(a) == embedded.converted_dir(b) != embedded.converted_dir(c)
+    assert embedded.converted_dir(a).parent == tmp_path / "cache" / "converted"
+
+
 def test_interrupted_conversion_leaves_no_cache_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("SWIFTSPEC_CACHE", str(tmp_path))
     import transformers
