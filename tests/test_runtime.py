@@ -396,13 +396,19 @@ def test_ctrl_c_cancels_and_the_engine_stays_usable(self_engine, references):
         streaming.wait(60)
         os.kill(os.getpid(), signal.SIGINT)
 
+    # A shell's background job starts with SIGINT ignored and Python keeps it so: put back the handler a
+    # terminal gives, or the Ctrl-C would be dropped.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupter = threading.Thread(target=ctrl_c)
-    with pytest.raises(KeyboardInterrupt):
-        interrupter.start()
-        for _ in self_engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=2000, ignore_eos=True,
-                                                                 mode="ar")):
-            streaming.set()
-    interrupter.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            interrupter.start()
+            for _ in self_engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=2000, ignore_eos=True,
+                                                                     mode="ar")):
+                streaming.set()
+        interrupter.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert self_engine.alive
     tokens, _, _ = answer(self_engine, PROMPTS[0], max_new_tokens=N_TOKENS, ignore_eos=True)
     assert tokens == references[0]
