@@ -162,3 +162,15 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
         return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     except Exception as e:
         raise LoadError(f"cannot load the tokenizer from {model_dir}: {e}") from None
+
+
+def eos_token_ids(model_dir: Path, tokenizer) -> list[int]:
+    """Every id that ends an answer: the tokenizer's EOS and the model's config and generation config
+    (each an int or a list)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids |= set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
+    return sorted(ids)

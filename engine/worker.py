@@ -239,23 +239,12 @@ def gather_ranks(ctx: Ctx) -> list[RankInfo]:
     return ranks
 
 
-def _eos_ids(model_dir: Path, tokenizer, args_eos: tuple[int, ...]) -> set[int]:
-    eos = set(args_eos)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        v = json.loads(gen.read_text()).get("eos_token_id")
-        eos.update(v if isinstance(v, list) else [] if v is None else [v])
-    return eos
-
-
 def load(ctx: Ctx) -> None:
     """Target ranks load their shard of the target; draft ranks build the drafter and its tree state."""
     from swiftspec.engine.cuda_graphs import GraphedModel
     from swiftspec.engine.decode import DraftState, TargetState
     from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter, check_vocab_compatible
-    from swiftspec.engine.loader import load_model, load_tokenizer
+    from swiftspec.engine.loader import eos_token_ids, load_model, load_tokenizer
 
     args = ctx.args
     target_dir = Path(args.target)
@@ -274,7 +263,7 @@ def load(ctx: Ctx) -> None:
         ctx.target = TargetState(model, slots)
         if ctx.rank == 0:
             ctx.tokenizer = load_tokenizer(target_dir, args.trust_remote_code)
-            ctx.eos = _eos_ids(target_dir, ctx.tokenizer, model.args.eos_token_ids)
+            ctx.eos = set(eos_token_ids(target_dir, ctx.tokenizer))
     else:
         if args.draft == "suffix":
             drafter = SuffixDrafter(history_tokens=SuffixDrafter.HISTORY_TOKENS if args.draft_history else 0)

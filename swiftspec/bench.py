@@ -184,17 +184,6 @@ def select_prompts(prompts: Path | None, prompt_set: str | list[str] | None, lim
 # --- runners -----------------------------------------------------------------------------------------
 
 
-def eos_token_ids(model_dir: Path, tokenizer) -> list[int]:
-    """Every id that ends an answer: the tokenizer's EOS and the model config's (int or list)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for name in ("config.json", "generation_config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            ids |= set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
-    return sorted(ids)
-
-
 def strip_eos(ids: list[int], eos: list[int]) -> list[int]:
     while ids and ids[-1] in eos:
         ids = ids[:-1]
@@ -589,7 +578,7 @@ def hf_device(config: EngineConfig) -> tuple[str, str]:
     return device, str(default_dtype(torch.device(device), config.dtype)).removeprefix("torch.")
 
 
-def _load_hf(model_dir: Path, tokenizer, config: EngineConfig, modes: list[str],
+def _load_hf(model_dir: Path, tokenizer, eos: list[int], config: EngineConfig, modes: list[str],
              assist: dict[str, Any] | None) -> dict[str, Runner]:
     import torch
     import transformers
@@ -598,7 +587,6 @@ def _load_hf(model_dir: Path, tokenizer, config: EngineConfig, modes: list[str],
     transformers.utils.logging.disable_progress_bar()
     if config.threads:
         torch.set_num_threads(config.threads)
-    eos = eos_token_ids(model_dir, tokenizer)
     device, dtype = hf_device(config)
 
     def load(path) -> Any:
@@ -654,17 +642,17 @@ def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompt
             console.width = max(console.width, 150)
     err = Console(stderr=True)
 
-    from swiftspec.engine.loader import load_tokenizer, resolve_model_dir
+    from swiftspec.engine.loader import eos_token_ids, load_tokenizer, resolve_model_dir
 
     with contextlib.ExitStack() as stack:
         info: dict[str, Any] = {}
         runners: dict[str, Runner] = {}
         model_dir = resolve_model_dir(config.target)
         tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
+        eos = eos_token_ids(model_dir, tokenizer)
         if any(m in HF_MODES for m in mode_list):
             with err.status("loading the target into transformers for the hf baselines"):
-                runners.update(_load_hf(model_dir, tokenizer, config, mode_list, assist))
-        eos = eos_token_ids(model_dir, tokenizer)
+                runners.update(_load_hf(model_dir, tokenizer, eos, config, mode_list, assist))
         if any(m in ENGINE_MODES for m in mode_list):
             engine = _start_engine(config, err)
             stack.callback(engine.close)
