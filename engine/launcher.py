@@ -86,10 +86,60 @@ def plan_layout(config: EngineConfig, n_gpus: int) -> Layout:
     return Layout(n - n_draft, n_draft, list(range(n - n_draft)), list(range(n - n_draft, n)))
 
 
+GLOO, GLOO_NCCL = "gloo", "cpu:gloo,cuda:nccl"
+DRAFT_MEMORY_SHARE = 0.25  # of a GPU that the draft group shares with the target group
+
+
+def rank_devices(layout: Layout) -> list[str]:
+    """Each rank's device: "cpu", "cuda:N", or "cuda" for a GPU of its own that torchrun's LOCAL_RANK
+    picks (``--device cuda`` without device lists, as on several nodes)."""
+    if layout.target_devices is None:
+        return ["cpu"] * layout.world
+    draft = [f"cuda:{i}" for i in layout.draft_devices or []] or ["cpu"] * layout.n_draft
+    return [f"cuda:{i}" for i in layout.target_devices] + draft
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    ranks: tuple[int, ...]
+    backend: str
+
+
+def process_groups(devices: list[str], n_target: int) -> dict[str, GroupSpec]:
+    """The communicators, given each rank's device (rank_devices).
+
+    ``world`` carries control only (requests, barriers, the int64 subtree/verdict messages between the
+    group leaders, all CPU tensors) and is gloo alone, so no NCCL communicator ever spans the two groups:
+    they may share a GPU (one-GPU layouts), and NCCL refuses two ranks on one device. ``target`` and
+    ``draft`` are the TP groups: gloo for the leader's CPU messages to its followers, plus NCCL for the
+    all-reduces when the group spans several GPUs, which must then be distinct.
+    """
+    def tp(ranks: range) -> GroupSpec:
+        devs = [devices[r] for r in ranks]
+        concrete = [d for d in devs if d != "cuda"]
+        if len(set(concrete)) != len(concrete):
+            raise ConfigError(f"ranks {list(ranks)} of one tensor-parallel group share a device: {devs}")
+        gpu = len(devs) > 1 and all(d.startswith("cuda") for d in devs)
+        return GroupSpec(tuple(ranks), GLOO_NCCL if gpu else GLOO)
+
+    world = len(devices)
+    return {"world": GroupSpec(tuple(range(world)), GLOO), "target": tp(range(n_target)),
+            "draft": tp(range(n_target, world))}
+
+
+def memory_fraction(devices: list[str], rank: int, n_target: int) -> float | None:
+    """The share of its GPU a rank may take when the two groups share that GPU (None: not shared)."""
+    mine = devices[rank]
+    if mine in ("cpu", "cuda") or devices.count(mine) == 1:
+        return None
+    return DRAFT_MEMORY_SHARE if rank >= n_target else 1.0 - DRAFT_MEMORY_SHARE
+
+
 def worker_args(config: EngineConfig, layout: Layout, target_dir: Path, draft: str) -> list[str]:
     """The worker's own flags (see ``python -m swiftspec.engine.worker --help``)."""
     args = ["--target", str(target_dir), "--draft", draft, "--target-procs", str(layout.n_target),
-            "--dtype", config.dtype, "--max-seq-len", str(config.max_seq_len),
+            "--dtype", config.dtype, "--batch-invariant", config.batch_invariant,
+            "--max-seq-len", str(config.max_seq_len),
             "--tree-bs", str(config.tree.bs), "--tree-w", str(config.tree.w)]
     if config.tree.d is not None:
         args += ["--tree-d", str(config.tree.d)]

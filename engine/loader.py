@@ -107,13 +107,21 @@ def default_dtype(device: torch.device, dtype: str = "auto") -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def batch_invariant_default(device: torch.device, dtype: torch.dtype) -> bool:
+    """On, except for fp32 on the CPU: 16-bit and GPU GEMMs round differently by row count often enough to
+    flip greedy tokens between a verification and a step, fp32 CPU GEMMs differ by ~1e-6 (an argmax flip
+    needs a near-tie), and there the one-row forwards would cost the speed that the CPU default is for."""
+    return device.type == "cuda" or dtype != torch.float32
+
+
 def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str = "auto",
                max_slots: int = 4096, tp_group=None, tp_rank: int = 0, tp_world: int = 1,
-               int8: bool = False) -> Transformer:
+               int8: bool = False, batch_invariant: bool | None = None) -> Transformer:
     """Builds our Transformer from a Hugging Face directory, sharded for tensor parallelism if asked.
 
     ``int8``: dynamic int8 linears (FBGEMM, CPU only), for a fast approximate copy of a model that
     serves as a draft: its proposals are verified, so the approximation never reaches the output.
+    ``batch_invariant``: see Transformer.make_batch_invariant; None = batch_invariant_default.
     """
     from swiftspec.engine import tp
 
@@ -138,6 +146,8 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str =
         quantize_int8(model)
     elif device.type == "cpu":
         model.pack_cpu_linears()
+    if batch_invariant_default(device, torch_dtype) if batch_invariant is None else batch_invariant:
+        model.make_batch_invariant()
     model.eval()
     model.setup_cache(max_slots)
     return model

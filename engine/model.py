@@ -10,7 +10,9 @@ tokens are written into the cache before attention, so the mask covers them too.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from swiftspec import kernels
+from swiftspec.kernels import KeyList
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -136,15 +139,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * args.head_dim, args.dim, bias=False)
         self.scale = 1.0 / math.sqrt(args.head_dim)
 
-    def forward(self, x: Tensor, rotation: Tensor, slots: Tensor, mask: Tensor, k_cache: Tensor,
-                v_cache: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Callable[[Tensor], Tensor], slots: Tensor, mask: Tensor | KeyList,
+                k_cache: Tensor, v_cache: Tensor) -> Tensor:
         t = x.shape[0]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         qk, v = self.wqkv(x).split_with_sizes([(nh + nkv) * hd, nkv * hd], dim=-1)
-        q, k = kernels.apply_rope(qk.view(t, nh + nkv, hd), rotation).split_with_sizes([nh, nkv], dim=1)
+        q, k = rope(qk.view(t, nh + nkv, hd)).split_with_sizes([nh, nkv], dim=1)
         k_cache.index_copy_(1, slots, k.transpose(0, 1))
         v_cache.index_copy_(1, slots, v.view(t, nkv, hd).transpose(0, 1))
-        kv_len = mask.shape[-1]  # mask: kernels.prepare_mask's form of the [t, kv_len] bool mask
+        # mask: kernels.prepare_mask's form of the [t, kv_len] bool mask
+        kv_len = (mask.slots if isinstance(mask, KeyList) else mask).shape[-1]
         out = kernels.tree_attention(q, k_cache.narrow(1, 0, kv_len), v_cache.narrow(1, 0, kv_len), mask, self.scale)
         return self.wo(out.reshape(t, nh * hd))
 
@@ -189,6 +193,20 @@ class PackedLinear(nn.Module):
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)[:m]
 
 
+class InvariantLinear(nn.Module):
+    """A CUDA linear whose rows do not depend on each other (kernels/triton_kernels.linear): the
+    batch-invariant mode's replacement for nn.Linear, sharing its weight."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = lin.weight, lin.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        from swiftspec.kernels import triton_kernels
+
+        return triton_kernels.linear(x, self.weight, self.bias)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, n_heads: int, n_kv_heads: int, inter: int):
         super().__init__()
@@ -221,6 +239,7 @@ class Transformer(nn.Module):
         self.inv_freq: Tensor | None = None
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
+        self.batch_invariant = False
 
     @property
     def max_slots(self) -> int:
@@ -246,6 +265,23 @@ class Transformer(nn.Module):
                 if isinstance(child, nn.Linear):
                     setattr(mod, name, PackedLinear(child, rows))
 
+    def make_batch_invariant(self) -> None:
+        """Every row's result stops depending on how many rows share the forward and where they sit: a
+        verification of n tree nodes then computes, bit for bit, what n one-token steps would (16-bit
+        GEMMs and split reductions otherwise round differently by row count, and greedy argmaxes flip).
+
+        On CUDA: batch-invariant Triton linears and attention, elementwise RoPE. Elsewhere a forward of T
+        rows runs as T one-row forwards (invariant by construction; T times the weight reads). Attention
+        reads each row's own key list in both (kernels.KeyList). Exact across ranks only without TP (or
+        with an all-reduce whose summation order is fixed).
+        """
+        self.batch_invariant = True
+        if self.tok_embeddings.weight.is_cuda:
+            for mod in list(self.modules()):
+                for name, child in list(mod.named_children()):
+                    if isinstance(child, nn.Linear):
+                        setattr(mod, name, InvariantLinear(child))
+
     def _all_reduce(self, x: Tensor) -> Tensor:
         """Sums the TP partials. On CUDA this is the one-shot symmetric-memory all-reduce where it works
         (engine/allreduce.py): at <= 16 tokens per forward all-reduce latency, not bandwidth, dominates a
@@ -268,20 +304,43 @@ class Transformer(nn.Module):
         states [T, dim] as well when ``return_hidden``.
         """
         assert self.k_cache is not None, "call setup_cache() first"
+        invariant = self.batch_invariant
+        if invariant and mask.shape[0] > 1 and not tokens.is_cuda:
+            return self._forward_rows(tokens, positions, slots, mask, logits_rows, return_hidden)
         freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None]
         emb = torch.cat((freqs, freqs), dim=-1)
         dtype = self.tok_embeddings.weight.dtype
-        rotation = kernels.rope_rotation(emb.cos().to(dtype), emb.sin().to(dtype))
+        if invariant:
+            rope = partial(kernels.rope_rotate_half, cos=emb.cos(), sin=emb.sin())
+        else:
+            rope = partial(kernels.apply_rope, rotation=kernels.rope_rotation(emb.cos().to(dtype), emb.sin().to(dtype)))
         attn = self.layers[0].attention
-        attn_mask = kernels.prepare_mask(mask, attn.n_heads // attn.n_kv_heads, dtype)
+        attn_mask = kernels.prepare_mask(mask, attn.n_heads // attn.n_kv_heads, dtype, invariant)
         x = self.tok_embeddings(tokens)
         residual = None
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True):
             h, residual = layer.attention_norm(x, residual)
-            x = self._all_reduce(layer.attention(h, rotation, slots, attn_mask, k_cache, v_cache))
+            x = self._all_reduce(layer.attention(h, rope, slots, attn_mask, k_cache, v_cache))
             h, residual = layer.ffn_norm(x, residual)
             x = self._all_reduce(layer.feed_forward(h))
         hidden, _ = self.norm(x, residual)
         rows = hidden if logits_rows is None else hidden[logits_rows]
         logits = self.output(rows).float()
         return (logits, hidden) if return_hidden else logits
+
+    def _forward_rows(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor,
+                      logits_rows: Tensor | slice | None, return_hidden: bool):
+        """The batch-invariant forward off CUDA: one one-row forward per row, in order. Rows only attend to
+        earlier rows (a prefill is causal, a tree lists parents first), whose KV is then already written.
+        The lm_head runs for the rows whose logits are asked for."""
+        order = torch.arange(mask.shape[0])
+        order = (order if logits_rows is None else order[logits_rows]).reshape(-1).tolist()
+        logits_at, hidden = {}, []
+        for i in range(mask.shape[0]):
+            one = slice(i, i + 1)
+            logits, h = self.forward(tokens[one], positions[one], slots[one], mask[one],
+                                     slice(0, 1 if i in order else 0), True)
+            logits_at[i] = logits
+            hidden.append(h)
+        logits = torch.cat([logits_at[i] for i in order]) if order else logits[:0]
+        return (logits, torch.cat(hidden)) if return_hidden else logits

@@ -144,6 +144,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="cuda without device lists: each rank uses cuda:LOCAL_RANK (multi-node)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--batch-invariant", choices=["auto", "on", "off"], default="auto",
+                   help="the target's rows independent of the call's size (exact 16-bit speculation); "
+                        "auto: on except for fp32 on the CPU")
     p.add_argument("--max-seq-len", type=int, default=4096)
     # (--tree-*: torchrun's parser would take a bare --d for an abbreviation of its own options)
     p.add_argument("--tree-bs", dest="bs", type=int, default=8, help="nodes verified per target forward")
@@ -187,36 +190,37 @@ def _cpu_threads(args: argparse.Namespace, rank: int, n_target: int) -> int:
 
 
 def setup(args: argparse.Namespace) -> Ctx:
+    from swiftspec.engine import launcher
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     n_target = args.target_procs
     if not 1 <= n_target < world:
         raise ConfigError(f"{world} ranks cannot hold {n_target} target rank(s) and at least one draft rank")
     role = "target" if rank < n_target else "draft"
-    cuda = args.device == "cuda" or args.target_devices is not None
-    device = torch.device("cpu")
-    if cuda:
-        if args.target_devices is None:
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        else:
-            devs = _devices(args.target_devices) if role == "target" else _devices(args.draft_devices)
-            idx = rank if role == "target" else rank - n_target
-            if devs:
-                device = torch.device("cuda", devs[idx])
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+    if args.target_devices is not None:
+        layout = launcher.Layout(n_target, world - n_target, _devices(args.target_devices), _devices(args.draft_devices))
+        devices = launcher.rank_devices(layout)
+    else:
+        devices = ["cuda" if args.device == "cuda" else "cpu"] * world
+    device = torch.device(devices[rank] if devices[rank] != "cuda" else f"cuda:{os.environ['LOCAL_RANK']}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        share = launcher.memory_fraction(devices, rank, n_target)
+        if share is not None:
+            torch.cuda.set_per_process_memory_fraction(share, device)
     threads = _cpu_threads(args, rank, n_target)
     torch.set_num_threads(threads)
-    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-    dist.init_process_group(backend, timeout=PG_TIMEOUT)
+    groups = launcher.process_groups(devices, n_target)
+    dist.init_process_group(groups["world"].backend, timeout=PG_TIMEOUT)
+    backend = groups["target"].backend if role == "target" else groups["draft"].backend
     ctx = Ctx(args, rank, world, n_target, role, device, threads, backend, wire=Wire(args.bs))
-    ctx.target_group = dist.new_group(list(range(n_target)), timeout=PG_TIMEOUT)
-    ctx.draft_group = dist.new_group(list(range(n_target, world)), timeout=PG_TIMEOUT)
+    ctx.target_group = dist.new_group(list(groups["target"].ranks), timeout=PG_TIMEOUT, backend=groups["target"].backend)
+    ctx.draft_group = dist.new_group(list(groups["draft"].ranks), timeout=PG_TIMEOUT, backend=groups["draft"].backend)
     return ctx
 
 
 def _barrier() -> None:
-    """A barrier over CPU tensors: dist.barrier() would pick NCCL on a CUDA rank, which fails when two
-    ranks share a GPU or one has none (the suffix drafter's rank)."""
+    """A barrier over CPU tensors (the world group is gloo only; see launcher.process_groups)."""
     dist.all_reduce(torch.zeros(1))
 
 
@@ -250,16 +254,18 @@ def load(ctx: Ctx) -> None:
     target_dir = Path(args.target)
     slots = args.max_seq_len + args.bs + 1  # the prefix plus one tree being verified
 
-    def model_for(path: Path, n_slots: int, group, int8: bool = False):
+    def model_for(path: Path, n_slots: int, group, int8: bool = False, batch_invariant: bool | None = False):
         """Our model on this rank's device; on CUDA wrapped in CUDA graphs (one more slot: the graphs'
-        scratch slot, hidden from the caller)."""
+        scratch slot, hidden from the caller). Drafts skip the batch-invariant mode: their rounding only
+        changes what is proposed, never what is output."""
         cuda = ctx.device.type == "cuda"
         model = load_model(path, ctx.device, args.dtype, max_slots=n_slots + cuda, tp_group=group,
-                           tp_rank=ctx.tp_rank, tp_world=ctx.tp_world, int8=int8)
+                           tp_rank=ctx.tp_rank, tp_world=ctx.tp_world, int8=int8, batch_invariant=batch_invariant)
         return GraphedModel(model) if cuda else model
 
     if ctx.role == "target":
-        model = model_for(target_dir, slots, ctx.target_group)
+        invariant = {"auto": None, "on": True, "off": False}[args.batch_invariant]
+        model = model_for(target_dir, slots, ctx.target_group, batch_invariant=invariant)
         ctx.target = TargetState(model, slots)
         if ctx.rank == 0:
             ctx.tokenizer = load_tokenizer(target_dir, args.trust_remote_code)

@@ -10,11 +10,14 @@ from torch import Tensor
 
 from . import reference
 
-__all__ = ["add_rms_norm", "apply_rope", "prepare_mask", "rope_rotation", "swiglu", "tree_attention", "use_triton"]
+__all__ = ["KeyList", "add_rms_norm", "apply_rope", "prepare_mask", "rope_rotate_half", "rope_rotation", "swiglu",
+           "tree_attention", "use_triton"]
 
-# RoPE is one batched matmul, on every device.
+# RoPE is one batched matmul on every device; elementwise in the batch-invariant mode.
 rope_rotation = reference.rope_rotation
 apply_rope = reference.apply_rope
+rope_rotate_half = reference.rope_rotate_half
+KeyList = reference.KeyList
 
 
 @functools.cache
@@ -31,14 +34,16 @@ def use_triton(tensor: Tensor) -> bool:
     return tensor.is_cuda and _triton_kernels() is not None
 
 
-def prepare_mask(mask: Tensor, group: int, dtype: torch.dtype) -> Tensor:
+def prepare_mask(mask: Tensor, group: int, dtype: torch.dtype, invariant: bool = False) -> Tensor | KeyList:
     """The [T, S] bool mask (True = attend) in the form tree_attention takes; once per forward. ``group``:
-    query heads per kv head; ``dtype``: the attention inputs' dtype."""
+    query heads per kv head; ``dtype``: the attention inputs' dtype; ``invariant``: the batch-invariant
+    mode's per-row key lists."""
     ops = _triton_kernels() if use_triton(mask) else reference
-    return ops.prepare_mask(mask, group, dtype)
+    return ops.prepare_mask(mask, group, dtype, invariant)
 
 
-def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
+def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor | KeyList,
+                   scale: float | None = None) -> Tensor:
     """q [T, H, D] (rotated), k/v cache [Hkv, S, D], mask from prepare_mask -> [T, H, D]."""
     ops = _triton_kernels() if use_triton(q) else reference
     return ops.tree_attention(q, k_cache, v_cache, mask, scale)

@@ -12,7 +12,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .reference import KeyList, key_list
+
 ATTN_BLOCK_N = 64
+INVARIANT_KEYS_PER_SPLIT = 512  # the batch-invariant attention's fixed key-axis split
 PROGRAMS_PER_SM = 2  # enough resident programs to keep loads in flight on every SM
 MAX_COUNTERS = 1 << 16
 _counters: dict[torch.device, Tensor] = {}
@@ -44,22 +47,33 @@ def _counters_for(device: torch.device, n: int) -> Tensor:
 # (query block, kv head) to finish merges the partial softmaxes, so a forward is one launch, not two.
 @triton.jit
 def _tree_attention_kernel(
-    Q, K, V, Mask, Out, MidM, MidL, MidO, Counter,
+    Q, K, V, Mask, KeySlots, Lengths, Out, MidM, MidL, MidO, Counter,
     scale_log2, T, S, G, num_splits, keys_per_split,
     stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_mt,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, INVARIANT: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # Rows are (token, head-in-group) pairs: the G query heads sharing a kv head share every K/V load.
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < T * G
-    t = rows // G
-    head = kvh * G + rows % G
     d = tl.arange(0, HEAD_DIM)
+    if INVARIANT:
+        # One token per program, its G query heads as rows, over its own key list (KeySlots: the allowed
+        # slots in sequence order): a row's arithmetic depends on its keys alone, not on the call.
+        r = tl.arange(0, BLOCK_M)
+        rows = pid_m * BLOCK_M + r
+        row_ok = r < G
+        t = tl.zeros([BLOCK_M], tl.int32) + pid_m
+        head = kvh * G + r
+        seq_len = tl.load(Lengths + pid_m)
+    else:
+        # Rows are (token, head-in-group) pairs: the G query heads sharing a kv head share every K/V load.
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < T * G
+        t = rows // G
+        head = kvh * G + rows % G
+        seq_len = S
 
     q_ptrs = Q + t[:, None] * stride_qt + head[:, None] * stride_qh
     q = tl.load(q_ptrs + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -70,23 +84,31 @@ def _tree_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     start = split * keys_per_split
-    end = tl.minimum(start + keys_per_split, S)
+    end = tl.minimum(start + keys_per_split, seq_len)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
-        k = tl.load(K + kvh * stride_kh + n[:, None] * stride_ks + d[None, :], mask=n_ok[:, None], other=0.0)
+        if INVARIANT:
+            key = tl.load(KeySlots + pid_m * stride_mt + n, mask=n_ok, other=0)
+        else:
+            key = n
+        k = tl.load(K + kvh * stride_kh + key[:, None] * stride_ks + d[None, :], mask=n_ok[:, None], other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        allowed = tl.load(Mask + t[:, None] * stride_mt + n[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0)
-        s = tl.where(allowed != 0, s * scale_log2, float("-inf"))
+        if INVARIANT:
+            s = tl.where(n_ok[None, :], s * scale_log2, float("-inf"))
+        else:
+            allowed = tl.load(Mask + t[:, None] * stride_mt + n[None, :], mask=row_ok[:, None] & n_ok[None, :],
+                              other=0)
+            s = tl.where(allowed != 0, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kvh * stride_vh + n[:, None] * stride_vs + d[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(V + kvh * stride_vh + key[:, None] * stride_vs + d[None, :], mask=n_ok[:, None], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v, input_precision="ieee")
         else:
@@ -129,38 +151,54 @@ def _tree_attention_kernel(
             tl.store(counter, 0)
 
 
-def prepare_mask(mask: Tensor, group: int, dtype: torch.dtype) -> Tensor:
-    """The kernel reads the [T, S] bool mask as it is."""
-    return mask
+def prepare_mask(mask: Tensor, group: int, dtype: torch.dtype, invariant: bool = False) -> Tensor | KeyList:
+    """The kernel reads the [T, S] bool mask as it is, or in the batch-invariant mode the key lists."""
+    return key_list(mask) if invariant else mask
 
 
 def tree_attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    mask: Tensor,
+    mask: Tensor | KeyList,
     scale: float | None = None,
     *,
     num_splits: int | None = None,
 ) -> Tensor:
-    """See reference.tree_attention. num_splits overrides the key-axis split (tests use it)."""
+    """See reference.tree_attention. num_splits overrides the key-axis split (tests use it).
+
+    With a KeyList (the batch-invariant mode) each program takes one token and the key axis is split at
+    fixed multiples of INVARIANT_KEYS_PER_SPLIT, so a row's rounding depends on its own keys only: the
+    splits past its length are empty and merge as exact no-ops.
+    """
     T, H, D = q.shape
     Hkv, S, _ = k_cache.shape
     assert H % Hkv == 0 and D >= 16 and D & (D - 1) == 0, (H, Hkv, D)
-    assert mask.shape == (T, S), mask.shape
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     G = H // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    mask = mask.contiguous().view(torch.uint8)
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
-
-    block_m = min(64, max(16, triton.next_power_of_2(T * G)))
-    m_blocks = triton.cdiv(T * G, block_m)
-    n_blocks = triton.cdiv(S, ATTN_BLOCK_N)
-    if num_splits is None:
-        num_splits = _programs_target(q.device) // (m_blocks * Hkv)
-    blocks_per_split = triton.cdiv(n_blocks, max(1, min(num_splits, n_blocks)))
-    num_splits = triton.cdiv(n_blocks, blocks_per_split)  # no empty splits
+    invariant = isinstance(mask, KeyList)
+    if invariant:
+        assert mask.slots.shape == (T, S) and num_splits is None, (mask.slots.shape, num_splits)
+        keys, lengths = mask.slots.contiguous(), mask.lengths
+        mask_arg = keys  # the kernel reads KeySlots and Lengths only
+        block_m = max(16, triton.next_power_of_2(G))
+        m_blocks = T
+        keys_per_split = INVARIANT_KEYS_PER_SPLIT
+        num_splits = triton.cdiv(S, keys_per_split)
+    else:
+        assert mask.shape == (T, S), mask.shape
+        mask_arg = mask.contiguous().view(torch.uint8)
+        keys = lengths = mask_arg  # the kernel reads Mask only
+        block_m = min(64, max(16, triton.next_power_of_2(T * G)))
+        m_blocks = triton.cdiv(T * G, block_m)
+        n_blocks = triton.cdiv(S, ATTN_BLOCK_N)
+        if num_splits is None:
+            num_splits = _programs_target(q.device) // (m_blocks * Hkv)
+        blocks_per_split = triton.cdiv(n_blocks, max(1, min(num_splits, n_blocks)))
+        num_splits = triton.cdiv(n_blocks, blocks_per_split)  # no empty splits
+        keys_per_split = blocks_per_split * ATTN_BLOCK_N
     split = num_splits > 1
     rows = Hkv * num_splits * m_blocks * block_m if split else 1
     mid_m = torch.empty(rows, dtype=torch.float32, device=q.device)
@@ -169,11 +207,12 @@ def tree_attention(
     counter = _counters_for(q.device, m_blocks * Hkv) if split else mid_m  # unused without a split
 
     _tree_attention_kernel[(m_blocks, Hkv, num_splits)](
-        q, k_cache, v_cache, mask, out, mid_m, mid_l, mid_o, counter,
-        scale * math.log2(math.e), T, S, G, num_splits, blocks_per_split * ATTN_BLOCK_N,
+        q, k_cache, v_cache, mask_arg, keys, lengths, out, mid_m, mid_l, mid_o, counter,
+        scale * math.log2(math.e), T, S, G, num_splits, keys_per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        mask.stride(0), out.stride(0), out.stride(1),
+        mask_arg.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=ATTN_BLOCK_N, SPLIT=split, IEEE=q.dtype == torch.float32,
+        INVARIANT=invariant,
     )  # fmt: skip
     return out
 
@@ -267,3 +306,56 @@ def swiglu(x: Tensor, w_gate_up: Tensor, inter: int) -> Tensor:
         num_warps=4, num_stages=4,
     )  # fmt: skip
     return y.view(*x.shape[:-1], inter)
+
+
+@triton.jit
+def _linear_kernel(
+    X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + rk) < K
+        x = tl.load(X + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=(rm < M)[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=(rn < N)[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@functools.cache
+def _linear_tiles(n: int, k: int, device: torch.device, element_size: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of a weight: chosen from its shape alone, never from the rows of a call."""
+    block_n = 64  # narrower tiles until the weight stream is spread over every SM
+    while block_n > 16 and triton.cdiv(n, block_n) < _programs_target(device):
+        block_n //= 2
+    return 16, block_n, 128 if element_size == 2 else 64
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ weight.T + bias with a row's result independent of the other rows (batch-invariant): fixed tiles,
+    no split over K, one reduction order, whatever the number of rows. Memory-bound at decode sizes."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, N = x2.shape[0], weight.shape[0]
+    assert weight.shape[1] == K and weight.stride(-1) == 1, (weight.shape, K)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k = _linear_tiles(N, K, x.device, x.element_size())
+    _linear_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
+        x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4,
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], N)

@@ -106,6 +106,9 @@ class EngineConfig:
     draft_procs: int = 1
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # auto | on | off: the target's rows independent of the forward's size, so that speculation is exact
+    # in 16-bit (engine/model.py, Transformer.make_batch_invariant); auto = on except for fp32 on the CPU.
+    batch_invariant: str = "auto"
     max_seq_len: int = 4096
     tree: TreeParams = field(default_factory=TreeParams)
     trust_remote_code: bool = False
@@ -125,6 +128,8 @@ class EngineConfig:
             raise ConfigError("device must be auto, cpu or cuda")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError("dtype must be auto, float32, bfloat16 or float16")
+        if self.batch_invariant not in ("auto", "on", "off"):
+            raise ConfigError("batch-invariant must be auto, on or off")
         return self
 
     def to_dict(self) -> dict[str, Any]:

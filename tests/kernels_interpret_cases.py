@@ -122,3 +122,31 @@ def test_fp16(num_splits):
     torch.testing.assert_close(normed, ref_normed, **FP16_TOL)
     wgu = (torch.randn(2 * 70, 300, generator=g) / 300**0.5).half()
     torch.testing.assert_close(tk.swiglu(x, wgu, 70), reference.swiglu(x, wgu, 70), **FP16_TOL)
+
+
+# ------------------------------------------------------------------------------ the batch-invariant mode
+# Values only: the interpreter's tl.dot is numpy's GEMM, whose rounding may change with the operands'
+# alignment, so the bitwise row-invariance of these kernels is asserted on CUDA (tests/test_kernels.py).
+
+
+@pytest.mark.parametrize("T,H,Hkv,D,S,kind", [(8, 4, 2, 64, 45, "tree"), (13, 8, 8, 32, 600, "sparse"), (1, 2, 2, 16, 1100, "tree")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_invariant_attention(T, H, Hkv, D, S, kind, dtype):
+    g = torch.Generator().manual_seed(T + S)
+    mask, _ = tree_case(g, T, S, kind)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    k, v = (torch.randn(Hkv, S, D, generator=g).to(dtype) for _ in range(2))
+    out = tk.tree_attention(q, k, v, tk.prepare_mask(mask, H // Hkv, dtype, invariant=True))
+    expected = reference.tree_attention(q, k, v, reference.prepare_mask(mask, H // Hkv, dtype))
+    torch.testing.assert_close(out, expected, **(ATTN_TOL if dtype == torch.float32 else FP16_TOL))
+
+
+@pytest.mark.parametrize("M,N,K,bias,dtype", [(37, 300, 200, False, torch.float32), (64, 1000, 576, True, torch.float32),
+                                              (5, 16, 17, True, torch.float16)])
+def test_invariant_linear(M, N, K, bias, dtype):
+    g = torch.Generator().manual_seed(M * N)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    expected = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    torch.testing.assert_close(tk.linear(x, w, b), expected, **(ATTN_TOL if dtype == torch.float32 else FP16_TOL))

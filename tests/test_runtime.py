@@ -164,6 +164,41 @@ def test_plan_layout():
         launcher.plan_layout(EngineConfig(device="cuda"), 0)
 
 
+@pytest.mark.parametrize("n_gpus", [1, 2, 4, 8])
+@pytest.mark.parametrize("draft", ["suffix", "/models/draft"])
+def test_no_nccl_communicator_holds_two_ranks_of_one_gpu(n_gpus, draft):
+    """Every GPU layout the planner makes (with --gpus N, and split by hand): control over gloo alone, NCCL
+    only in TP groups of distinct GPUs, and a GPU shared by both groups split into memory shares.
+    (A learned draft head, issue 12, will be placed like a draft model.)"""
+    configs = [EngineConfig(draft=draft, device="cuda", gpus=n) for n in range(1, n_gpus + 1)]
+    if n_gpus > 1:
+        configs.append(EngineConfig(draft=draft, target_devices=list(range(n_gpus - 1)), draft_devices=[n_gpus - 1]))
+    for config in configs:
+        layout = launcher.plan_layout(config, n_gpus)
+        devices = launcher.rank_devices(layout)
+        groups = launcher.process_groups(devices, layout.n_target)
+        assert groups["world"].backend == "gloo"
+        for spec in groups.values():
+            gpus = [devices[r] for r in spec.ranks]
+            if "nccl" in spec.backend:
+                assert len(set(gpus)) == len(gpus) > 1 and all(d.startswith("cuda:") for d in gpus), (config, spec)
+        shares = {}
+        for rank, dev in enumerate(devices):
+            share = launcher.memory_fraction(devices, rank, layout.n_target)
+            assert (share is None) == (devices.count(dev) == 1 or dev == "cpu")
+            shares[dev] = shares.get(dev, 0.0) + (share or 0.0)
+        assert all(total <= 1.0 for total in shares.values())
+    one_gpu = launcher.rank_devices(launcher.plan_layout(EngineConfig(draft=draft, device="cuda"), 1))
+    assert one_gpu == ["cuda:0", "cpu" if draft == "suffix" else "cuda:0"]
+
+
+def test_process_groups_refuse_a_shared_gpu_inside_one_group():
+    with pytest.raises(ConfigError, match="share a device"):
+        launcher.process_groups(["cuda:0", "cuda:0", "cuda:1"], 2)
+    groups = launcher.process_groups(["cuda", "cuda", "cuda"], 2)  # one GPU per local rank (several nodes)
+    assert groups["target"].backend == "cpu:gloo,cuda:nccl" and groups["draft"].backend == "gloo"
+
+
 def test_build_command():
     cfg = EngineConfig(tree=TreeParams(bs=6, w=4, d=3), threads=2, trust_remote_code=True)
     worker = launcher.worker_args(cfg, launcher.Layout(2, 1), "/models/t", "suffix")
@@ -462,12 +497,13 @@ def test_draft_with_another_vocabulary_is_refused_at_start(target_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("draft", ["self", "suffix"])
-def test_cuda_async_equals_ar(target_dir, draft):
-    """NCCL inside the target group, gloo for control; a model draft shares GPU 0 with the target, the
-    suffix drafter's rank stays on the CPU."""
-    with start(target_dir, draft, device="cuda", dtype="float32") as eng:
-        assert eng.info.backend == "cpu:gloo,cuda:nccl" and eng.info.ranks[0].device == "cuda:0"
+def test_cuda_async_equals_ar(target_dir, draft, dtype):
+    """One GPU: gloo for control, a model draft shares GPU 0 with the target, the suffix drafter's rank
+    stays on the CPU; bit-exact in bf16 too (the batch-invariant kernels)."""
+    with start(target_dir, draft, device="cuda", dtype=dtype) as eng:
+        assert eng.info.backend == "gloo" and eng.info.ranks[0].device == "cuda:0"  # one target rank: no NCCL
         for messages in PROMPTS:
             ar, _, _ = answer(eng, messages, mode="ar", max_new_tokens=N_TOKENS, ignore_eos=True)
             for mode in ("async", "sync"):

@@ -1,0 +1,30 @@
+"""scripts/gpu_check.sh, the GPU acceptance run, checked where CI runs: its syntax, and a dry run on the
+CPU that builds the scaled-down random-weight models and runs every step that needs no CUDA."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def test_script_parses():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=30)
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_cpu_step(tmp_path):
+    report = tmp_path / "gpu_check.json"
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--report", str(report), "--budget", "600"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    steps = json.loads(report.read_text())["steps"]
+    assert steps["tests"]["status"].startswith("skipped: dry run")
+    assert [steps[s]["status"] for s in ("engine", "decode", "attention")] == ["ok", "ok", "ok"]
+    engine = steps["engine"]
+    assert engine["identical"] and engine["model-draft"]["tok_s"]["async"] > 0
+    assert set(steps["decode"]["batch-invariant"]["verify_cost"]) == {"1", "2", "4", "8", "16", "32", "64"}
+    assert "gpu_check on cpu" in proc.stdout
