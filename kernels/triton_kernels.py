@@ -296,9 +296,7 @@ def swiglu(x: Tensor, w_gate_up: Tensor, inter: int) -> Tensor:
     y = torch.empty(M, inter, dtype=x.dtype, device=x.device)
     block_m = min(64, max(16, triton.next_power_of_2(M)))
     block_k = 128 if x.element_size() == 2 else 64
-    block_n = 64  # narrower tiles until the weight stream is spread over every SM
-    while block_n > 16 and triton.cdiv(inter, block_n) < _programs_target(x.device):
-        block_n //= 2
+    block_n = _weight_block_n(inter, x.device)
     grid = (triton.cdiv(inter, block_n), triton.cdiv(M, block_m))
     _swiglu_kernel[grid](
         x2, w_gate_up, y, M, inter, K, x2.stride(0), w_gate_up.stride(0), y.stride(0),
@@ -333,13 +331,18 @@ def _linear_kernel(
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-@functools.cache
-def _linear_tiles(n: int, k: int, device: torch.device, element_size: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) of a weight: chosen from its shape alone, never from the rows of a call."""
-    block_n = 64  # narrower tiles until the weight stream is spread over every SM
+def _weight_block_n(n: int, device: torch.device) -> int:
+    """Output columns per program for a weight of n output rows: narrower tiles until the weight stream
+    is spread over every SM."""
+    block_n = 64
     while block_n > 16 and triton.cdiv(n, block_n) < _programs_target(device):
         block_n //= 2
-    return 16, block_n, 128 if element_size == 2 else 64
+    return block_n
+
+
+def _linear_tiles(n: int, device: torch.device, element_size: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of a weight: chosen from its shape alone, never from the rows of a call."""
+    return 16, _weight_block_n(n, device), 128 if element_size == 2 else 64
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -352,7 +355,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     M, N = x2.shape[0], weight.shape[0]
     assert weight.shape[1] == K and weight.stride(-1) == 1, (weight.shape, K)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k = _linear_tiles(N, K, x.device, x.element_size())
+    block_m, block_n, block_k = _linear_tiles(N, x.device, x.element_size())
     _linear_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
         x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -125,6 +125,19 @@ def test_padded_forward_matches_plain_model(model_dir):
         assert ours[:, :, USABLE].abs().sum() > 0
 
 
+def test_padded_forward_is_bit_exact_in_bf16(model_dir):
+    """bf16 takes the batch-invariant mode (the default off fp32-on-CPU): padding rows and kv columns can
+    then change nothing in a real row, and the graph path gives the plain model's logits and K/V bit for bit."""
+    plain, wrapped = load_pair(model_dir, dtype="bfloat16", capture=False)
+    assert plain.batch_invariant and wrapped.batch_invariant
+    for i, (tokens, pos, slots, mask, kw) in enumerate(calls("cpu")):
+        want = as_tuple(plain(tokens, pos, slots, mask, **kw))
+        got = as_tuple(wrapped(tokens, pos, slots, mask, **kw))
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), i
+    assert torch.equal(wrapped.k_cache[:, :, :USABLE], plain.k_cache)
+    assert torch.equal(wrapped.v_cache[:, :, :USABLE], plain.v_cache)
+
+
 def test_scratch_slot_is_never_a_real_slot(model_dir):
     """Pad rows of a 3-token call (bucket 4) write only the scratch slot: untouched slots stay zero."""
     _, wrapped = load_pair(model_dir, capture=False)

@@ -94,13 +94,18 @@ def test_reference_add_rms_norm_and_swiglu():
 
 # (kernel, pointer dtypes, float arguments, constexprs, num_warps, num_stages): the variants the wrappers
 # launch for 8B-shaped bf16 decode/verify steps; other arguments are int32.
-ATTN_POINTERS = dict(Q="bf16", K="bf16", V="bf16", Mask="u8", Out="bf16", MidM="fp32", MidL="fp32", MidO="fp32",
-                     Counter="i32")
+ATTN_POINTERS = dict(Q="bf16", K="bf16", V="bf16", Mask="u8", KeySlots="u8", Lengths="u8", Out="bf16", MidM="fp32",
+                     MidL="fp32", MidO="fp32", Counter="i32")
+INVARIANT_ATTN_POINTERS = {**ATTN_POINTERS, "Mask": "i32", "KeySlots": "i32", "Lengths": "i32"}
 HOPPER_VARIANTS = {
     "tree_attention_split": ("_tree_attention_kernel", ATTN_POINTERS, ["scale_log2"],
-                             dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, SPLIT=True, IEEE=False), 4, 3),
+                             dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, SPLIT=True, IEEE=False, INVARIANT=False), 4, 3),
     "tree_attention_single": ("_tree_attention_kernel", ATTN_POINTERS, ["scale_log2"],
-                              dict(HEAD_DIM=64, BLOCK_M=16, BLOCK_N=64, SPLIT=False, IEEE=False), 4, 3),
+                              dict(HEAD_DIM=64, BLOCK_M=16, BLOCK_N=64, SPLIT=False, IEEE=False, INVARIANT=False), 4, 3),
+    "tree_attention_invariant": ("_tree_attention_kernel", INVARIANT_ATTN_POINTERS, ["scale_log2"],
+                                 dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_N=64, SPLIT=True, IEEE=False, INVARIANT=True), 4, 3),
+    "linear_invariant": ("_linear_kernel", dict(X="bf16", W="bf16", B="bf16", Y="bf16"), [],
+                         dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, IEEE=False), 4, 4),
     "add_rms_norm": ("_add_rms_norm_kernel", dict(X="bf16", R="bf16", W="bf16", Out="bf16", ROut="bf16"),
                      ["eps"], dict(HAS_RESIDUAL=True, BLOCK=4096), 8, 3),
     "swiglu": ("_swiglu_kernel", dict(X="bf16", W="bf16", Y="bf16"), [],

@@ -23,18 +23,23 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def pair(request, tmp_path_factory):
-    """(ours, theirs) for one config, with random weights saved and re-read through our loader."""
-    cfg_cls, model_cls, extra = CONFIGS[request.param]
+def save_hf(name: str, path):
+    cfg_cls, model_cls, extra = CONFIGS[name]
     torch.manual_seed(0)
     hf = model_cls(cfg_cls(**{**COMMON, **extra})).eval()
-    if request.param == "qwen2-bias":  # random non-zero biases so that the test sees them
+    if name == "qwen2-bias":  # random non-zero biases so that the test sees them
         for layer in hf.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
-    path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request, tmp_path_factory):
+    """(ours, theirs) for one config, with random weights saved and re-read through our loader."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_hf(request.param, path)
     return load_model(path, max_slots=128), hf
 
 
@@ -51,6 +56,20 @@ def causal(n_new: int, start: int) -> torch.Tensor:
 def forward(model, tokens, positions, slots, mask):
     as_t = lambda x: torch.tensor(x, dtype=torch.long)
     return model(as_t(tokens), as_t(positions), as_t(slots), mask)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-bias"])
+def test_bf16_logits_close_to_transformers(name, tmp_path):
+    """bf16 through the batch-invariant path (the bf16 default) against transformers' bf16 forward:
+    both round every op to bf16 (8 mantissa bits), in different places, so they agree to ~1e-2 of the
+    logits' range."""
+    hf = save_hf(name, tmp_path).to(torch.bfloat16)
+    ours = load_model(tmp_path, dtype="bfloat16", max_slots=64)
+    assert ours.batch_invariant
+    ids = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    want = hf_logits(hf, ids)
+    got = forward(ours, ids, range(24), range(24), causal(24, 0))
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
 
 
 def test_prefill_matches(pair):

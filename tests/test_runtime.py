@@ -369,6 +369,17 @@ def test_every_mode_equals_target_greedy(engine, references):
                 assert events[-1].stats.d == engine.info.d and events[-1].stats.mean_accepted >= 1
 
 
+@pytest.mark.slow
+def test_bf16_on_the_cpu_every_mode_equals_ar(target_dir):
+    """bf16 off CUDA takes the batch-invariant one-row forwards: sync and async give ar's tokens."""
+    with start(target_dir, "self", dtype="bfloat16") as eng:
+        for messages in PROMPTS:
+            ar, _, _ = answer(eng, messages, mode="ar", max_new_tokens=N_TOKENS, ignore_eos=True)
+            for mode in ("async", "sync"):
+                assert answer(eng, messages, mode=mode, max_new_tokens=N_TOKENS, ignore_eos=True)[0] == ar, mode
+    assert no_processes_left(eng)
+
+
 @pytest.fixture(scope="module")
 def self_engine(target_dir):
     eng = start(target_dir, "self", max_seq_len=2048, tree=TreeParams(d=4))
