@@ -119,6 +119,10 @@ class EngineConfig:
         self.tree.validate()
         if self.target_procs < 1 or self.draft_procs < 1:
             raise ConfigError("each group needs at least one process")
+        if self.gpus is not None and self.gpus < 2:
+            raise ConfigError("gpus must be >= 2 (one group for the target, one for the draft)")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError("threads must be >= 1")
         if self.max_seq_len < 16:
             raise ConfigError("max-seq-len must be >= 16")
         if self.device not in ("auto", "cpu", "cuda"):
