@@ -309,17 +309,12 @@ def _chat_scripted(config, params, system, context, prompt, each_line, jsonl, re
 
 
 def _prepare_models(config: EngineConfig) -> None:
-    """Before the TUI takes the terminal: a missing model path is a usage error, and a GGUF file (the
+    """Before the TUI takes the terminal: a missing or broken model is a usage error, and a GGUF file (the
     embedded default included) is converted now, once, with its progress bar, rather than unseen."""
-    from swiftspec import embedded
+    from swiftspec.engine.loader import resolve_model_dir
 
     for spec in [config.target] + ([config.draft] if config.draft not in BUILTIN_DRAFTS else []):
-        path = embedded.embedded_gguf_path() if spec is None else Path(spec).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(f"model path {spec!r} does not exist (expected a Hugging Face model "
-                                    "directory or a .gguf file)")
-        if path.suffix.lower() == ".gguf" and path.is_file():
-            embedded.ensure_converted(path)
+        resolve_model_dir(spec)
 
 
 def _start_engine(config: EngineConfig, progress):

@@ -11,6 +11,7 @@ import hashlib
 import importlib.metadata
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -23,6 +24,23 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, Q4_1 GGUF)"
 
 class EmbeddedModelMissing(FileNotFoundError):
     pass
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be converted: not GGUF, cut short, or an architecture transformers lacks."""
+
+
+def _gguf_problem(gguf: Path, error: Exception) -> str:
+    """Why reading a GGUF failed, in words: the reader's own message ("unpack_from requires a buffer of
+    8 bytes") only means something to its author."""
+    with gguf.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        return "not a GGUF file (it does not start with the GGUF signature)"
+    if isinstance(error, (struct.error, EOFError, IndexError)) or any(
+            word in str(error) for word in ("buffer", "mmap", "cannot reshape")):  # data shorter than its header says
+        return f"the file is truncated or corrupt ({gguf.stat().st_size:,} bytes); copy or download it again"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def embedded_gguf_path() -> Path:
@@ -98,7 +116,7 @@ def ensure_converted(gguf: Path, quiet: bool = False) -> Path:
     try:
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                       TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
+                      console=console, transient=True, disable=not console.is_terminal) as progress:
             task = progress.add_task(f"Converting {gguf.name} (once): {steps[0]}", total=len(steps))
             import torch
             import transformers
@@ -106,9 +124,12 @@ def ensure_converted(gguf: Path, quiet: bool = False) -> Path:
 
             transformers.utils.logging.disable_progress_bar()
 
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            progress.update(task, advance=1, description=f"Converting {gguf.name} (once): {steps[1]}")
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+                progress.update(task, advance=1, description=f"Converting {gguf.name} (once): {steps[1]}")
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            except Exception as e:  # the gguf reader fails with struct, value and index errors alike
+                raise GGUFError(f"cannot convert {gguf}: {_gguf_problem(gguf, e)}") from None
             progress.update(task, advance=1, description=f"Converting {gguf.name} (once): {steps[2]}")
             _save_dequantised(model, tmp)
             tokenizer.save_pretrained(tmp)
