@@ -444,6 +444,7 @@ def test_killed_rank_fails_fast_and_leaves_no_process(victim, target_dir):
         assert first == f"the {victim} worker (rank {rank}) was killed by signal 9 (SIGKILL)", str(failure.value)
         log = Path(rest[-1].removeprefix("the workers' full output: "))
         assert "exitcode" in log.read_text() and not any("exitcode" in line for line in rest)
+        log.unlink()  # kept for the user after a failure; not for the tests' own
         assert no_processes_left(eng, within_s=10 - (time.monotonic() - t0))
         with pytest.raises(EngineError):
             answer(eng, PROMPTS[0], max_new_tokens=4)
@@ -467,6 +468,7 @@ def test_worker_start_up_failure_carries_the_cause(tmp_path, target_dir):
     assert "LoadError" in message and "weights do not match the config" in message
     log = Path(message.splitlines()[-1].removeprefix("the workers' full output: "))
     assert "Traceback" in log.read_text()
+    log.unlink()
 
 
 def test_draft_with_another_vocabulary_is_refused_at_start(target_dir):
