@@ -41,6 +41,7 @@ def _whole_number(value) -> int:
 
 
 def _number(value) -> float:
+    """A value such as a temperature; the error, like _whole_number's, says what was expected."""
     try:
         return float(value)
     except ValueError:
@@ -103,38 +104,54 @@ TargetDevicesOpt = Annotated[str | None, _opt(
 DraftDevicesOpt = Annotated[str | None, _opt(
     "--draft-devices", panel=MODEL, metavar="GPUS", help="GPU indices of the draft group, e.g. 2.")]
 GpusOpt = Annotated[int | None, _opt(
-    "--gpus", parser=_whole_number, panel=MODEL, metavar="N", help="Use the first N GPUs and let profiling choose the target/draft split.")]
+    "--gpus", parser=_whole_number, panel=MODEL, metavar="N",
+    help="Use the first N GPUs and let profiling choose the target/draft split.")]
 TargetProcsOpt = Annotated[int, _opt(
-    "--target-procs", parser=_whole_number, panel=MODEL, metavar="N", help="CPU: worker processes in the target group.")]
+    "--target-procs", parser=_whole_number, panel=MODEL, metavar="N",
+    help="CPU: worker processes in the target group.")]
 DraftProcsOpt = Annotated[int, _opt(
-    "--draft-procs", parser=_whole_number, panel=MODEL, metavar="N", help="CPU: worker processes in the draft group.")]
+    "--draft-procs", parser=_whole_number, panel=MODEL, metavar="N",
+    help="CPU: worker processes in the draft group.")]
 DeviceOpt = Annotated[str, _opt(
-    "--device", panel=MODEL, metavar="DEVICE", autocompletion=_complete("auto", "cpu", "cuda"), help="auto, cpu or cuda: where the workers run; auto picks CUDA "
-    "when present.")]
+    "--device", panel=MODEL, metavar="DEVICE", autocompletion=_complete("auto", "cpu", "cuda"),
+    help="auto, cpu or cuda: where the workers run; auto picks CUDA when present.")]
 DTypeOpt = Annotated[str, _opt(
-    "--dtype", panel=MODEL, metavar="DTYPE", autocompletion=_complete("auto", "float32", "bfloat16", "float16"),
+    "--dtype", panel=MODEL, metavar="DTYPE",
+    autocompletion=_complete("auto", "float32", "bfloat16", "float16"),
     help="auto, float32, bfloat16 or float16: the weights' dtype; auto is fp32 on CPU, bf16 on CUDA.")]
 ThreadsOpt = Annotated[int | None, _opt(
-    "--threads", parser=_whole_number, panel=MODEL, metavar="N", help="CPU threads for all workers together. Default: every core.")]
+    "--threads", parser=_whole_number, panel=MODEL, metavar="N",
+    help="CPU threads for all workers together. Default: every core.")]
 MaxSeqLenOpt = Annotated[int, _opt(
-    "--max-seq-len", parser=_whole_number, panel=MODEL, metavar="N", help="KV cache length per conversation (tokens).")]
+    "--max-seq-len", parser=_whole_number, panel=MODEL, metavar="N",
+    help="KV cache length per conversation (tokens).")]
 TrustRemoteCodeOpt = Annotated[bool, _opt(
     "--trust-remote-code", panel=MODEL,
     help="Allow the model directory's own tokenizer code (model code is always SwiftSpec's own).")]
-BsOpt = Annotated[int, _opt("--bs", parser=_whole_number, panel=TREE, metavar="N", help="Tree nodes verified per target forward (1-64).")]
-WOpt = Annotated[int, _opt("--w", parser=_whole_number, panel=TREE, metavar="N", help="Leaves expanded per draft forward (1-64).")]
+BsOpt = Annotated[int, _opt(
+    "--bs", parser=_whole_number, panel=TREE, metavar="N",
+    help="Tree nodes verified per target forward (1-64).")]
+WOpt = Annotated[int, _opt(
+    "--w", parser=_whole_number, panel=TREE, metavar="N",
+    help="Leaves expanded per draft forward (1-64).")]
 DOpt = Annotated[int | None, _opt(
     "--d", parser=_whole_number, panel=TREE, metavar="N",
     help="Draft expansions per round (1-64). Default: chosen from step times profiled at start.")]
 MaxNewTokensOpt = Annotated[int, _opt(
-    "--max-new-tokens", parser=_whole_number, panel=DECODING, metavar="N", help="Most tokens generated per answer.")]
+    "--max-new-tokens", parser=_whole_number, panel=DECODING, metavar="N",
+    help="Most tokens generated per answer.")]
 TemperatureOpt = Annotated[float, _opt(
-    "--temperature", parser=_number, panel=DECODING, metavar="NUMBER", help="0 = greedy; sampling stays lossless.")]
-TopPOpt = Annotated[float, _opt("--top-p", parser=_number, panel=DECODING, metavar="NUMBER", help="Nucleus sampling, in (0, 1].")]
+    "--temperature", parser=_number, panel=DECODING, metavar="NUMBER",
+    help="0 = greedy; sampling stays lossless.")]
+TopPOpt = Annotated[float, _opt(
+    "--top-p", parser=_number, panel=DECODING, metavar="NUMBER",
+    help="Nucleus sampling, in (0, 1].")]
 TopKOpt = Annotated[int, _opt(
-    "--top-k", parser=_whole_number, panel=DECODING, metavar="N", help="Sample from the k most likely tokens; 0 = off.")]
+    "--top-k", parser=_whole_number, panel=DECODING, metavar="N",
+    help="Sample from the k most likely tokens; 0 = off.")]
 SeedOpt = Annotated[int | None, _opt(
-    "--seed", parser=_whole_number, panel=DECODING, metavar="N", help="Seed for sampling, so a run can be reproduced.")]
+    "--seed", parser=_whole_number, panel=DECODING, metavar="N",
+    help="Seed for sampling, so a run can be reproduced.")]
 SystemOpt = Annotated[str | None, _opt("--system", panel=DECODING, metavar="TEXT", help="System prompt.")]
 
 _TREE_DEFAULTS = TreeParams()
