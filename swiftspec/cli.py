@@ -458,7 +458,7 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     ctx: typer.Context,
-    version: Annotated[bool, typer.Option("-V", "--version", callback=_version, is_eager=True,
+    version: Annotated[bool, typer.Option("-V", "--version", callback=_version, is_eager=True, metavar="",
                                           help="Print the version and exit.")] = False,
 ) -> None:
     """Reads the config file into click's default_map before the command parses its flags, so that a
