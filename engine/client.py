@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 import re
+import signal
 import socket
 import subprocess
 import threading
@@ -28,6 +30,7 @@ from swiftspec.engine.protocol import EngineInfo
 
 POLL_S = 0.25  # how often a blocked receive looks at the worker processes
 CLOSE_GRACE_S = 1.0  # for a clean exit after "shutdown", before signals
+TORCHRUN_REPORT_S = 3.0  # after a failure, for torchrun to find which worker failed and end the rest
 
 
 class EngineError(RuntimeError):
@@ -53,30 +56,88 @@ def _event(data: dict) -> StepEvent:
                      finished=bool(data["finished"]), finish_reason=data["finish_reason"])
 
 
-class _Tail:
-    """Keeps the last lines the workers wrote (stdout and stderr together), read by a thread."""
+def worker_log_path() -> Path:
+    """Where this Engine's workers' whole output goes: named in every error, removed after a clean close."""
+    from swiftspec.embedded import cache_dir
 
-    def __init__(self, stream):
+    return cache_dir() / "logs" / f"workers-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _Tail:
+    """Keeps the last lines the workers wrote (stdout and stderr together), read by a thread, and writes
+    every line to a log file for the full story."""
+
+    def __init__(self, stream, log_path: Path, n_target: int):
         self.lines: deque[str] = deque(maxlen=400)
+        self.log_path, self.n_target = log_path, n_target
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("w", encoding="utf-8")
         self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True, name="worker-output")
         self.thread.start()
 
     def _read(self, stream) -> None:
-        for raw in iter(stream.readline, b""):
-            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+        with self._log:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode(errors="replace").rstrip("\n")
+                self.lines.append(line)
+                self._log.write(line + "\n")
+                self._log.flush()
         stream.close()
 
-    def text(self, n: int = 40, wait_s: float = 0.0) -> str:
-        """The last ``n`` lines, after waiting up to ``wait_s`` for the stream to end (the workers' last
-        words usually come right after a failure is noticed)."""
-        self.thread.join(wait_s)
-        return "\n".join(list(self.lines)[-n:])
+    def failed_worker(self) -> tuple[int, int] | None:
+        """(rank, exit code) of the worker that failed first, from torchrun's report. When one worker dies
+        its peers fail too, on a broken connection, so the likeliest cause is a worker killed by a signal
+        other than torchrun's own SIGTERM, then one that did not fail on a connection, then the one
+        torchrun names as the root cause."""
+        text = "\n".join(self.lines)
+        block = r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)"
+        root = [(int(r), int(c)) for r, c in re.findall(block, text.partition("Root Cause")[2])]
+        found = root + [(int(r), int(c)) for r, c in re.findall(block, text)]
+        found += [(int(r), int(c)) for c, r in re.findall(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", text)]
 
-    def headline(self) -> str | None:
-        """The last exception line, e.g. ``LoadError: ...``, to put first in an error message."""
+        def unlikely(failure: tuple[int, int]) -> tuple[bool, bool]:
+            rank, code = failure
+            head = self.headline(rank) or ""
+            return not (code < 0 and code != -signal.SIGTERM), "gloo" in head or "Connection" in head
+
+        return min(found, key=unlikely) if found else None  # min keeps the first of equals: root first
+
+    def report(self, why: str, torchrun: subprocess.Popen) -> str:
+        """An error message: which worker failed and how (else what was noticed), its last exception line,
+        the log's path. First gives torchrun a moment to notice the failure itself and say which worker."""
+        try:
+            torchrun.wait(timeout=TORCHRUN_REPORT_S)
+        except subprocess.TimeoutExpired:
+            pass
+        self.thread.join(1.0)  # the workers' last words usually come right after a failure is noticed
+        failed = self.failed_worker()
+        if failed is None:
+            head = self.headline()
+            lines = [why] + ([head] if head and head not in why else [])
+        else:
+            rank, code = failed
+            role = "target" if rank < self.n_target else "draft"
+            when = " during start-up" if "start" in why else ""
+            head = self.headline(rank)
+            lines = [f"the {role} worker (rank {rank}) {describe_exit(code)}{when}"] + ([head] if head else [])
+        return "\n".join(lines + [f"the workers' full output: {self.log_path}"])
+
+    def headline(self, rank: int | None = None) -> str | None:
+        """The last exception line, e.g. ``LoadError: ...``, of one rank (its lines start "[rank1]:") or
+        of any."""
+        prefix = "" if rank is None else f"[rank{rank}]:"
         for line in reversed(self.lines):
             m = re.search(r"\b(\w+(Error|Exception|Interrupt)): (.+)", line)
-            if m and "ChildFailedError" not in m.group(1):
+            if m and line.startswith(prefix) and "ChildFailedError" not in m.group(1):
                 return f"{m.group(1)}: {m.group(3)}"
         return None
 
@@ -129,16 +190,12 @@ class Engine:
         say("resolving the models")
         target_dir = resolve_model_dir(config.target)
         draft = config.draft if config.draft in BUILTIN_DRAFTS else str(resolve_model_dir(config.draft))
-        if config.target is None:
-            from swiftspec.embedded import EMBEDDED_NAME
-            target_name = EMBEDDED_NAME
-        else:
-            target_name = Path(config.target).name
         tokenizer = load_tokenizer(target_dir, config.trust_remote_code)
         if draft not in BUILTIN_DRAFTS:  # a clear error now rather than garbage proposals later
             check_vocab_compatible(tokenizer, load_tokenizer(Path(draft), config.trust_remote_code))
         n_gpus = torch.cuda.device_count() if config.device != "cpu" and torch.cuda.is_available() else 0
         layout = launcher.plan_layout(config, n_gpus)
+        target_name = _target_name(config, layout)
         worker = launcher.worker_args(config, layout, target_dir, draft) + ["--target-name", target_name]
         cmd = launcher.build_command(worker, layout.world)
         listener = socket.create_server(("127.0.0.1", 0))
@@ -148,7 +205,7 @@ class Engine:
         say(f"starting {layout.world} worker processes on {where} ({layout.n_target} target, "
             f"{layout.n_draft} draft)")
         proc = launcher.spawn(cmd, {protocol.ENV_ADDR: addr, protocol.ENV_KEY: key})
-        tail = _Tail(proc.stdout)
+        tail = _Tail(proc.stdout, worker_log_path(), layout.n_target)
         pgids = {proc.pid}
         conn = None
         try:
@@ -158,6 +215,8 @@ class Engine:
         except BaseException as e:
             launcher.kill_groups(pgids)
             proc.wait()
+            if not isinstance(e, Exception):  # Ctrl-C: nothing failed, no log to keep
+                tail.log_path.unlink(missing_ok=True)
             if conn is not None:
                 conn.close()
             if isinstance(e, EngineError) or not isinstance(e, Exception):
@@ -261,11 +320,9 @@ class Engine:
         """Ends the whole group and raises EngineError with the workers' last output."""
         self._dead = self._dead or why
         self._current = None
+        message = self._tail.report(why, self._proc)
         self._end_processes(grace_s=1.0)
-        tail = self._tail.text(wait_s=1.0)
-        head = self._tail.headline()
-        msg = why if head is None or head in why else f"{why}\n{head}"
-        raise EngineError(f"{msg}\n--- last lines of the workers' output ---\n{tail}")
+        raise EngineError(message)
 
     def _watch(self) -> None:
         """When torchrun exits (a worker died and it tore the rest down, or it was killed), makes sure no
@@ -296,6 +353,9 @@ class Engine:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         self._end_processes(grace_s=1.0)
+        if self._dead is None:  # nothing went wrong: the log is not worth keeping
+            self._tail.thread.join(1.0)
+            self._tail.log_path.unlink(missing_ok=True)
 
     @property
     def alive(self) -> bool:
@@ -313,10 +373,20 @@ class Engine:
         self.close()
 
 
-def _startup_error(why: str, tail: _Tail) -> EngineError:
-    head = tail.headline()
-    lines = tail.text(wait_s=1.0)
-    return EngineError(f"{why}{': ' + head if head else ''}\n--- last lines of the workers' output ---\n{lines}")
+def _target_name(config: EngineConfig, layout: launcher.Layout) -> str:
+    """What the title bar calls the target: its name and the precision it runs at, which for a GGUF is
+    not its quantisation (it is dequantised when converted)."""
+    import torch
+
+    from swiftspec.engine.loader import default_dtype
+
+    if config.target is None:
+        from swiftspec.embedded import EMBEDDED_NAME
+        name = EMBEDDED_NAME
+    else:
+        name = Path(config.target).name
+    dtype = default_dtype(torch.device("cuda" if layout.cuda else "cpu"), config.dtype)
+    return f"{name} · {str(dtype).removeprefix('torch.')}"
 
 
 def _accept_worker(listener: socket.socket, key: str, proc: subprocess.Popen, tail: _Tail,
@@ -326,10 +396,10 @@ def _accept_worker(listener: socket.socket, key: str, proc: subprocess.Popen, ta
     listener.settimeout(POLL_S)
     while True:
         if proc.poll() is not None:
-            raise _startup_error(f"the workers exited during start-up (torchrun exit code {proc.returncode})",
-                                 tail)
+            raise EngineError(tail.report(
+                f"the workers exited during start-up (torchrun exit code {proc.returncode})", proc))
         if time.monotonic() > deadline:
-            raise _startup_error("no worker connected and authenticated before the start-up timeout", tail)
+            raise EngineError(tail.report("no worker connected and authenticated before the start-up timeout", proc))
         try:
             sock, _ = listener.accept()
         except TimeoutError:
@@ -349,13 +419,13 @@ def _wait_ready(conn: protocol.Connection, proc: subprocess.Popen, tail: _Tail, 
         try:
             msg = conn.recv(POLL_S)
         except (OSError, protocol.ProtocolError) as e:
-            raise _startup_error(f"the workers dropped the connection during start-up ({e})", tail) from None
+            raise EngineError(tail.report(f"the workers dropped the connection during start-up ({e})", proc)) from None
         if msg is None:
             if proc.poll() is not None:
-                raise _startup_error(
-                    f"the workers exited during start-up (torchrun exit code {proc.returncode})", tail)
+                raise EngineError(tail.report(
+                    f"the workers exited during start-up (torchrun exit code {proc.returncode})", proc))
             if time.monotonic() > deadline:
-                raise _startup_error("the workers were not ready before the start-up timeout", tail)
+                raise EngineError(tail.report("the workers were not ready before the start-up timeout", proc))
             continue
         kind = msg["type"]
         if kind == "hello":
@@ -363,6 +433,6 @@ def _wait_ready(conn: protocol.Connection, proc: subprocess.Popen, tail: _Tail, 
         elif kind == "progress":
             say(str(msg.get("text")))
         elif kind == "error":
-            raise _startup_error(f"the workers failed to start: {msg.get('message')}", tail)
+            raise EngineError(tail.report(f"the workers failed to start: {msg.get('message')}", proc))
         elif kind == "ready":
             return EngineInfo.from_dict(msg["info"])

@@ -34,7 +34,31 @@ def resolve_model_dir(spec: str | None, quiet: bool = False) -> Path:
         return embedded.ensure_converted(path, quiet=quiet)
     if not (path / "config.json").is_file():
         raise LoadError(f"{spec!r} has no config.json: not a Hugging Face model directory")
+    read_args(path)
+    for f in _weight_files(path):
+        check_safetensors(f)
     return path
+
+
+def check_safetensors(path: Path) -> None:
+    """A LoadError naming the file when it is not safetensors or is cut short: found here, before any
+    worker starts, rather than as a worker's traceback. Reads the header only."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n)) if 2 <= n <= size - 8 else None
+    except (OSError, ValueError) as e:  # unreadable, or a header that is not JSON
+        raise LoadError(f"{path} is not a readable safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise LoadError(f"{path} is not a safetensors file (no valid header)")
+    try:
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (KeyError, TypeError, IndexError):
+        raise LoadError(f"{path} is not a safetensors file (a tensor entry lacks data_offsets)") from None
+    if 8 + n + end > size:
+        raise LoadError(f"{path} is truncated: its header describes {8 + n + end:,} bytes, the file has "
+                        f"{size:,} (copy or download it again)")
 
 
 def read_args(model_dir: Path) -> ModelArgs:
@@ -53,7 +77,13 @@ def read_args(model_dir: Path) -> ModelArgs:
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise LoadError(f"cannot read {index}: {e!r}") from None
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise LoadError(f"{index} names weight files that are missing: {', '.join(missing)}")
         return [model_dir / s for s in shards]
     single = model_dir / "model.safetensors"
     if single.is_file():

@@ -1,4 +1,4 @@
-"""The draft's token tree and the attention inputs built from it (DESIGN.md section 1).
+"""The draft's token tree and the attention inputs built from it.
 
 A node carries its token, its parent, its depth below the root, ``value`` = log p_draft(token | ancestors)
 and ``weight`` = the sum of values from the root, so a node's weight never exceeds its parent's. A node's

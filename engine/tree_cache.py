@@ -1,4 +1,4 @@
-"""The evolving tree KV cache (DESIGN.md section 1), over a model's static cache tensors.
+"""The evolving tree KV cache, over a model's static cache tensors.
 
 Invariant, for the draft and the target alike: slots ``[0, prefix_len)`` hold the KV of verified tokens in
 order (slot = position), and the KV of the still-useful tree nodes sits right behind them. A commit moves

@@ -4,9 +4,11 @@ Each prompt is decoded by every mode before the next prompt starts, and the mode
 prompt to the next, so that drift of a shared machine hits all modes alike. Ratios are only meaningful
 within one run; absolute figures are not comparable across runs.
 
-Fairness rules, applied to every mode: greedy decoding, the same chat-templated prompt ids, the same
-``max_new_tokens``, generation stops at EOS (the EOS token itself is not counted), and tokens/s is
-total generated tokens / total wall time from request to last token over all prompts.
+Fairness rules, applied to every mode: the same decoding settings (greedy unless a temperature is
+given), the same chat-templated prompt ids, the same ``max_new_tokens``, generation stops at EOS (the EOS
+token itself is not counted), and tokens/s is total generated tokens / total wall time from request to
+last token over all prompts. A speedup is the ratio of two modes' tokens/s, in the table, the JSON and
+the plot alike.
 """
 
 from __future__ import annotations
@@ -35,8 +37,7 @@ WARMUP_TOKENS = 8
 WARMUP = [{"role": "user", "content": "Say hello."}]  # not a bench prompt: no mode may have seen its answer
 FORGET = ([{"role": "system", "content": "-"}, {"role": "user", "content": "-"}], [{"role": "user", "content": "-"}])
 TOKENS_PER_S = "total generated tokens / total wall time (request to last token), over all prompts"
-SPEEDUP = ("median over prompts of the per-prompt tokens/s ratio (the two runs of a prompt are adjacent in "
-           "time, so a burst of load on a shared machine skews one prompt, not the ratio)")
+SPEEDUP = "this mode's tok/s / the other mode's tok/s (the tok/s column's ratio)"
 STEP_MS = ("draft/target ms: median over forwards (prefill excluded); step ms: wall time per target forward "
            "after the first token, median over prompts")
 
@@ -50,10 +51,12 @@ class Prompt:
     source: str  # built-in set name, file stem or "humaneval"
     id: str
     text: str
+    system: str | None = None
 
     @property
     def messages(self) -> list[dict[str, str]]:
-        return [{"role": "user", "content": self.text}]
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + [{"role": "user", "content": self.text}]
 
 
 @dataclass
@@ -89,7 +92,7 @@ class Sample:
         return (self.seconds * 1000.0 - self.ttft_ms) / self.verifications if self.verifications else None
 
 
-Runner = Callable[[list[dict[str, str]], int], Sample]
+Runner = Callable[[list[dict[str, str]], SamplingParams], Sample]
 
 
 # --- options and prompts ------------------------------------------------------------------------------
@@ -247,14 +250,19 @@ class HFRunner:
     eos: list[int]
     assist: dict[str, Any] = field(default_factory=dict)
 
-    def __call__(self, messages: list[dict[str, str]], max_new_tokens: int) -> Sample:
+    def __call__(self, messages: list[dict[str, str]], params: SamplingParams) -> Sample:
         import torch
         from transformers import GenerationConfig
 
         from swiftspec.engine.client import encode_chat
 
-        gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.eos,
-                               pad_token_id=self.eos[0] if self.eos else None, **self.assist_config())
+        sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p,
+                                             "top_k": params.top_k}
+        gen = GenerationConfig(do_sample=not params.greedy, max_new_tokens=params.max_new_tokens,
+                               eos_token_id=self.eos, pad_token_id=self.eos[0] if self.eos else None,
+                               **sampling, **self.assist_config())
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
         draft_model = self.assist.get("assistant_model")
         with timed_forwards(self.model) as target, \
                 (timed_forwards(draft_model) if draft_model is not None else contextlib.nullcontext([])) as draft, \
@@ -294,9 +302,9 @@ class EngineRunner:
     mode: str
     eos: list[int]
 
-    def __call__(self, messages: list[dict[str, str]], max_new_tokens: int) -> Sample:
+    def __call__(self, messages: list[dict[str, str]], params: SamplingParams) -> Sample:
         self.forget()
-        params = SamplingParams(mode=self.mode, temperature=0.0, max_new_tokens=max_new_tokens)
+        params = dataclasses.replace(params, mode=self.mode)
         s = Sample([], 0.0, [])
         prefill = True
         t0 = time.perf_counter()
@@ -335,18 +343,25 @@ class EngineRunner:
                     raise
 
 
-def run_interleaved(runners: dict[str, Runner], prompts: list[Prompt], max_new_tokens: int,
-                    on_step: Callable[[int, str], None] | None = None) -> dict[str, list[Sample]]:
-    """Every mode on prompt i before prompt i+1; the mode order rotates by one per prompt."""
+def run_interleaved(runners: dict[str, Runner], prompts: list[Prompt], params: SamplingParams,
+                    samples: dict[str, list[Sample]], on_step: Callable[[int, str], None] | None = None,
+                    on_prompt: Callable[[int], None] | None = None) -> None:
+    """Every mode on prompt i before prompt i+1; the mode order rotates by one per prompt. ``samples`` is
+    filled as answers finish, so that an interrupted run still holds every finished one."""
     modes = list(runners)
-    samples: dict[str, list[Sample]] = {m: [] for m in modes}
     for i, prompt in enumerate(prompts):
         k = i % len(modes)
         for mode in modes[k:] + modes[:k]:
             if on_step:
                 on_step(i, mode)
-            samples[mode].append(runners[mode](prompt.messages, max_new_tokens))
-    return samples
+            samples.setdefault(mode, []).append(runners[mode](prompt.messages, params))
+        if on_prompt:
+            on_prompt(i)
+
+
+def finished_prompts(samples: dict[str, list[Sample]], modes: list[str]) -> int:
+    """How many prompts every mode has answered (the rest of an interrupted run is left out)."""
+    return min(len(samples.get(m, [])) for m in modes)
 
 
 # --- report ------------------------------------------------------------------------------------------
@@ -368,12 +383,15 @@ def reference_mode(modes: list[str]) -> str | None:
     return next((m for m in ("ar", "hf") if m in modes), None)
 
 
-def summarise(samples: dict[str, list[Sample]], prompts: list[Prompt]) -> tuple[list[dict], dict[str, float]]:
-    """Per-mode results and speedups, all computed from this run's samples."""
+def summarise(samples: dict[str, list[Sample]], prompts: list[Prompt],
+              greedy: bool = True) -> tuple[list[dict], dict[str, float]]:
+    """Per-mode results and speedups, all computed from this run's samples. Sampled answers differ by
+    design, so without ``greedy`` no mode is compared with the target's tokens."""
     import numpy as np
 
     modes = list(samples)
-    ref = reference_mode(modes)
+    ref = reference_mode(modes) if greedy else None
+    hf = "hf" if greedy and "hf" in samples else None
     results = []
     for mode in modes:
         ss = samples[mode]
@@ -390,9 +408,8 @@ def summarise(samples: dict[str, list[Sample]], prompts: list[Prompt]) -> tuple[
                                    "seconds": round(s.seconds, 4),
                                    "tokens_per_s": len(s.token_ids) / s.seconds if s.seconds else None,
                                    "verifications": s.verifications, "step_ms": s.step_ms}
-            for other in ("target", "hf"):
-                base = ref if other == "target" else "hf"
-                if base in samples:
+            for other, base in (("target", ref), ("hf", hf)):
+                if base is not None:
                     diff = _first_diff(s.token_ids, samples[base][i].token_ids)
                     row[f"identical_to_{other}"] = diff is None
                     row[f"first_diff_{other}"] = diff
@@ -409,7 +426,7 @@ def summarise(samples: dict[str, list[Sample]], prompts: list[Prompt]) -> tuple[
             "target_ms": _median([x for s in ss for x in s.target_ms]),
             "step_ms": _median([s.step_ms for s in ss if s.step_ms is not None]),
             "identical_to_target": all(r["identical_to_target"] for r in per_prompt) if ref else None,
-            "identical_to_hf": all(r["identical_to_hf"] for r in per_prompt) if "hf" in samples else None,
+            "identical_to_hf": all(r["identical_to_hf"] for r in per_prompt) if hf else None,
             "identical_prompts": sum(r.get("identical_to_target", False) for r in per_prompt),
             "prompts": len(ss),
             "prefill_tokens": sum(s.prefill_tokens for s in ss),
@@ -417,16 +434,10 @@ def summarise(samples: dict[str, list[Sample]], prompts: list[Prompt]) -> tuple[
             "seconds": seconds,
             "per_prompt": per_prompt,
         })
-    speedup = {}
-    for m in modes:
-        for b in modes:
-            if m == b or not (b in SPEEDUP_BASELINES or ALL_MODES.index(m) > ALL_MODES.index(b)):
-                continue
-            ratios = [(len(x.token_ids) / x.seconds) / (len(y.token_ids) / y.seconds)
-                      for x, y in zip(samples[m], samples[b], strict=True)
-                      if x.seconds and y.seconds and x.token_ids and y.token_ids]
-            if ratios:
-                speedup[f"{m}/{b}"] = statistics.median(ratios)
+    tps = {r["mode"]: r["tokens_per_s"] for r in results}
+    speedup = {f"{m}/{b}": tps[m] / tps[b] for m in modes for b in modes
+               if m != b and (b in SPEEDUP_BASELINES or ALL_MODES.index(m) > ALL_MODES.index(b)) and tps[m]
+               and tps[b]}
     return results, speedup
 
 
@@ -441,16 +452,16 @@ def render_table(report: dict[str, Any]):
     cfg = report["config"]
     results = report["results"]
     modes = [r["mode"] for r in results]
-    ref = cfg["reference"]
-    caption = [f"tok/s = {TOKENS_PER_S}; greedy, stop at EOS.", f"× = {SPEEDUP}.",
-               f"{STEP_MS}.",
-               f"= target: same tokens as {ref or '(no target-only mode run)'} on every prompt."]
-    if "ar" in modes and "hf" in modes:
-        ar = next(r for r in results if r["mode"] == "ar")
+    ref = cfg["reference"] or ("(no target-only mode run)" if "greedy" in cfg["decoding"] else
+                               "(not compared: sampled answers differ by design)")
+    caption = [f"tok/s = {TOKENS_PER_S}; {cfg['decoding']}.", f"× = {SPEEDUP}.",
+               f"{STEP_MS}.", f"= target: same tokens as {ref} on every prompt."]
+    ar = next((r for r in results if r["mode"] == "ar"), None)
+    if ar and ar["identical_to_hf"] is not None:
         caption.append(f"ar = hf: {'yes' if ar['identical_to_hf'] else 'NO'} "
                        f"({sum(p['identical_to_hf'] for p in ar['per_prompt'])}/{ar['prompts']} prompts).")
     table = Table(title=f"swiftspec bench · {cfg['target']} · draft {cfg['draft']} · {cfg['prompts']} prompts · "
-                        f"{cfg['max_new_tokens']} new tokens", caption="\n".join(caption))
+                        f"{cfg['max_new_tokens']} new tokens{partial_note(report)}", caption="\n".join(caption))
     table.add_column("mode", style="bold")
     for col in ("tok/s", "ms/tok p50", "ms/tok p95", "tok/verify", "accept", "draft ms", "target ms", "step ms"):
         table.add_column(col, justify="right")
@@ -474,6 +485,11 @@ def render_table(report: dict[str, Any]):
     return table
 
 
+def partial_note(report: dict[str, Any]) -> str:
+    partial = report.get("partial")
+    return f" · PARTIAL: interrupted after {partial['finished']} of {partial['planned']} prompts" if partial else ""
+
+
 def write_json(report: dict[str, Any], path: Path) -> None:
     Path(path).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
@@ -490,8 +506,16 @@ def _pyplot():
 
 
 def write_plot(report: dict[str, Any], samples: dict[str, list[Sample]], path: Path) -> None:
-    """Two panels: tokens/s per mode (labelled with the reported speedup over hf, else ar), and the
-    per-token latency distribution per mode (box = p25..p75, whiskers = p5..p95)."""
+    plt = _pyplot()
+    fig = plot_figure(report, samples)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_figure(report: dict[str, Any], samples: dict[str, list[Sample]]):
+    """Two panels: tokens/s per mode (each bar labelled with the report's speedup over hf, else ar: the
+    ratio of the bars' heights), and the per-token latency distribution per mode (box = p25..p75,
+    whiskers = p5..p95)."""
     plt = _pyplot()
     cfg = report["config"]
     modes = [r["mode"] for r in report["results"]]
@@ -511,10 +535,9 @@ def write_plot(report: dict[str, Any], samples: dict[str, list[Sample]], path: P
     right.set_ylabel("ms per token (lower is better)")
     right.set_title("per-token latency (whiskers p5–p95)")
     fig.suptitle(f"{cfg['target']} · draft {cfg['draft']} · {cfg['prompts']} prompts · "
-                 f"{cfg['max_new_tokens']} new tokens")
+                 f"{cfg['max_new_tokens']} new tokens{partial_note(report)}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 # --- the command -------------------------------------------------------------------------------------
@@ -530,8 +553,14 @@ def hf_assist(config: EngineConfig) -> dict[str, Any]:
     return {"assistant_model": str(resolve_model_dir(config.draft, quiet=True))}
 
 
+def describe_decoding(params: SamplingParams) -> str:
+    how = "greedy" if params.greedy else (f"sampled: temperature {params.temperature}, top-p {params.top_p}, "
+                                          f"top-k {params.top_k}, seed {params.seed}")
+    return f"{how}; every mode stops at EOS, which is not counted"
+
+
 def report_config(config: EngineConfig, info: dict[str, Any], modes: list[str], prompts: list[Prompt],
-                  max_new_tokens: int, assist: dict[str, Any] | None) -> dict[str, Any]:
+                  params: SamplingParams, assist: dict[str, Any] | None) -> dict[str, Any]:
     import torch
     import transformers
 
@@ -548,8 +577,9 @@ def report_config(config: EngineConfig, info: dict[str, Any], modes: list[str], 
         "modes": modes,
         "prompt_sets": sets,
         "prompts": len(prompts),
-        "max_new_tokens": max_new_tokens,
-        "decoding": "greedy; every mode stops at EOS, which is not counted",
+        "max_new_tokens": params.max_new_tokens,
+        "system": prompts[0].system if prompts else None,
+        "decoding": describe_decoding(params),
         "tokens_per_s": TOKENS_PER_S,
         "speedup": SPEEDUP,
         "step_ms": STEP_MS,
@@ -557,7 +587,7 @@ def report_config(config: EngineConfig, info: dict[str, Any], modes: list[str], 
         "warmup": f"each mode decodes {WARMUP_TOKENS} tokens of a prompt outside the set before timing",
         "engine_sessions": "one Engine for ar, sync and async, suffix-drafter session history off; every "
                            "timed prompt is prefilled in full",
-        "reference": reference_mode(modes),
+        "reference": reference_mode(modes) if params.greedy else None,
         "hf_assisted": assist,
         "hf_device": "/".join(hf_device(config)),
         "hf_threads": torch.get_num_threads(),
@@ -615,20 +645,41 @@ def _start_engine(config: EngineConfig, err):
         return Engine.start(config, progress=lambda line: status.update(f"starting the engine: {line}"))
 
 
+def eta_line(done: int, total: int, elapsed_s: float) -> str:
+    """The progress line printed per finished prompt when stderr is not a terminal (a log, CI)."""
+    left = elapsed_s / done * (total - done)
+    return (f"swiftspec bench: {done}/{total} prompts done, {_duration(elapsed_s)} elapsed, "
+            f"about {_duration(left)} left")
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    return f"{m} min {s:02d} s" if m else f"{s} s"
+
+
 def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompts: Path | None = None,
-                  prompt_set: str | list[str] | None = None, limit: int | None = None, max_new_tokens: int = 128,
-                  json_path: Path | None = None, plot_path: Path | None = None, console=None) -> dict[str, Any]:
+                  prompt_set: str | list[str] | None = None, limit: int | None = None,
+                  sampling: SamplingParams | None = None, system: str | None = None, json_path: Path | None = None,
+                  plot_path: Path | None = None, console=None, err=None) -> dict[str, Any]:
     """Runs the benchmark, prints the table, writes the JSON and the plot if asked; returns the report.
 
-    Every option is checked before any model loads, so a typo does not cost a model start.
+    Every option is checked before any model loads, so a typo does not cost a model start. Ctrl-C during
+    the timed prompts reports the prompts every mode finished, with ``partial`` set in the report; before
+    the first one finishes it is a plain KeyboardInterrupt.
     """
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
+    params = (sampling or SamplingParams(max_new_tokens=128)).validate()
     mode_list = parse_modes(modes)
-    if max_new_tokens < 1:
-        raise BenchError("--max-new-tokens must be >= 1")
-    selected = select_prompts(prompts, prompt_set, limit)
+    selected = [dataclasses.replace(p, system=system) for p in select_prompts(prompts, prompt_set, limit)]
     if plot_path is not None:
         _pyplot()
     for out in (json_path, plot_path):
@@ -640,10 +691,16 @@ def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompt
         console = Console()
         if not console.is_terminal:  # piped output: room for every column instead of rich's 80
             console.width = max(console.width, 150)
-    err = Console(stderr=True)
+    err = err or Console(stderr=True)
+
+    def say(line: str) -> None:  # a terminal has the live status instead
+        if not err.is_terminal:
+            err.print(f"swiftspec bench: {line}", highlight=False)
 
     from swiftspec.engine.loader import eos_token_ids, load_tokenizer, resolve_model_dir
 
+    samples: dict[str, list[Sample]] = {}
+    interrupted = False
     with contextlib.ExitStack() as stack:
         info: dict[str, Any] = {}
         runners: dict[str, Runner] = {}
@@ -651,9 +708,11 @@ def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompt
         tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
         eos = eos_token_ids(model_dir, tokenizer)
         if any(m in HF_MODES for m in mode_list):
+            say("loading the target into transformers for the hf baselines")
             with err.status("loading the target into transformers for the hf baselines"):
                 runners.update(_load_hf(model_dir, tokenizer, eos, config, mode_list, assist))
         if any(m in ENGINE_MODES for m in mode_list):
+            say("starting the engine")
             engine = _start_engine(config, err)
             stack.callback(engine.close)
             info = engine.info.to_dict()
@@ -661,25 +720,40 @@ def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompt
                 runners[mode] = EngineRunner(engine, mode, eos)
         runners = {m: runners[m] for m in mode_list}
 
+        say(f"warming up; then {len(selected)} prompts x {len(mode_list)} modes, up to "
+            f"{params.max_new_tokens} new tokens each")
         with err.status("warming up every mode"):
             for runner in runners.values():
-                runner(WARMUP, WARMUP_TOKENS)
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=err, transient=True) as progress:
+                runner(WARMUP, dataclasses.replace(params, max_new_tokens=WARMUP_TOKENS))
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("ETA"), TimeRemainingColumn())
+        t0 = time.perf_counter()
+        with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
             task = progress.add_task("bench", total=len(selected) * len(mode_list))
-            done = iter(range(len(selected) * len(mode_list)))
 
             def on_step(i: int, mode: str) -> None:
                 p = selected[i]
-                progress.update(task, completed=next(done),
+                progress.update(task, completed=sum(map(len, samples.values())),
                                 description=f"prompt {i + 1}/{len(selected)} ({p.source} {p.id}) · {mode}")
 
-            samples = run_interleaved(runners, selected, max_new_tokens, on_step)
-            progress.update(task, completed=len(selected) * len(mode_list))
+            def on_prompt(i: int) -> None:
+                if not err.is_terminal:
+                    err.print(eta_line(i + 1, len(selected), time.perf_counter() - t0), highlight=False)
 
-    results, speedup = summarise(samples, selected)
-    report = {"config": report_config(config, info, mode_list, selected, max_new_tokens, assist),
+            try:
+                run_interleaved(runners, selected, params, samples, on_step, on_prompt)
+            except KeyboardInterrupt:
+                interrupted = True
+
+    finished = finished_prompts(samples, mode_list)
+    if interrupted and not finished:
+        raise KeyboardInterrupt
+    samples = {m: samples[m][:finished] for m in mode_list}
+    results, speedup = summarise(samples, selected[:finished], params.greedy)
+    report = {"config": report_config(config, info, mode_list, selected[:finished], params, assist),
               "results": results, "speedup": speedup}
+    if interrupted:
+        report["partial"] = {"finished": finished, "planned": len(selected)}
     console.print(render_table(report))
     if json_path is not None:
         write_json(report, json_path)

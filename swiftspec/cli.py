@@ -7,14 +7,14 @@ stay instant.
 from __future__ import annotations
 
 import sys
-from enum import Enum
 from functools import partial
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from swiftspec.config import BUILTIN_DRAFTS, ConfigError, EngineConfig, SamplingParams, TreeParams
+from swiftspec.config import BUILTIN_DRAFTS, MODES, ConfigError, EngineConfig, SamplingParams, TreeParams
+from swiftspec.settings import config_path, default_map, env_var, read_config
 
 app = typer.Typer(
     name="swiftspec",
@@ -29,37 +29,39 @@ MODEL = "Model and device layout"
 DECODING = "Decoding"
 TREE = "Speculation tree"
 SCRIPTED = "Scripted mode"
+BENCH = "Benchmark"
 
 
-class Mode(str, Enum):
-    ar = "ar"
-    sync = "sync"
-    async_ = "async"
+def _whole_number(value) -> int:
+    """A count or index; the error says what was expected, not a validator's text."""
+    try:
+        return int(value)
+    except ValueError:
+        raise typer.BadParameter(f"expected a whole number such as 8, not {value!r}") from None
 
 
-class Device(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
+def _number(value) -> float:
+    """A value such as a temperature; the error, like _whole_number's, says what was expected."""
+    try:
+        return float(value)
+    except ValueError:
+        raise typer.BadParameter(f"expected a number such as 0.7, not {value!r}") from None
 
 
-class DType(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
+def _complete(*choices: str):
+    return lambda incomplete: [c for c in choices if c.startswith(incomplete)]
 
 
 def _device_list(value: str | None) -> list[int] | None:
-    """'0,1,2' -> [0, 1, 2]; a usage error (exit 2) names the bad piece."""
+    """'0,1,2' -> [0, 1, 2]; a ConfigError (exit 2) quotes the bad value."""
     if value is None:
         return None
     try:
         devices = [int(piece) for piece in value.split(",") if piece.strip()]
     except ValueError:
-        raise typer.BadParameter(f"expected GPU indices like 0,1,2 — got {value!r}") from None
+        raise ConfigError(f"GPU indices are numbers like 0,1,2, not {value!r}") from None
     if not devices or min(devices) < 0 or len(set(devices)) != len(devices):
-        raise typer.BadParameter(f"expected distinct GPU indices like 0,1,2 — got {value!r}")
+        raise ConfigError(f"GPU indices are distinct numbers like 0,1,2, not {value!r}")
     return devices
 
 
@@ -78,48 +80,80 @@ def _complete_draft(incomplete: str) -> list[str]:
     return found
 
 
-# The model/layout options, defined once and shared by `chat` and `bench`.
-TargetOpt = Annotated[Path | None, typer.Option(
-    "--target", metavar="PATH", rich_help_panel=MODEL,
-    help="Target model: a Hugging Face model directory or a .gguf file. Default: the embedded SmolLM2-135M.")]
-DraftOpt = Annotated[str, typer.Option(
-    "--draft", metavar="PATH|suffix|int8", rich_help_panel=MODEL, autocompletion=_complete_draft,
-    help="Draft model sharing the target's tokenizer, 'suffix' for the model-free suffix drafter, or "
+def _opt(*names: str, panel: str, metavar: str | None = None, **kwargs) -> typer.models.OptionInfo:
+    """A settable option: its long name also reads SWIFTSPEC_<NAME> from the environment (and the config
+    file, see swiftspec.settings); every value takes an upper-case metavar, and a flag (metavar None) none."""
+    long = next(n for n in names if n.startswith("--"))
+    return typer.Option(*names, envvar=env_var(long), metavar="" if metavar is None else metavar,
+                        rich_help_panel=panel, **kwargs)
+
+
+# The options, defined once and shared by `chat` and `bench`. Ranges are checked by EngineConfig and
+# SamplingParams, whose messages say what a value means ("temperature must be >= 0 (0 = greedy)").
+TargetOpt = Annotated[Path | None, _opt(
+    "-m", "--model", "--target", panel=MODEL, metavar="PATH",
+    help="Target model: a Hugging Face model directory or a .gguf file (--target is the same flag). "
+         "Default: the embedded SmolLM2-135M.")]
+DraftOpt = Annotated[str, _opt(
+    "--draft", panel=MODEL, metavar="DRAFT", autocompletion=_complete_draft,
+    help="A draft model PATH sharing the target's tokenizer, 'suffix' for the model-free suffix drafter, or "
          "'int8' for a dynamic-int8 copy of the target (CPU).")]
-TargetDevicesOpt = Annotated[str | None, typer.Option(
-    "--target-devices", metavar="0,1", rich_help_panel=MODEL,
-    help="GPU indices of the target group (tensor parallel over them).")]
-DraftDevicesOpt = Annotated[str | None, typer.Option(
-    "--draft-devices", metavar="2", rich_help_panel=MODEL, help="GPU indices of the draft group.")]
-GpusOpt = Annotated[int | None, typer.Option(
-    "--gpus", min=2, rich_help_panel=MODEL,
+TargetDevicesOpt = Annotated[str | None, _opt(
+    "--target-devices", panel=MODEL, metavar="GPUS",
+    help="GPU indices of the target group, e.g. 0,1 (tensor parallel over them).")]
+DraftDevicesOpt = Annotated[str | None, _opt(
+    "--draft-devices", panel=MODEL, metavar="GPUS", help="GPU indices of the draft group, e.g. 2.")]
+GpusOpt = Annotated[int | None, _opt(
+    "--gpus", parser=_whole_number, panel=MODEL, metavar="N",
     help="Use the first N GPUs and let profiling choose the target/draft split.")]
-TargetProcsOpt = Annotated[int, typer.Option(
-    "--target-procs", min=1, rich_help_panel=MODEL, help="CPU: worker processes in the target group.")]
-DraftProcsOpt = Annotated[int, typer.Option(
-    "--draft-procs", min=1, rich_help_panel=MODEL, help="CPU: worker processes in the draft group.")]
-DeviceOpt = Annotated[Device, typer.Option(
-    "--device", rich_help_panel=MODEL, help="Where the workers run; auto picks CUDA when present.")]
-DTypeOpt = Annotated[DType, typer.Option(
-    "--dtype", rich_help_panel=MODEL,
-    help="Weights dtype; auto is fp32 on CPU, bf16 on CUDA. 16-bit and GPU runs use batch-invariant kernels, "
-         "so every mode stays exact.")]
-ThreadsOpt = Annotated[int | None, typer.Option(
-    "--threads", min=1, rich_help_panel=MODEL, help="CPU threads for all workers together. Default: every core.")]
-MaxSeqLenOpt = Annotated[int, typer.Option(
-    "--max-seq-len", min=16, rich_help_panel=MODEL, help="KV cache length per conversation (tokens).")]
-TrustRemoteCodeOpt = Annotated[bool, typer.Option(
-    "--trust-remote-code", rich_help_panel=MODEL,
+TargetProcsOpt = Annotated[int, _opt(
+    "--target-procs", parser=_whole_number, panel=MODEL, metavar="N",
+    help="CPU: worker processes in the target group.")]
+DraftProcsOpt = Annotated[int, _opt(
+    "--draft-procs", parser=_whole_number, panel=MODEL, metavar="N",
+    help="CPU: worker processes in the draft group.")]
+DeviceOpt = Annotated[str, _opt(
+    "--device", panel=MODEL, metavar="DEVICE", autocompletion=_complete("auto", "cpu", "cuda"),
+    help="auto, cpu or cuda: where the workers run; auto picks CUDA when present.")]
+DTypeOpt = Annotated[str, _opt(
+    "--dtype", panel=MODEL, metavar="DTYPE",
+    autocompletion=_complete("auto", "float32", "bfloat16", "float16"),
+    help="auto, float32, bfloat16 or float16: the weights' dtype; auto is fp32 on CPU, bf16 on CUDA. 16-bit and "
+         "GPU runs use batch-invariant kernels, so every mode stays exact.")]
+ThreadsOpt = Annotated[int | None, _opt(
+    "--threads", parser=_whole_number, panel=MODEL, metavar="N",
+    help="CPU threads for all workers together. Default: every core.")]
+MaxSeqLenOpt = Annotated[int, _opt(
+    "--max-seq-len", parser=_whole_number, panel=MODEL, metavar="N",
+    help="KV cache length per conversation (tokens).")]
+TrustRemoteCodeOpt = Annotated[bool, _opt(
+    "--trust-remote-code", panel=MODEL,
     help="Allow the model directory's own tokenizer code (model code is always SwiftSpec's own).")]
-BsOpt = Annotated[int, typer.Option(
-    "--bs", min=1, max=64, rich_help_panel=TREE, help="Tree nodes verified per target forward.")]
-WOpt = Annotated[int, typer.Option(
-    "--w", min=1, max=64, rich_help_panel=TREE, help="Leaves expanded per draft forward.")]
-DOpt = Annotated[int | None, typer.Option(
-    "--d", min=1, max=64, rich_help_panel=TREE,
-    help="Draft expansions per round. Default: chosen from step times profiled at start.")]
-MaxNewTokensOpt = Annotated[int, typer.Option(
-    "--max-new-tokens", min=1, rich_help_panel=DECODING, help="Most tokens generated per answer.")]
+BsOpt = Annotated[int, _opt(
+    "--bs", parser=_whole_number, panel=TREE, metavar="N",
+    help="Tree nodes verified per target forward (1-64).")]
+WOpt = Annotated[int, _opt(
+    "--w", parser=_whole_number, panel=TREE, metavar="N",
+    help="Leaves expanded per draft forward (1-64).")]
+DOpt = Annotated[int | None, _opt(
+    "--d", parser=_whole_number, panel=TREE, metavar="N",
+    help="Draft expansions per round (1-64). Default: chosen from step times profiled at start.")]
+MaxNewTokensOpt = Annotated[int, _opt(
+    "--max-new-tokens", parser=_whole_number, panel=DECODING, metavar="N",
+    help="Most tokens generated per answer.")]
+TemperatureOpt = Annotated[float, _opt(
+    "--temperature", parser=_number, panel=DECODING, metavar="NUMBER",
+    help="0 = greedy; sampling stays lossless.")]
+TopPOpt = Annotated[float, _opt(
+    "--top-p", parser=_number, panel=DECODING, metavar="NUMBER",
+    help="Nucleus sampling, in (0, 1].")]
+TopKOpt = Annotated[int, _opt(
+    "--top-k", parser=_whole_number, panel=DECODING, metavar="N",
+    help="Sample from the k most likely tokens; 0 = off.")]
+SeedOpt = Annotated[int | None, _opt(
+    "--seed", parser=_whole_number, panel=DECODING, metavar="N",
+    help="Seed for sampling, so a run can be reproduced.")]
+SystemOpt = Annotated[str | None, _opt("--system", panel=DECODING, metavar="TEXT", help="System prompt.")]
 
 _TREE_DEFAULTS = TreeParams()
 _ENGINE_DEFAULTS = EngineConfig()
@@ -127,7 +161,7 @@ _ENGINE_DEFAULTS = EngineConfig()
 
 def engine_config(
     target: Path | None, draft: str, target_devices: str | None, draft_devices: str | None, gpus: int | None,
-    target_procs: int, draft_procs: int, device: Device, dtype: DType, threads: int | None, max_seq_len: int,
+    target_procs: int, draft_procs: int, device: str, dtype: str, threads: int | None, max_seq_len: int,
     trust_remote_code: bool, bs: int, w: int, d: int | None,
 ) -> EngineConfig:
     """Builds and validates the EngineConfig from the shared flags (ConfigError on a bad combination)."""
@@ -138,7 +172,7 @@ def engine_config(
     return EngineConfig(
         target=str(target) if target else None, draft=draft,
         target_devices=_device_list(target_devices), draft_devices=_device_list(draft_devices), gpus=gpus,
-        target_procs=target_procs, draft_procs=draft_procs, device=device.value, dtype=dtype.value,
+        target_procs=target_procs, draft_procs=draft_procs, device=device, dtype=dtype,
         threads=threads, max_seq_len=max_seq_len, trust_remote_code=trust_remote_code, tree=TreeParams(bs=bs, w=w, d=d),
     ).validate()
 
@@ -148,8 +182,16 @@ def _fail(message: str, code: int) -> typer.Exit:
     return typer.Exit(code)
 
 
-@app.command(no_args_is_help=False)
+SOURCES = (f"Every option but -p and --resume can also be set by an environment variable (shown with it) or "
+           f"in the config file {config_path()} (TOML, e.g. max-new-tokens = 64, or under \\[chat] / \\[bench]); "
+           "a value is taken from, in order: the flag, the environment variable, the config file, the default.")
+
+
+@app.command(no_args_is_help=False, epilog=SOURCES)
 def chat(
+    prompt_arg: Annotated[str | None, typer.Argument(
+        metavar="PROMPT", show_default=False,
+        help="Answer this prompt and exit, as -p PROMPT does.")] = None,
     target: TargetOpt = None,
     draft: DraftOpt = "suffix",
     target_devices: TargetDevicesOpt = None,
@@ -157,62 +199,60 @@ def chat(
     gpus: GpusOpt = None,
     target_procs: TargetProcsOpt = _ENGINE_DEFAULTS.target_procs,
     draft_procs: DraftProcsOpt = _ENGINE_DEFAULTS.draft_procs,
-    device: DeviceOpt = Device.auto,
-    dtype: DTypeOpt = DType.auto,
+    device: DeviceOpt = "auto",
+    dtype: DTypeOpt = "auto",
     threads: ThreadsOpt = None,
     max_seq_len: MaxSeqLenOpt = _ENGINE_DEFAULTS.max_seq_len,
     trust_remote_code: TrustRemoteCodeOpt = False,
-    mode: Annotated[Mode, typer.Option(
-        "--mode", rich_help_panel=DECODING,
-        help="async: SwiftSpec (draft and target in parallel; the default, also on one GPU, where it measured at "
-             "least as fast as sync); sync: draft then verify; ar: target only.")
-    ] = Mode.async_,
-    temperature: Annotated[float, typer.Option(
-        "--temperature", min=0.0, rich_help_panel=DECODING, help="0 = greedy; sampling stays lossless.")] = 0.0,
-    top_p: Annotated[float, typer.Option(
-        "--top-p", min=0.0, max=1.0, rich_help_panel=DECODING, help="Nucleus sampling, in (0, 1].")] = 1.0,
-    top_k: Annotated[int, typer.Option(
-        "--top-k", min=0, rich_help_panel=DECODING, help="Sample from the k most likely tokens; 0 = off.")] = 0,
-    seed: Annotated[int | None, typer.Option(
-        "--seed", rich_help_panel=DECODING, help="Seed for sampling, so a run can be reproduced.")] = None,
+    mode: Annotated[str, _opt(
+        "--mode", panel=DECODING, metavar="MODE", autocompletion=_complete(*MODES),
+        help="async: SwiftSpec (draft and target in parallel; the default, also on one GPU, where it measured "
+             "at least as fast as sync); sync: draft then verify; ar: target only.")
+    ] = "async",
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = None,
     max_new_tokens: MaxNewTokensOpt = SamplingParams().max_new_tokens,
-    system: Annotated[str | None, typer.Option(
-        "--system", rich_help_panel=DECODING, help="System prompt.")] = None,
-    stop: Annotated[list[str] | None, typer.Option(
-        "--stop", metavar="TEXT", rich_help_panel=DECODING,
+    system: SystemOpt = None,
+    stop: Annotated[list[str] | None, _opt(
+        "--stop", panel=DECODING, metavar="TEXT",
         help="End the answer before this text; repeat for several.")] = None,
     bs: BsOpt = _TREE_DEFAULTS.bs,
     w: WOpt = _TREE_DEFAULTS.w,
     d: DOpt = None,
     prompt: Annotated[str | None, typer.Option(
-        "-p", "--prompt", rich_help_panel=SCRIPTED,
+        "-p", "--prompt", metavar="TEXT", rich_help_panel=SCRIPTED,
         help="Answer this prompt and exit (scripted mode). Piped stdin, if any, is appended as material.")
     ] = None,
-    each_line: Annotated[bool, typer.Option(
-        "--each-line", rich_help_panel=SCRIPTED, help="Scripted mode: each stdin line is its own prompt.")
+    each_line: Annotated[bool, _opt(
+        "--each-line", panel=SCRIPTED, help="Scripted mode: each stdin line is its own prompt.")
     ] = False,
-    jsonl: Annotated[bool, typer.Option(
-        "--jsonl", rich_help_panel=SCRIPTED,
+    jsonl: Annotated[bool, _opt(
+        "--jsonl", panel=SCRIPTED,
         help='Scripted mode: stdout is one JSON object per event: {"event":"token","text","token_ids"} '
         '... {"event":"done","stats","finish_reason"}.')
     ] = False,
     resume: Annotated[str | None, typer.Option(
-        "--resume", metavar="[ID]",
+        "--resume", metavar="ID",
         help="Resume saved conversation ID, or the latest one when ID is left out (scripted mode "
         "answers after it and appends the new turns).")] = None,
 ) -> None:
-    """Chat with a model. A TUI in a terminal; scripted mode when stdin or stdout is not a terminal, or with -p.
+    """Chat with a model. A TUI in a terminal; scripted mode when stdin or stdout is not a terminal, or with a prompt.
 
-    Scripted mode prints only the answer on stdout and its figures on stderr. Exit codes: 0 ok, 1 engine error, 2 usage error (bad flags or model paths, empty or non-UTF-8 input).
+    Scripted mode prints only the answer on stdout and its figures on stderr. Exit codes: 0 ok, 1 engine error, 2 usage error (bad flags, model paths or model files, empty or non-UTF-8 input).
 
-    Examples: [bold]swiftspec chat[/bold] · [bold]echo "Explain RoPE" | swiftspec chat > answer.md[/bold] · [bold]swiftspec chat -p "Summarise:" --jsonl < notes.txt[/bold] · [bold]swiftspec chat --resume[/bold]
+    Examples: [bold]swiftspec chat[/bold] · [bold]swiftspec chat "Why is the sky blue?"[/bold] · [bold]echo "Explain RoPE" | swiftspec chat > answer.md[/bold] · [bold]swiftspec chat -p "Summarise:" --jsonl < notes.txt[/bold] · [bold]swiftspec chat --resume[/bold]
     """
+    if prompt_arg is not None and prompt is not None:
+        raise _fail("give the prompt either as an argument or with -p, not both", 2)
+    prompt = prompt_arg if prompt is None else prompt
     from swiftspec.history import HistoryError, HistoryStore
 
     try:
         config = engine_config(target, draft, target_devices, draft_devices, gpus, target_procs, draft_procs,
                                device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
-        params = SamplingParams(mode=mode.value, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        params = SamplingParams(mode=mode, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 max_new_tokens=max_new_tokens, stop=stop or []).validate()
     except ConfigError as e:
         raise _fail(str(e), 2) from None
@@ -288,17 +328,12 @@ def _chat_scripted(config, params, system, context, prompt, each_line, jsonl, re
 
 
 def _prepare_models(config: EngineConfig) -> None:
-    """Before the TUI takes the terminal: a missing model path is a usage error, and a GGUF file (the
+    """Before the TUI takes the terminal: a missing or broken model is a usage error, and a GGUF file (the
     embedded default included) is converted now, once, with its progress bar, rather than unseen."""
-    from swiftspec import embedded
+    from swiftspec.engine.loader import resolve_model_dir
 
     for spec in [config.target] + ([config.draft] if config.draft not in BUILTIN_DRAFTS else []):
-        path = embedded.embedded_gguf_path() if spec is None else Path(spec).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(f"model path {spec!r} does not exist (expected a Hugging Face model "
-                                    "directory or a .gguf file)")
-        if path.suffix.lower() == ".gguf" and path.is_file():
-            embedded.ensure_converted(path)
+        resolve_model_dir(spec)
 
 
 def _start_engine(config: EngineConfig, progress):
@@ -313,7 +348,7 @@ def _model_line(config: EngineConfig) -> str:
     return f"target {target} · draft {draft}"
 
 
-@app.command()
+@app.command(epilog=SOURCES)
 def bench(
     target: TargetOpt = None,
     draft: DraftOpt = "suffix",
@@ -322,42 +357,96 @@ def bench(
     gpus: GpusOpt = None,
     target_procs: TargetProcsOpt = _ENGINE_DEFAULTS.target_procs,
     draft_procs: DraftProcsOpt = _ENGINE_DEFAULTS.draft_procs,
-    device: DeviceOpt = Device.auto,
-    dtype: DTypeOpt = DType.auto,
+    device: DeviceOpt = "auto",
+    dtype: DTypeOpt = "auto",
     threads: ThreadsOpt = None,
     max_seq_len: MaxSeqLenOpt = _ENGINE_DEFAULTS.max_seq_len,
     trust_remote_code: TrustRemoteCodeOpt = False,
     bs: BsOpt = _TREE_DEFAULTS.bs,
     w: WOpt = _TREE_DEFAULTS.w,
     d: DOpt = None,
-    modes: Annotated[str, typer.Option(
-        "--modes", help="Comma-separated: hf, hf-assisted, ar, sync, async.")] = "hf,hf-assisted,ar,sync,async",
-    prompts: Annotated[Path | None, typer.Option(
-        "--prompts", metavar="FILE.jsonl", exists=True, dir_okay=False,
-        help="Prompts from a JSONL file with a 'prompt' field or MT-Bench-style 'turns'.")] = None,
-    prompt_set: Annotated[str | None, typer.Option(
-        "--set", help="Built-in prompt sets, comma-separated: chat, code, math, qa, summarisation, "
-        "extraction (and humaneval when installed). Default: all built-in sets.")] = None,
-    limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most N prompts per set.")] = None,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = None,
+    system: SystemOpt = None,
     max_new_tokens: MaxNewTokensOpt = 128,
-    json_path: Annotated[Path | None, typer.Option(
-        "--json", metavar="FILE", help="Write the results as JSON.")] = None,
-    plot_path: Annotated[Path | None, typer.Option(
-        "--plot", metavar="FILE.png", help="Plot tokens/s and per-token latency per mode.")] = None,
+    modes: Annotated[str, _opt(
+        "--modes", panel=BENCH, metavar="MODES",
+        help="Comma-separated: hf, hf-assisted, ar, sync, async.")] = "hf,hf-assisted,ar,sync,async",
+    prompts: Annotated[Path | None, _opt(
+        "--prompts", panel=BENCH, metavar="FILE",
+        help="Prompts from a JSONL file with a 'prompt' field or MT-Bench-style 'turns'.")] = None,
+    prompt_set: Annotated[str | None, _opt(
+        "--set", panel=BENCH, metavar="SETS",
+        help="Built-in prompt sets, comma-separated: chat, code, math, qa, summarisation, "
+        "extraction (and humaneval when installed). Default: all built-in sets.")] = None,
+    limit: Annotated[int | None, _opt("--limit", parser=_whole_number, panel=BENCH, metavar="N", help="At most N prompts per set.")] = None,
+    json_path: Annotated[Path | None, _opt(
+        "--json", panel=BENCH, metavar="FILE", help="Write the results as JSON.")] = None,
+    plot_path: Annotated[Path | None, _opt(
+        "--plot", panel=BENCH, metavar="FILE", help="Plot tokens/s and per-token latency per mode (a .png).")] = None,
 ) -> None:
-    """Measure decoding modes and peers side by side on the same prompts, interleaved."""
+    """Measure decoding modes and peers side by side on the same prompts, interleaved.
+
+    Greedy unless --temperature is given (then the "= target" check is left out: sampled answers differ by design). Ctrl-C stops the run and still reports the prompts every mode finished, marked partial.
+
+    Example: [bold]swiftspec bench --set chat,code --limit 2 --max-new-tokens 64 --json bench.json[/bold]
+    """
     try:
         config = engine_config(target, draft, target_devices, draft_devices, gpus, target_procs, draft_procs,
                                device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                  max_new_tokens=max_new_tokens).validate()
     except ConfigError as e:
         raise _fail(str(e), 2) from None
     from swiftspec.bench import bench_command
 
     try:
-        bench_command(config=config, modes=modes, prompts=prompts, prompt_set=prompt_set, limit=limit,
-                      max_new_tokens=max_new_tokens, json_path=json_path, plot_path=plot_path)
+        report = bench_command(config=config, modes=modes, prompts=prompts, prompt_set=prompt_set, limit=limit,
+                               sampling=sampling, system=system, json_path=json_path, plot_path=plot_path)
     except (ValueError, FileNotFoundError) as e:  # bad options, prompts or model paths
         raise _fail(str(e), 2) from None
+    except KeyboardInterrupt:
+        raise _fail("interrupted before every mode had finished a prompt: nothing to report", 130) from None
+    if report.get("partial"):
+        raise typer.Exit(130)
+
+
+cache_app = typer.Typer(help="What the cache holds (converted GGUF models, logs of failed workers) and "
+                        "its size; clear it to free the space.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("list")
+def cache_list() -> None:
+    """List the cache's entries with their sizes."""
+    from swiftspec.cache import entries, human_size
+    from swiftspec.embedded import cache_dir
+
+    found = entries()
+    typer.echo(f"{cache_dir()} (SWIFTSPEC_CACHE moves it)")
+    width = max((len(e.name) for e in found), default=0)
+    for e in found:
+        typer.echo(f"  {human_size(e.size):>9}  {e.name:<{width}}  {e.what}")
+    typer.echo(f"  {human_size(sum(e.size for e in found)):>9}  in all")
+
+
+@cache_app.command("clear")
+def cache_clear(
+    name: Annotated[str | None, typer.Argument(
+        metavar="NAME", show_default=False, help="The entry to remove, as cache list names it. Default: all.")] = None,
+) -> None:
+    """Remove one cache entry, or all of them. A converted model is converted again when next used."""
+    from swiftspec.cache import CacheError, clear, human_size
+
+    try:
+        removed = clear(name)
+    except CacheError as e:
+        raise _fail(str(e), 2) from None
+    for e in removed:
+        typer.echo(f"removed {e.name} ({human_size(e.size)})")
+    typer.echo(f"freed {human_size(sum(e.size for e in removed))}")
 
 
 def _version(value: bool) -> None:
@@ -370,10 +459,17 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+    ctx: typer.Context,
+    version: Annotated[bool, typer.Option("-V", "--version", callback=_version, is_eager=True, metavar="",
                                           help="Print the version and exit.")] = False,
 ) -> None:
-    pass
+    """Reads the config file into click's default_map before the command parses its flags, so that a
+    flag and its environment variable both win over the file."""
+    path = config_path()
+    try:
+        ctx.default_map = default_map(read_config(path), ctx.command.commands, path)
+    except ConfigError as e:
+        raise _fail(str(e), 2) from None
 
 
 def normalise_argv(argv: list[str]) -> list[str]:

@@ -12,7 +12,7 @@ from typing import Any
 MODES = ("ar", "sync", "async")
 
 # Drafts named by a word rather than a model path. "int8" runs on the CPU only: a copy of the target with
-# dynamic-int8 linears, ~1.7x faster per step and ~60 % top-1 agreement on SmolLM2 (DESIGN.md section 4).
+# dynamic-int8 linears, ~1.7x faster per step and ~60 % top-1 agreement on SmolLM2.
 BUILTIN_DRAFTS = {
     "suffix": "the model-free suffix drafter",
     "int8": "an int8 copy of the target",
@@ -122,6 +122,10 @@ class EngineConfig:
         self.tree.validate()
         if self.target_procs < 1 or self.draft_procs < 1:
             raise ConfigError("each group needs at least one process")
+        if self.gpus is not None and self.gpus < 2:
+            raise ConfigError("gpus must be >= 2 (one group for the target, one for the draft)")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError("threads must be >= 1")
         if self.max_seq_len < 16:
             raise ConfigError("max-seq-len must be >= 16")
         if self.device not in ("auto", "cpu", "cuda"):

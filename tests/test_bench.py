@@ -12,7 +12,7 @@ import pytest
 
 from swiftspec import bench
 from swiftspec.bench import BenchError, Prompt, Sample
-from swiftspec.config import EngineConfig
+from swiftspec.config import ConfigError, EngineConfig, SamplingParams
 
 RESULT_KEYS = {"mode", "tokens_per_s", "ms_per_token_p50", "ms_per_token_p95", "mean_accepted", "acceptance_rate",
                "identical_to_target"}
@@ -137,7 +137,26 @@ def test_summarise_pools_prompts_checks_identity_and_computes_speedups():
     assert by["ar"]["identical_to_target"] and by["ar"]["identical_to_hf"]
     assert not by["async"]["identical_to_target"] and by["async"]["identical_prompts"] == 1
     assert by["async"]["per_prompt"][1]["first_diff_target"] == 1
+    # one speedup definition: the ratio of the tok/s column
     assert speedup == pytest.approx({"ar/hf": 2.0, "async/hf": 4.0, "hf/ar": 0.5, "async/ar": 2.0})
+    for key, ratio in speedup.items():
+        m, b = key.split("/")
+        assert ratio == pytest.approx(by[m]["tokens_per_s"] / by[b]["tokens_per_s"])
+
+
+def test_speedup_is_the_ratio_of_pooled_tokens_per_s_not_a_median_of_prompts():
+    """The issue's case: per-prompt ratios near 1 while the totals differ 3.5x; the × column must say 3.5."""
+    prompts = [Prompt("qa", str(i), "x") for i in range(3)]
+    ar = [Sample([1] * 10, 1.0, [(1.0, 10)]), Sample([1] * 10, 1.0, [(1.0, 10)]), Sample([1] * 100, 40.0, [(40.0, 100)])]
+    fast = [Sample([1] * 10, 1.0, [(1.0, 10)]), Sample([1] * 10, 0.9, [(0.9, 10)]), Sample([1] * 100, 2.9, [(2.9, 100)])]
+    results, speedup = bench.summarise({"ar": ar, "async": fast}, prompts)
+    assert speedup["async/ar"] == pytest.approx((120 / 4.8) / (120 / 42.0))
+
+
+def test_sampled_runs_are_not_compared_with_the_target():
+    samples, prompts = fake_samples()
+    results, _ = bench.summarise(samples, prompts, greedy=False)
+    assert all(r["identical_to_target"] is None and r["identical_to_hf"] is None for r in results)
 
 
 def test_reference_is_ar_else_hf_else_none():
@@ -151,7 +170,7 @@ def test_reference_is_ar_else_hf_else_none():
 def report_of(samples, prompts) -> dict:
     results, speedup = bench.summarise(samples, prompts)
     config = bench.report_config(EngineConfig(), {"target": "t", "draft": "suffix", "layout": ["x"]},
-                                 list(samples), prompts, 4, None)
+                                 list(samples), prompts, SamplingParams(max_new_tokens=4), None)
     return {"config": config, "results": results, "speedup": speedup}
 
 
@@ -173,6 +192,20 @@ def test_table_json_and_plot(tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_labels_match_the_bars():
+    """Each bar's label is its height over the baseline bar's height, as the table says it."""
+    pytest.importorskip("matplotlib")
+    samples, prompts = fake_samples()
+    report = report_of(samples, prompts)
+    throughput = bench.plot_figure(report, samples).axes[0]
+    heights = [bar.get_height() for bar in throughput.patches]
+    labels = [t.get_text() for t in throughput.texts]
+    modes = [r["mode"] for r in report["results"]]
+    assert labels == ["1.00× hf", "2.00× hf", "4.00× hf"]
+    for height, label in zip(heights, labels, strict=True):
+        assert float(label.split("×")[0]) == pytest.approx(height / heights[modes.index("hf")], abs=0.005)
+
+
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(BenchError, match="--plot needs matplotlib"):
@@ -186,8 +219,8 @@ def test_bad_options_fail_before_any_model_loads(tmp_path, monkeypatch):
     monkeypatch.setattr("swiftspec.engine.loader.resolve_model_dir", no_load)
     with pytest.raises(BenchError, match="unknown mode"):
         bench.bench_command(EngineConfig(), modes="hf,warp")
-    with pytest.raises(BenchError, match="max-new-tokens"):
-        bench.bench_command(EngineConfig(), modes="hf", max_new_tokens=0)
+    with pytest.raises(ConfigError, match="max-new-tokens"):
+        bench.bench_command(EngineConfig(), modes="hf", sampling=SamplingParams(max_new_tokens=0))
     with pytest.raises(BenchError, match="is not a directory"):
         bench.bench_command(EngineConfig(), modes="hf", json_path=tmp_path / "nowhere" / "r.json")
     with pytest.raises(BenchError, match="unknown prompt set"):
@@ -214,7 +247,7 @@ class ScriptedEngine:
 
 def test_engine_runner_counts_steps_strips_eos_and_forgets_the_last_prompt():
     engine = ScriptedEngine()
-    s = bench.EngineRunner(engine, "async", [2])([{"role": "user", "content": "q"}], 16)
+    s = bench.EngineRunner(engine, "async", [2])([{"role": "user", "content": "q"}], SamplingParams(max_new_tokens=16))
     assert engine.calls[0] == (bench.FORGET[0], "ar", 1) and engine.calls[1][1:] == ("async", 16)
     assert s.token_ids == [5, 6, 7, 8, 9] and s.prefill_tokens == 30
     assert (s.verifications, s.accepted, s.proposed) == (2, 3, 14)
@@ -222,7 +255,7 @@ def test_engine_runner_counts_steps_strips_eos_and_forgets_the_last_prompt():
     assert [n for _, n in s.arrivals] == [1, 3, 2]
 
     engine = ScriptedEngine(system_ok=False)
-    bench.EngineRunner(engine, "ar", [2])([{"role": "user", "content": "q"}], 16)
+    bench.EngineRunner(engine, "ar", [2])([{"role": "user", "content": "q"}], SamplingParams(max_new_tokens=16))
     assert engine.calls[0][0] == bench.FORGET[1]
 
 
@@ -236,7 +269,8 @@ def test_interleaving_rotates_the_mode_order():
         return run
 
     prompts = [Prompt("s", str(i), f"p{i}") for i in range(3)]
-    out = bench.run_interleaved({m: runner(m) for m in ("hf", "ar", "async")}, prompts, 4)
+    out: dict = {}
+    bench.run_interleaved({m: runner(m) for m in ("hf", "ar", "async")}, prompts, SamplingParams(), out)
     assert calls == [("p0", "hf"), ("p0", "ar"), ("p0", "async"), ("p1", "ar"), ("p1", "async"), ("p1", "hf"),
                      ("p2", "async"), ("p2", "hf"), ("p2", "ar")]
     assert all(len(v) == 3 for v in out.values())
@@ -325,7 +359,8 @@ def test_every_mode_and_flag_on_the_tiny_model(tiny, tmp_path, monkeypatch):
                           + "\n" for i in range(4)))
     console = Console(record=True, width=200)
     report = bench.bench_command(EngineConfig(target=str(tiny)), modes="hf,hf-assisted,ar,sync,async", prompts=mt,
-                                 prompt_set="qa", limit=2, max_new_tokens=12, json_path=tmp_path / "r.json",
+                                 prompt_set="qa", limit=2, sampling=SamplingParams(max_new_tokens=12),
+                                 json_path=tmp_path / "r.json",
                                  plot_path=tmp_path / "r.png", console=console)
 
     saved = json.loads((tmp_path / "r.json").read_text())
@@ -362,9 +397,65 @@ def test_every_mode_and_flag_on_the_tiny_model(tiny, tmp_path, monkeypatch):
     assert all(engine.calls[i - 1][0] == bench.FORGET[0] and engine.calls[i - 1][2] == 1 for i in timed)
 
 
+def test_ctrl_c_reports_what_every_mode_finished_with_progress_lines(tiny, tmp_path, monkeypatch):
+    """Ctrl-C during the second prompt: the table and JSON hold the first prompt, marked partial; stderr
+    that is not a terminal got one progress line per finished prompt with an ETA."""
+    import io
+
+    from rich.console import Console
+
+    import swiftspec
+
+    monkeypatch.setattr(swiftspec, "Engine", ReplayEngine, raising=False)
+    calls = []
+    answer = bench.EngineRunner.__call__
+
+    def interrupted_on_call_6(self, messages, params):  # 2 warm-ups, 2 for prompt 1, then prompt 2
+        calls.append(self.mode)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return answer(self, messages, params)
+
+    monkeypatch.setattr(bench.EngineRunner, "__call__", interrupted_on_call_6)
+    console, err = Console(record=True, width=200), Console(file=io.StringIO(), width=200)
+    report = bench.bench_command(EngineConfig(target=str(tiny)), modes="ar,async", prompt_set="qa", limit=3,
+                                 sampling=SamplingParams(max_new_tokens=6), system="Be brief.",
+                                 json_path=tmp_path / "r.json", console=console, err=err)
+    assert report["partial"] == {"finished": 1, "planned": 3}
+    assert json.loads((tmp_path / "r.json").read_text())["partial"] == {"finished": 1, "planned": 3}
+    assert all(r["prompts"] == 1 for r in report["results"]) and report["config"]["prompts"] == 1
+    assert "PARTIAL: interrupted after 1 of 3 prompts" in console.export_text()
+    lines = err.file.getvalue().splitlines()
+    assert any(line.startswith("swiftspec bench: 1/3 prompts done") and "left" in line for line in lines), lines
+    assert not any("2/3 prompts done" in line for line in lines)
+    assert started[-1].closed  # the engine is closed on the way out
+    # --system reached every timed prompt
+    timed = [m for m, _, n in started[-1].calls if n == 6]
+    assert timed and all(m[0] == {"role": "system", "content": "Be brief."} for m in timed)
+
+
+def test_ctrl_c_before_any_prompt_finishes_is_a_plain_interrupt(tiny, monkeypatch):
+    import swiftspec
+
+    monkeypatch.setattr(swiftspec, "Engine", ReplayEngine, raising=False)
+
+    def interrupt(self, messages, params):
+        if params.max_new_tokens != bench.WARMUP_TOKENS:
+            raise KeyboardInterrupt
+        return Sample([1], 0.1, [(0.1, 1)])
+
+    monkeypatch.setattr(bench.EngineRunner, "__call__", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        bench.bench_command(EngineConfig(target=str(tiny)), modes="ar", prompt_set="qa", limit=2)
+
+
+def test_eta_line():
+    assert bench.eta_line(2, 8, 30.0) == "swiftspec bench: 2/8 prompts done, 30 s elapsed, about 1 min 30 s left"
+
+
 def test_hf_assisted_uses_the_draft_model(tiny, tiny_draft):
     report = bench.bench_command(EngineConfig(target=str(tiny), draft=str(tiny_draft)), modes="hf-assisted,hf",
-                                 prompt_set="code", limit=1, max_new_tokens=10)
+                                 prompt_set="code", limit=1, sampling=SamplingParams(max_new_tokens=10))
     by = {r["mode"]: r for r in report["results"]}
     assert report["config"]["hf_assisted"] == {"assistant_model": str(tiny_draft)}
     assert report["config"]["reference"] == "hf"
@@ -390,7 +481,7 @@ def test_cli_bench_flags(tiny, tmp_path):
 @pytest.mark.slow
 def test_real_engine_every_mode_equals_the_target(tiny, tmp_path):
     report = bench.bench_command(EngineConfig(target=str(tiny)), prompt_set="code,math", limit=1,
-                                 max_new_tokens=24, json_path=tmp_path / "r.json")
+                                 sampling=SamplingParams(max_new_tokens=24), json_path=tmp_path / "r.json")
     for r in report["results"]:
         assert r["identical_to_target"] is True and r["identical_to_hf"] is True, r["mode"]
     by = {r["mode"]: r for r in report["results"]}

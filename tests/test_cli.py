@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -41,16 +42,38 @@ def invoke(args, stdin: bytes = b""):
 
 def test_help_lists_every_flag():
     out = invoke(["chat", "--help"], b"").output
-    for flag in ("--target", "--draft", "--target-devices", "--draft-devices", "--gpus", "--target-procs",
+    for flag in ("-m", "--model", "--target", "--draft", "--target-devices", "--draft-devices", "--gpus", "--target-procs",
                  "--draft-procs", "--mode", "--temperature", "--top-p", "--top-k", "--seed", "--max-new-tokens",
                  "--system", "--bs", "--w", "--d", "--max-seq-len", "--trust-remote-code", "--prompt", "--each-line",
                  "--jsonl", "--resume", "--threads", "--stop", "--device", "--dtype"):
         assert flag in out, flag
     bench = invoke(["bench", "--help"]).output
     for flag in ("--modes", "--prompts", "--set", "--limit", "--max-new-tokens", "--json", "--plot", "--target",
-                 "--draft-devices"):
+                 "--draft-devices", "--temperature", "--top-p", "--top-k", "--seed", "--system", "--bs", "--w", "--d"):
         assert flag in bench, flag
     assert "--install-completion" in invoke(["--help"]).output
+    root = invoke(["--help"]).output
+    assert re.search(r"--version\s+-V\s", root), root  # typer's columns: long name, short name
+    # where values come from, and in which order, is said in the help itself
+    assert "the flag, the environment variable, the config file, the default" in " ".join(out.split())
+    assert "SWIFTSPEC_MAX_NEW_TOKENS" in out
+
+
+def test_one_metavar_style():
+    """Every option that takes a value names it with one upper-case word; flags name nothing."""
+    import typer
+
+    group = typer.main.get_command(cli.app)
+    checked = 0
+    for name, command in group.commands.items():
+        for param in command.params:
+            if param.param_type_name == "option" and param.name != "help":
+                checked += 1
+                if param.is_flag:
+                    assert not param.metavar, (name, param.name)
+                else:
+                    assert param.metavar and param.metavar.isupper() and param.metavar.isalpha(), (name, param.name)
+    assert checked > 40
 
 
 @pytest.mark.parametrize("args, message", [
@@ -59,14 +82,85 @@ def test_help_lists_every_flag():
     (["--target-devices", "0,x", "--draft-devices", "1"], "0,x"),
     (["--target-devices", "0,1"], "go together"),
     (["--gpus", "4", "--target-devices", "0", "--draft-devices", "1"], "--gpus"),
-    (["--bs", "0"], "--bs"),
+    (["--bs", "0"], "bs (nodes verified per target forward) must be in 1..64"),
     (["--resume", "abc"], "conversation id"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+    (["--top-k", "-3"], "top-k must be >= 0"),
+    (["--gpus", "1"], "gpus must be >= 2"),
+    (["--threads", "0"], "threads must be >= 1"),
+    (["--target-procs", "0"], "at least one process"),
+    (["--max-seq-len", "8"], "max-seq-len must be >= 16"),
 ])
 def test_usage_errors_exit_2(args, message, fake, data_dir):
+    """Out-of-range values are worded for people (what the value means), not as a validator's range."""
     result = invoke(["chat", "-p", "hi", *args])
     assert result.exit_code == 2
     assert message in result.output
+    assert "Invalid value" not in result.output and "range" not in result.output
     assert not fake  # refused before any engine starts
+
+
+def test_model_flag_names_and_positional_prompt(fake, data_dir, monkeypatch):
+    seen = []
+    generate = FakeEngine.generate
+    monkeypatch.setattr(FakeEngine, "generate", lambda self, m, p: seen.append(m) or generate(self, m, p))
+    for flag in ("-m", "--model", "--target"):
+        assert invoke(["chat", flag, "/models/big", "Why is the sky blue?"]).exit_code == 0
+    assert [c.target for c in fake] == ["/models/big"] * 3
+    assert [m[-1]["content"] for m in seen] == ["Why is the sky blue?"] * 3
+    both = invoke(["chat", "one", "-p", "two"])
+    assert both.exit_code == 2 and "either as an argument or with -p" in both.stderr
+
+
+def test_version_short_and_long():
+    for flag in ("-V", "--version"):
+        result = invoke([flag])
+        assert result.exit_code == 0 and result.stdout.startswith("swiftspec 0.")
+
+
+def test_env_and_config_file_precedence(fake, data_dir, monkeypatch, tmp_path):
+    """flag > SWIFTSPEC_<FLAG> > config file ([chat] over top level) > default, per setting."""
+    config = tmp_path / "config.toml"
+    config.write_text('max-new-tokens = 7\nbs = 3\nw = 5\ndraft = "int8"\n'
+                      '[chat]\nw = 6\nstop = ["END"]\n[bench]\nlimit = 2\n')
+    monkeypatch.setenv("SWIFTSPEC_CONFIG", str(config))
+    monkeypatch.setenv("SWIFTSPEC_BS", "4")
+    monkeypatch.setenv("SWIFTSPEC_MAX_NEW_TOKENS", "9")
+    seen = []
+    generate = FakeEngine.generate
+    monkeypatch.setattr(FakeEngine, "generate", lambda self, m, p: seen.append(p) or generate(self, m, p))
+    result = invoke(["chat", "hi", "--max-new-tokens", "11"])
+    assert result.exit_code == 0, result.output
+    config_seen = fake[0]
+    assert seen[0].max_new_tokens == 11  # flag over env and file
+    assert config_seen.tree.bs == 4  # env over file
+    assert config_seen.tree.w == 6 and seen[0].stop == ["END"]  # [chat] over the top level
+    assert config_seen.draft == "int8"  # file over default
+    assert config_seen.tree.d is None and seen[0].temperature == 0.0  # default
+    assert "[default: int8]" in invoke(["chat", "--help"]).output  # the help shows the file's values
+
+
+@pytest.mark.parametrize("text, message", [
+    ("max_new_tokens = \n", "is not valid TOML"),
+    ("colour = 'red'\n", "unknown setting 'colour'"),
+    ("prompt = 'hi'\n", "unknown setting 'prompt'"),
+    ("[chat]\nmodes = 'ar'\n", "[chat] has no setting 'modes'"),
+    ("temperature = -2\n", "temperature must be >= 0"),
+])
+def test_bad_config_file_is_a_usage_error(text, message, fake, data_dir, monkeypatch, tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text(text)
+    monkeypatch.setenv("SWIFTSPEC_CONFIG", str(config))
+    result = invoke(["chat", "-p", "hi"])
+    assert result.exit_code == 2 and message in result.stderr, result.output
+    assert "Traceback" not in result.output and not fake
+
+
+def test_bad_env_value_names_the_variable(fake, data_dir, monkeypatch):
+    monkeypatch.setenv("SWIFTSPEC_MAX_NEW_TOKENS", "lots")
+    result = invoke(["chat", "-p", "hi"])
+    assert result.exit_code == 2 and "lots" in result.output and not fake
 
 
 def test_layout_flags_reach_the_engine_config(fake, data_dir):
@@ -217,10 +311,28 @@ def test_bench_passes_its_options_through(monkeypatch, tmp_path):
     bad = invoke(["bench", "--modes", "bogus"])  # checked before any model loads
     assert bad.exit_code == 2 and "bogus" in bad.stderr
     seen = {}
-    monkeypatch.setattr(swiftspec.bench, "bench_command", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(swiftspec.bench, "bench_command", lambda **kw: seen.update(kw) or {})
     result = invoke(["bench", "--modes", "ar,async", "--set", "code", "--limit", "2", "--max-new-tokens", "16",
-                     "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"), "--target-procs", "2"])
+                     "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"), "--target-procs", "2",
+                     "--temperature", "0.7", "--top-k", "20", "--seed", "3", "--system", "Be brief.", "--bs", "4"])
     assert result.exit_code == 0, result.output
-    assert (seen["modes"], seen["prompt_set"], seen["limit"], seen["max_new_tokens"]) == ("ar,async", "code", 2, 16)
+    assert (seen["modes"], seen["prompt_set"], seen["limit"], seen["system"]) == ("ar,async", "code", 2, "Be brief.")
+    s = seen["sampling"]
+    assert (s.max_new_tokens, s.temperature, s.top_k, s.seed) == (16, 0.7, 20, 3)
+    assert seen["config"].tree.bs == 4
     assert (seen["json_path"], seen["plot_path"]) == (tmp_path / "r.json", tmp_path / "r.png")
     assert seen["config"].target_procs == 2 and seen["prompts"] is None
+
+
+def test_bench_interrupted_exits_130(monkeypatch):
+    import swiftspec.bench
+
+    monkeypatch.setattr(swiftspec.bench, "bench_command", lambda **kw: {"partial": {"finished": 1, "planned": 3}})
+    assert invoke(["bench"]).exit_code == 130
+
+    def interrupted(**kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(swiftspec.bench, "bench_command", interrupted)
+    result = invoke(["bench"])
+    assert result.exit_code == 130 and "nothing to report" in result.stderr

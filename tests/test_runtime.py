@@ -6,11 +6,14 @@ greedy outputs are compared with target-only decoding run in this process.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,7 +131,7 @@ class _Running:
         return None
 
 
-def test_engine_refuses_impostors_and_keeps_waiting_for_its_worker():
+def test_engine_refuses_impostors_and_keeps_waiting_for_its_worker(tmp_path):
     listener = socket.create_server(("127.0.0.1", 0))
     addr = f"127.0.0.1:{listener.getsockname()[1]}"
     key = protocol.new_key()
@@ -136,7 +139,8 @@ def test_engine_refuses_impostors_and_keeps_waiting_for_its_worker():
     worker = _run(lambda: (time.sleep(0.3), protocol.connect(addr, key))[1])
     r, w = os.pipe()
     os.close(w)
-    conn = _accept_worker(listener, key, _Running(), _Tail(os.fdopen(r, "rb")), time.monotonic() + 10)
+    tail = _Tail(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=1)
+    conn = _accept_worker(listener, key, _Running(), tail, time.monotonic() + 10)
     with pytest.raises(protocol.AuthError, match="refused"):
         impostor()
     conn.send("welcome-check")
@@ -476,10 +480,17 @@ def test_killed_rank_fails_fast_and_leaves_no_process(victim, target_dir):
         next(gen)
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
-        with pytest.raises(EngineError, match="last lines of the workers' output"):
+        with pytest.raises(EngineError) as failure:
             for _ in gen:
                 pass
         assert time.monotonic() - t0 < 10
+        # in words, which worker and how, then where the workers' whole output is; no torchrun log lines
+        rank = next(r.rank for r in eng.info.ranks if r.role == victim)
+        first, *rest = str(failure.value).splitlines()
+        assert first == f"the {victim} worker (rank {rank}) was killed by signal 9 (SIGKILL)", str(failure.value)
+        log = Path(rest[-1].removeprefix("the workers' full output: "))
+        assert "exitcode" in log.read_text() and not any("exitcode" in line for line in rest)
+        log.unlink()  # kept for the user after a failure; not for the tests' own
         assert no_processes_left(eng, within_s=10 - (time.monotonic() - t0))
         with pytest.raises(EngineError):
             answer(eng, PROMPTS[0], max_new_tokens=4)
@@ -490,13 +501,20 @@ def test_killed_rank_fails_fast_and_leaves_no_process(victim, target_dir):
 
 @pytest.mark.slow
 def test_worker_start_up_failure_carries_the_cause(tmp_path, target_dir):
-    bad = tmp_path / "no-weights"
-    bad.mkdir()
-    for f in target_dir.iterdir():
-        if not f.name.startswith("model"):
-            (bad / f.name).write_bytes(f.read_bytes())
-    with pytest.raises(EngineError, match="model.safetensors"):
+    """A draft whose weights do not fit its config passes the start-up checks and fails in its worker: the
+    error names that worker, the worker's own exception, and the log of everything the workers wrote."""
+    bad = tmp_path / "wrong-shapes"
+    shutil.copytree(target_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    with pytest.raises(EngineError) as failure:
         start(target_dir, str(bad))
+    message = str(failure.value)
+    assert message.startswith("the draft worker (rank 1) exited with code 1 during start-up"), message
+    assert "LoadError" in message and "weights do not match the config" in message
+    log = Path(message.splitlines()[-1].removeprefix("the workers' full output: "))
+    assert "Traceback" in log.read_text()
+    log.unlink()
 
 
 def test_draft_with_another_vocabulary_is_refused_at_start(target_dir):
@@ -532,3 +550,66 @@ def test_embedded_model_async_equals_ar():
                 tokens, _, _ = answer(eng, messages, mode=mode, max_new_tokens=32)
                 assert tokens == ar, mode
     assert no_processes_left(eng)
+
+
+TORCHRUN_REPORT = """\
+[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:17334: Connection reset by peer
+E1130 18:08:20.559000 1 api.py:882] failed (exitcode: 1) local_rank: 0 (pid: 11) of binary: /usr/bin/python
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+swiftspec.engine.worker FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-30_18:08:20
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 12)
+  traceback : Signal 9 (SIGKILL) received by PID 12
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-30_18:08:20
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 11)
+============================================================
+"""
+
+
+@pytest.mark.parametrize("output, n_target, said", [
+    # the killed draft is the cause, though torchrun saw the target's exit first
+    (TORCHRUN_REPORT, 1, "the draft worker (rank 1) was killed by signal 9 (SIGKILL)\nthe workers' full output: "),
+    # with two target ranks, rank 1 is the target's
+    (TORCHRUN_REPORT, 2, "the target worker (rank 1) was killed by signal 9 (SIGKILL)\n"),
+    # a worker's own exception wins over a peer's broken connection, and its exception line is given
+    ("[rank1]: LoadError: weights do not match the config\n[rank0]: RuntimeError: gloo Connection closed by peer\n"
+     "failed (exitcode: 1) local_rank: 0 (pid: 11)\nfailed (exitcode: 1) local_rank: 1 (pid: 12)\n", 1,
+     "the draft worker (rank 1) exited with code 1\nLoadError: weights do not match the config\n"),
+    # nothing from torchrun: what was noticed, and the log
+    ("[rank0]: hello\n", 1, "lost the connection to the workers\nthe workers' full output: "),
+])
+def test_failure_report_names_the_worker_and_the_log(tmp_path, output, n_target, said):
+    r, w = os.pipe()
+    os.write(w, output.encode())
+    os.close(w)
+    tail = _Tail(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=n_target)
+    message = tail.report("lost the connection to the workers", _Exited())
+    assert message.startswith(said), message
+    assert message.endswith(str(tmp_path / "workers.log")) and "exitcode" not in message
+    assert (tmp_path / "workers.log").read_text() == output
+
+
+class _Exited:
+    def wait(self, timeout=None):
+        return 1
+
+
+@pytest.mark.parametrize("target, device, dtype, name", [
+    (None, "cpu", "auto", "SmolLM2-135M-Instruct (embedded, from a Q4_1 GGUF) · float32"),
+    ("/models/Llama-3.1-8B-Q4_K_M.gguf", "cuda", "auto", "Llama-3.1-8B-Q4_K_M.gguf · bfloat16"),
+    ("/models/Qwen2.5-7B", "cuda", "float16", "Qwen2.5-7B · float16"),
+])
+def test_title_names_the_precision_the_target_runs_at(target, device, dtype, name):
+    from swiftspec.engine.client import _target_name
+
+    layout = launcher.Layout(1, 1, [0] if device == "cuda" else None, [] if device == "cuda" else None)
+    assert _target_name(EngineConfig(target=target, dtype=dtype), layout) == name

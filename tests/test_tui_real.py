@@ -6,6 +6,9 @@ whose close() is a no-op, and the module closes it at the end.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from test_tui import boxes, figures, idle, ready, text_of, type_and_send, wait_for
 
@@ -144,7 +147,11 @@ async def test_worker_killed_shows_error_and_restart(store):
         victim = next(r.pid for r in started[0].info.ranks if r.role == "draft")
         os.kill(victim, signal.SIGKILL)
         await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen), timeout=30)
-        assert "workers" in text_of(app.screen.query_one("#error-cause Static"))
+        cause = text_of(app.screen.query_one("#error-cause Static"))
+        assert "the draft worker (rank 1) was killed by signal 9 (SIGKILL)" in cause, cause  # in words
+        log = Path(re.search(r"output:(/\S+?\.log)", "".join(cause.split()))[1])  # the path wraps at 60 columns
+        assert "exitcode" in log.read_text() and "exitcode" not in cause  # torchrun's lines are in the log
+        log.unlink()
         assert app.query_one(PromptInput).text == "a long answer please"
         await pilot.press("r")
         await ready(pilot, STARTUP_S)
