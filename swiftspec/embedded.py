@@ -64,7 +64,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SWIFTSPEC_CACHE") or platformdirs.user_cache_dir("swiftspec"))
 
 
-CONVERSION_FORMAT = 2  # 2: bfloat16 weights. Bump when the converted files change, so older conversions are not reused
+CONVERSION_FORMAT = 1  # bump when the converted files change, so older conversions are not reused
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -82,19 +82,15 @@ def converted_dir(gguf: Path) -> Path:
 
 def _save_dequantised(model, out: Path) -> None:
     """transformers refuses save_pretrained on a GGUF-loaded model although its weights are plain
-    tensors by then, so the weights and config are written directly: in bfloat16, the dtype the GPU runs
-    (the CPU upcasts at load), so a Q4 GGUF grows about 4x on disk rather than 8x in fp32."""
+    tensors by then, so the weights and config are written directly."""
     import json
 
-    import torch
     from safetensors.torch import save_file
 
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [type(model).__name__]
-    config["torch_dtype"] = "bfloat16"
-    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous().clone()
-             for k, v in model.state_dict().items()}
+    state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
