@@ -225,17 +225,15 @@ class SwiftSpecApp(App[int]):
             self.notify("Still answering — Esc stops it.", severity="warning")
             return
         event.prompt_input.clear()
+        if event.edit:  # the edited message replaces the last one, in the recall list too
+            event.prompt_input.forget(await self._drop_last_turn())
         event.prompt_input.remember(text)
-        if event.edit:
-            await self._drop_last_turn()
         await self.send(text)
 
     async def send(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
         self.message_ids.append(None)
-        chat = self.query_one(ChatView)
-        await chat.add("user", text)
-        self.message_ids[-1] = self._save("user", text)
+        await self.query_one(ChatView).add("user", text)
         await self._answer(continuing=False, params=self.params)
 
     async def _answer(self, continuing: bool, params: SamplingParams) -> None:
@@ -250,6 +248,8 @@ class SwiftSpecApp(App[int]):
                 await self._take_back_prompt()
             self.notify(str(e), title="Does not fit", severity="error", markup=False, timeout=10)
             return
+        if not continuing and self.message_ids[-1] is None:  # saved once it is sure to be sent
+            self.message_ids[-1] = self._save("user", self.messages[-1]["content"])
         chat = self.query_one(ChatView)
         notice = None
         if self.window_start > start:
@@ -343,6 +343,9 @@ class SwiftSpecApp(App[int]):
         """Removes the last user message (screen, context, saved copy) and puts it back into the input."""
         prompt = self.messages[-1]["content"]
         await self._drop_last(1)
+        if not self.messages and self.conversation_id is not None:  # it never had a turn: not worth a record
+            self.store.delete(self.conversation_id)
+            self.conversation_id = None
         box = self.query_one(PromptInput)
         box.load_text(prompt + ("\n" + box.text if box.text else ""))
         self._update_editable()
@@ -361,10 +364,12 @@ class SwiftSpecApp(App[int]):
         del self.message_ids[-n:]
         self.window_start = min(self.window_start, len(self.messages))
 
-    async def _drop_last_turn(self) -> None:
-        """The last user message and what answered it (an edit replaces them)."""
-        last_user = max((i for i, m in enumerate(self.messages) if m["role"] == "user"), default=len(self.messages))
+    async def _drop_last_turn(self) -> str:
+        """Removes the last user message and what answered it (an edit replaces them); returns its text."""
+        last_user = max(i for i, m in enumerate(self.messages) if m["role"] == "user")
+        text = self.messages[last_user]["content"]
         await self._drop_last(len(self.messages) - last_user)
+        return text
 
     def _update_editable(self) -> None:
         users = [m["content"] for m in self.messages if m["role"] == "user"]

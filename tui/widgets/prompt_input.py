@@ -95,6 +95,11 @@ class PromptInput(TextArea):
             self.recall.append(text)
         self._recall_index = None
 
+    def forget(self, text: str) -> None:
+        """Takes the latest occurrence of a prompt out of the recall list (it was edited)."""
+        if text in self.recall:
+            del self.recall[len(self.recall) - 1 - self.recall[::-1].index(text)]
+
     def action_cursor_up(self, select: bool = False) -> None:
         if not select and not self.text and self._recall_index is None and self.editable is not None:
             self.start_edit(self.editable)
