@@ -65,7 +65,8 @@ async def test_ten_turns_in_a_small_context_drop_the_oldest_with_notices(store):
         starts = [next(i for i in range(10) if f"question number {i}" in str(m)) for m, _ in engine.calls]
         assert starts == sorted(starts) and starts[-1] > 0
         # between overflows the prompt keeps its prefix (the workers reuse its KV cache)
-        same_window = [(a, b) for (a, _), (b, _) in zip(engine.calls, engine.calls[1:]) if a[0] == b[0]]
+        same_window = [(a, b) for (a, _), (b, _) in zip(engine.calls, engine.calls[1:], strict=False)
+                       if a[0] == b[0]]
         assert same_window and all(b[:len(a)] == a for a, b in same_window)
     saved = store.messages(app.conversation_id)  # history keeps everything the user saw
     assert len(saved) == 20 and saved[0].content == "question number 0"
