@@ -231,6 +231,8 @@ def chat(
         except HistoryError as e:
             raise _fail(str(e), 2) from None
     if scripted:
+        if store is not None and store.problem:  # --save on a history that cannot be written
+            typer.echo(f"swiftspec: not saved: {store.problem}", err=True)
         context = store.messages(conversation.id) if conversation else []
         system = system or (conversation.system if conversation else None)
         record = partial(_record, store, [conversation.id if conversation else None], system) if store else None
