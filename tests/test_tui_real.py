@@ -175,7 +175,7 @@ async def test_small_context_overflow_context_reason_and_continue(engine, store)
         await type_and_send(pilot, "next")
         await idle(pilot, ANSWER_S)
         [notice] = app.query_one(ChatView).query(Notice)
-        assert notice.text.startswith("Context full: left out the 1 turn oldest")
+        assert notice.text.startswith("Context full: left out the oldest turn")
         assert app.window_start == 2 and len(boxes(app)) == 4 and "length" in last_answer(app).border_subtitle
 
         first = last_answer(app).text

@@ -95,7 +95,7 @@ class SwiftSpecApp(App[int]):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (72, "-normal"), (120, "-wide")]
     BINDINGS = [
         Binding("escape", "stop", "Stop"),
-        Binding("ctrl+o", "copy_last", "Copy answer"),
+        Binding("ctrl+o", "copy_last", "Copy"),
         Binding("ctrl+n", "new_chat", "New chat"),
         Binding("f2", "history", "History"),
         Binding("f1", "help", "Help"),
@@ -254,11 +254,10 @@ class SwiftSpecApp(App[int]):
         notice = None
         if self.window_start > start:
             dropped = window.turns_between(self.messages, start, self.window_start)
-            left_out = window.turns_between(self.messages, 0, self.window_start)
-            notice = await chat.add_notice(
-                f"Context full: left out the {_turns(dropped)} oldest; the model now sees the last "
-                f"{_turns(window.turns_between(self.messages, self.window_start, len(self.messages)))} "
-                f"({left_out} left out in all, still shown here and saved).")
+            kept = window.turns_between(self.messages, self.window_start, len(self.messages))
+            what = "the oldest turn" if dropped == 1 else f"the {dropped} oldest turns"
+            notice = await chat.add_notice(f"Context full: left out {what} (still shown here and saved); "
+                                           f"the model sees the last {_turns(kept)}.")
             if not continuing:  # the notice goes above the question it was made room for
                 chat.move_child(notice, before=chat.messages[-1])
         if continuing:

@@ -21,7 +21,7 @@ class PromptInput(TextArea):
     ]
     NEWLINE_KEYS = ("ctrl+j", "shift+enter")
 
-    EDIT_TITLE = "editing your last message · enter re-runs it · esc cancels"
+    EDIT_TITLE = "editing your last message · esc cancels"
 
     @dataclass
     class Submitted(Message):
