@@ -341,3 +341,16 @@ async def test_resumed_conversation_can_continue_its_cut_answer(store):
         assert boxes(app) == [("user", "hi"), ("assistant", ANSWER)]
     assert [m.content for m in store.messages(conv)] == ["hi", ANSWER]
     assert os.path.exists(store.path)
+
+
+def test_readme_documents_every_slash_command_and_the_history_command():
+    from pathlib import Path
+
+    from swiftspec.tui.commands import SLASH_COMMANDS
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert all(f"`/{c.name}" in readme for c in SLASH_COMMANDS)
+    for words in ("history list", "history show", "history export", "history delete", "--save", "F2",
+                  "SWIFTSPEC_DATA_DIR", "exports/"):
+        assert words in readme, words
+    assert "DESIGN.md" not in readme
