@@ -254,14 +254,17 @@ def _record(store, conversation: list[int | None], system: str | None, role: str
             figures: dict | None) -> None:
     """Saves one scripted message as soon as it exists, into ``conversation[0]`` (created by the first
     prompt under --save). A history that cannot be written is said once; the answers go on."""
-    from swiftspec.history import title_from
+    from swiftspec.history import HistoryError, title_from
 
     if store.problem:
         return
     if conversation[0] is None:
         conversation[0] = store.create(title_from(text), system)
-    if conversation[0] is not None:
-        store.add(conversation[0], role, text, figures)
+    try:
+        if conversation[0] is not None:
+            store.add(conversation[0], role, text, figures)
+    except HistoryError as e:  # deleted while this run answered: the rest is not saved either
+        store.problem = str(e)
     if store.problem:
         typer.echo(f"swiftspec: not saved: {store.problem}", err=True)
 

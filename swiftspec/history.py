@@ -224,8 +224,12 @@ class HistoryStore:
         return None if cur is None else int(cur.lastrowid)
 
     def add(self, conversation_id: int, role: str, content: str, stats: dict[str, Any] | None = None) -> int | None:
-        """Appends a message; returns its id (None when the store is unavailable)."""
+        """Appends a message; returns its id (None when the store is unavailable). HistoryError when the
+        conversation is gone (deleted from another window, or with ``swiftspec history delete``)."""
         now = time.time()
+        exists = self._rows("SELECT 1 FROM conversations WHERE id = ?", (conversation_id,))
+        if self._db is not None and not exists:
+            raise HistoryError(f"conversation #{conversation_id} was deleted")
         cur = self._transaction([
             ("INSERT INTO messages (conversation_id, role, content, stats, created) VALUES (?, ?, ?, ?, ?)",
              (conversation_id, role, content, json.dumps(stats) if stats else None, now)),

@@ -354,3 +354,22 @@ def test_readme_documents_every_slash_command_and_the_history_command():
                   "SWIFTSPEC_DATA_DIR", "exports/"):
         assert words in readme, words
     assert "DESIGN.md" not in readme
+
+
+async def test_conversation_deleted_elsewhere_is_saved_anew(store):
+    app = make_app(store)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "first")
+        await idle(pilot)
+        first = app.conversation_id
+        other = HistoryStore(store.path)  # e.g. `swiftspec history delete` in another terminal
+        other.delete(first)
+        other.close()
+        await type_and_send(pilot, "/save")  # says what happened instead of failing
+        assert any(f"/save: no conversation with id {first}" in n for n in notes(app))
+        await type_and_send(pilot, "second")
+        await idle(pilot)
+        assert app.conversation_id != first and any("deleted elsewhere" in n for n in notes(app))
+    saved = store.messages(app.conversation_id)
+    assert [m.content for m in saved] == ["first", ANSWER, "second", ANSWER]

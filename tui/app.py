@@ -25,7 +25,15 @@ from textual.widgets import Footer, Header
 
 from swiftspec import window
 from swiftspec.config import MODES, ConfigError, SamplingParams
-from swiftspec.history import HistoryStore, exports_dir, local_time, stats_line, title_from, to_markdown
+from swiftspec.history import (
+    HistoryError,
+    HistoryStore,
+    exports_dir,
+    local_time,
+    stats_line,
+    title_from,
+    to_markdown,
+)
 from swiftspec.history import Message as StoredMessage
 from swiftspec.tui.clipboard import copy_with_tools
 from swiftspec.tui.commands import NAMES
@@ -375,12 +383,24 @@ class SwiftSpecApp(App[int]):
         self.query_one(PromptInput).editable = users[-1] if users and self._turn is None else None
 
     def _save(self, role: str, content: str, stats: dict | None = None) -> int | None:
-        """Saves one message as soon as it exists (a crash loses at most the answer in flight)."""
-        if self.conversation_id is None:
-            first_prompt = next(m["content"] for m in self.messages if m["role"] == "user")
-            self.conversation_id = self.store.create(title_from(first_prompt), self.system)
-        message_id = (self.store.add(self.conversation_id, role, content, stats)
-                      if self.conversation_id is not None else None)
+        """Saves one message as soon as it exists (a crash loses at most the answer in flight). If the
+        conversation was deleted meanwhile (elsewhere), it is saved afresh, whole."""
+        if self.conversation_id is not None:
+            try:
+                message_id = self.store.add(self.conversation_id, role, content, stats)
+                self._check_store()
+                return message_id
+            except HistoryError:
+                self.notify(f"Conversation #{self.conversation_id} was deleted elsewhere; saving it anew.",
+                            severity="warning")
+                self.conversation_id = None
+        first_prompt = next(m["content"] for m in self.messages if m["role"] == "user")
+        self.conversation_id = self.store.create(title_from(first_prompt), self.system)
+        if self.conversation_id is not None:
+            earlier = len(self.messages) - (1 if role == "user" else 0)  # an answer is not in messages yet
+            for i, m in enumerate(self.messages[:earlier]):
+                self.message_ids[i] = self.store.add(self.conversation_id, m["role"], m["content"])
+        message_id = self.store.add(self.conversation_id, role, content, stats) if self.conversation_id else None
         self._check_store()
         return message_id
 
@@ -438,6 +458,8 @@ class SwiftSpecApp(App[int]):
         self.push_screen(HelpScreen())
 
     def action_history(self) -> None:
+        if not self._idle("open the history"):
+            return
         if self.store.problem:
             self.notify(self.store.problem, title="History", severity="error", markup=False)
             return
@@ -467,8 +489,8 @@ class SwiftSpecApp(App[int]):
             return False
         try:
             return await getattr(self, f"_slash_{name}")(arg.strip())
-        except (ConfigError, ValueError, OSError) as e:  # a bad argument, or a file that cannot be written
-            self.notify(f"/{name}: {e}", severity="error", markup=False)
+        except (ConfigError, ValueError, OSError, HistoryError) as e:  # a bad argument, an unwritable file,
+            self.notify(f"/{name}: {e}", severity="error", markup=False)  # a conversation deleted elsewhere
             return False
 
     def _idle(self, what: str) -> bool:
