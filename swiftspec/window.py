@@ -29,13 +29,27 @@ def fit(messages: list[dict], start: int, system: str | None, count_tokens: Call
     start = min(start, len(messages))
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages) - 1)
     candidates = [start] + [i for i in range(start + 1, last_user + 1) if messages[i]["role"] == "user"]
-    for candidate in candidates:
-        used = count_tokens(head + messages[candidate:])
-        if used + room <= context_length:
-            return candidate
-    raise ContextError(
-        f"the newest message needs {used} tokens plus {room} for the answer, more than the context of "
-        f"{context_length} tokens: shorten it, lower --max-new-tokens or raise --max-seq-len")
+
+    def fits(candidate: int) -> bool:
+        return count_tokens(head + messages[candidate:]) + room <= context_length
+
+    if fits(candidates[0]):  # the usual case: the window stays where it is
+        return candidates[0]
+    # A later start never needs more tokens: binary search for the first that fits (a few tokenizer
+    # passes, not one per turn, for a long resumed conversation).
+    lo, hi = 1, len(candidates)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(candidates[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == len(candidates):
+        used = count_tokens(head + messages[candidates[-1]:])
+        raise ContextError(
+            f"the newest message needs {used} tokens plus {room} for the answer, more than the context of "
+            f"{context_length} tokens: shorten it, lower --max-new-tokens or raise --max-seq-len")
+    return candidates[lo]
 
 
 def turns_between(messages: list[dict], start: int, end: int) -> int:
