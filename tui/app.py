@@ -6,6 +6,7 @@ that a timer drains into the UI a few times a second, so rendering never slows d
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -248,9 +249,10 @@ class SwiftSpecApp(App[int]):
         """Starts an answer to the conversation as it stands, leaving out its oldest turns if they no
         longer fit with room for the answer (with a notice in the chat)."""
         start = self.window_start
-        try:
-            self.window_start = window.fit(self.messages, start, self.system, self.engine.count_tokens,
-                                           self.engine.info.context_length, params.max_new_tokens)
+        try:  # in a thread: tokenizing a long conversation takes a moment, the screen keeps drawing
+            self.window_start = await asyncio.to_thread(
+                window.fit, list(self.messages), start, self.system, self.engine.count_tokens,
+                self.engine.info.context_length, params.max_new_tokens)
         except window.ContextError as e:
             if not continuing:
                 await self._take_back_prompt()
