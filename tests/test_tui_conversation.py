@@ -373,3 +373,20 @@ async def test_conversation_deleted_elsewhere_is_saved_anew(store):
         assert app.conversation_id != first and any("deleted elsewhere" in n for n in notes(app))
     saved = store.messages(app.conversation_id)
     assert [m.content for m in saved] == ["first", ANSWER, "second", ANSWER]
+
+
+async def test_an_edit_that_cannot_fit_keeps_the_turn_it_would_replace(store):
+    factory = FakeEngine.factory(context_length=100)
+    app = make_app(store, factory)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "short")
+        await idle(pilot)
+        prompt = app.query_one(PromptInput)
+        await pilot.press("up")
+        prompt.insert(" much longer" * 60)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert any("more than the context" in n for n in notes(app))
+        assert boxes(app) == [("user", "short"), ("assistant", ANSWER)] and len(store.messages(app.conversation_id)) == 2
+        assert prompt.editing and prompt.text.startswith("short much longer")

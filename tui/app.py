@@ -233,6 +233,8 @@ class SwiftSpecApp(App[int]):
         if self._turn is not None:
             self.notify("Still answering — Esc stops it.", severity="warning")
             return
+        if event.edit and not await self._edit_fits(text):
+            return  # the turn it would replace stays, and the edit stays in the input
         event.prompt_input.clear()
         if event.edit:  # the edited message replaces the last one, in the recall list too
             event.prompt_input.forget(await self._drop_last_turn())
@@ -372,6 +374,19 @@ class SwiftSpecApp(App[int]):
         del self.messages[-n:]
         del self.message_ids[-n:]
         self.window_start = min(self.window_start, len(self.messages))
+
+    async def _edit_fits(self, text: str) -> bool:
+        """Whether the edited message would fit, checked before the turn it replaces is dropped."""
+        last_user = max(i for i, m in enumerate(self.messages) if m["role"] == "user")
+        edited = self.messages[:last_user] + [{"role": "user", "content": text}]
+        try:
+            await asyncio.to_thread(window.fit, edited, min(self.window_start, last_user), self.system,
+                                    self.engine.count_tokens, self.engine.info.context_length,
+                                    self.params.max_new_tokens)
+        except window.ContextError as e:
+            self.notify(str(e), title="Does not fit", severity="error", markup=False, timeout=10)
+            return False
+        return True
 
     async def _drop_last_turn(self) -> str:
         """Removes the last user message and what answered it (an edit replaces them); returns its text."""
