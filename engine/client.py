@@ -39,15 +39,20 @@ class EngineError(RuntimeError):
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a conversation through the tokenizer's chat template, ready for the answer
-    (``add_generation_prompt=True``). A tokenizer without a template gets plain "role: content" lines."""
-    if not isinstance(messages, list) or not all(
+    (``add_generation_prompt=True``), or, when the last message is the assistant's, ready to continue
+    that answer where it stops (``/continue``). A tokenizer without a template gets plain "role: content"
+    lines."""
+    if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
-        raise EngineError("messages must be a list of {'role': str, 'content': str} dicts")
+        raise EngineError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
+    continuing = messages[-1]["role"] == "assistant"
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continuing,
+                                             continue_final_message=continuing)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    text = text[:-1] if continuing else text + "assistant:"
     return list(tokenizer(text)["input_ids"])
 
 
@@ -230,6 +235,10 @@ class Engine:
     # ------------------------------------------------------------------------------------- answers
     def generate(self, messages: list[dict], params: SamplingParams | None = None) -> Iterator[StepEvent]:
         """Streams the answer to ``messages`` (chat format) as StepEvents; the last has finished=True.
+        When the last message is the assistant's, the answer continues it.
+
+        An answer ends with finish reason "context" when the context, not max_new_tokens, cut it; keeping
+        a long conversation within the context is the caller's part (``swiftspec.window``).
 
         Ctrl-C while waiting cancels the answer (the KeyboardInterrupt is re-raised once the workers have
         stopped), and abandoning the iterator cancels it too; either way the engine stays usable.
@@ -238,8 +247,12 @@ class Engine:
         ids = encode_chat(self.tokenizer, messages)
         if len(ids) >= self.info.context_length:
             raise EngineError(f"the conversation is {len(ids)} tokens, but the context length is "
-                              f"{self.info.context_length}: shorten it or raise max_seq_len")
+                              f"{self.info.context_length}: shorten it or raise --max-seq-len")
         return self._stream(ids, params)
+
+    def count_tokens(self, messages: list[dict]) -> int:
+        """The prompt length of ``messages`` as generate() would send them."""
+        return len(encode_chat(self.tokenizer, messages))
 
     def _stream(self, ids: list[int], params: SamplingParams) -> Iterator[StepEvent]:
         self._check_alive()

@@ -473,6 +473,7 @@ class Output:
         self.stops = StopMatcher(req.params.stop)
         self.eos = set() if req.params.ignore_eos else ctx.eos
         self.budget = min(req.params.max_new_tokens, ctx.args.max_seq_len - len(req.prompt))
+        self.cut_reason = "context" if self.budget < req.params.max_new_tokens else "length"
         self.d = 0 if req.params.mode == "ar" else ctx.d
         self.generated = self.verifies = self.accepted = self.verified = self.prefill_tokens = 0
         self.t_first = self.t_last = time.perf_counter()
@@ -488,7 +489,7 @@ class Output:
         room = self.budget - self.generated
         if len(tokens) >= room:
             tokens = tokens[:room]
-            reason = "eos" if tokens and tokens[-1] in self.eos else "length"
+            reason = "eos" if tokens and tokens[-1] in self.eos else self.cut_reason
         if reason is None and self.io.cancelled(self.rid):
             reason = "cancelled"
         return tokens, reason

@@ -1,4 +1,4 @@
-"""The ``swiftspec`` command line: ``chat`` (TUI or scripted) and ``bench``.
+"""The ``swiftspec`` command line: ``chat`` (TUI or scripted), ``bench`` and ``history``.
 
 Heavy imports (torch, textual, the engine) happen inside the commands, so ``--help`` and shell completion
 stay instant.
@@ -237,6 +237,10 @@ def chat(
         "--resume", metavar="ID",
         help="Resume saved conversation ID, or the latest one when ID is left out (scripted mode "
         "answers after it and appends the new turns).")] = None,
+    save: Annotated[bool, typer.Option(
+        "--save", rich_help_panel=SCRIPTED,
+        help="Scripted mode: save the prompts and answers as a new conversation (see `swiftspec history`). "
+        "Scripted runs are not saved otherwise, except the turns that --resume appends.")] = False,
 ) -> None:
     """Chat with a model. A TUI in a terminal; scripted mode when stdin or stdout is not a terminal, or with a prompt.
 
@@ -258,7 +262,9 @@ def chat(
         raise _fail(str(e), 2) from None
 
     scripted = prompt is not None or each_line or jsonl or not _interactive()
-    store = HistoryStore() if resume is not None or not scripted else None
+    store = HistoryStore() if resume is not None or save or not scripted else None
+    if store is not None and store.notice:
+        typer.echo(f"swiftspec: {store.notice}", err=True)
     conversation = None
     if store is not None and resume is not None:
         try:
@@ -268,9 +274,11 @@ def chat(
         except HistoryError as e:
             raise _fail(str(e), 2) from None
     if scripted:
-        record = partial(_append_turn, store, conversation.id) if conversation else None
+        if store is not None and store.problem:  # --save on a history that cannot be written
+            typer.echo(f"swiftspec: not saved: {store.problem}", err=True)
         context = store.messages(conversation.id) if conversation else []
         system = system or (conversation.system if conversation else None)
+        record = partial(_record, store, [conversation.id if conversation else None], system) if store else None
         raise typer.Exit(_chat_scripted(config, params, system, context, prompt, each_line, jsonl, record))
 
     try:
@@ -285,9 +293,23 @@ def chat(
     raise typer.Exit(tui.run() or 0)
 
 
-def _append_turn(store, conversation_id: int, prompt: str, answer: str, figures: dict) -> None:
-    store.add(conversation_id, "user", prompt)
-    store.add(conversation_id, "assistant", answer, figures)
+def _record(store, conversation: list[int | None], system: str | None, role: str, text: str,
+            figures: dict | None) -> None:
+    """Saves one scripted message as soon as it exists, into ``conversation[0]`` (created by the first
+    prompt under --save). A history that cannot be written is said once; the answers go on."""
+    from swiftspec.history import HistoryError, title_from
+
+    if store.problem:
+        return
+    if conversation[0] is None:
+        conversation[0] = store.create(title_from(text), system)
+    try:
+        if conversation[0] is not None:
+            store.add(conversation[0], role, text, figures)
+    except HistoryError as e:  # deleted while this run answered: the rest is not saved either
+        store.problem = str(e)
+    if store.problem:
+        typer.echo(f"swiftspec: not saved: {store.problem}", err=True)
 
 
 def _interactive() -> bool:
@@ -447,6 +469,104 @@ def cache_clear(
     for e in removed:
         typer.echo(f"removed {e.name} ({human_size(e.size)})")
     typer.echo(f"freed {human_size(sum(e.size for e in removed))}")
+
+
+history_app = typer.Typer(
+    help="Saved conversations (kept in SWIFTSPEC_DATA_DIR, default the user data dir; "
+    "`swiftspec history list` prints where).",
+    no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(history_app, name="history")
+
+
+class ExportFormat(str, Enum):
+    md = "md"
+    json = "json"
+
+
+def _history_store():
+    """The store, or exit 1 saying why it cannot be read."""
+    from swiftspec.history import HistoryStore
+
+    store = HistoryStore()
+    if store.notice:
+        typer.echo(f"swiftspec: {store.notice}", err=True)
+    if store.problem:
+        raise _fail(store.problem, 1)
+    return store
+
+
+def _conversation(store, conversation_id: int):
+    from swiftspec.history import HistoryError
+
+    try:
+        return store.get(conversation_id)
+    except HistoryError as e:
+        raise _fail(str(e), 2) from None
+
+
+@history_app.command("list")
+def history_list(
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most N, newest first.")] = 50,
+) -> None:
+    """List saved conversations: id, date, turns, tokens generated, title."""
+    from swiftspec.history import local_time
+
+    store = _history_store()
+    conversations = store.list(limit)
+    if not conversations:
+        typer.echo(f"No saved conversations in {store.path}")
+        return
+    typer.echo(f"{'ID':>5}  {'UPDATED':<16}  {'TURNS':>5}  {'TOKENS':>6}  TITLE")
+    for c in conversations:
+        typer.echo(f"{c.id:>5}  {local_time(c.updated):<16}  {c.turns:>5}  {c.tokens:>6}  {c.title}")
+    typer.echo(f"({store.path})", err=True)
+
+
+@history_app.command("show")
+def history_show(conversation_id: Annotated[int, typer.Argument(metavar="ID")]) -> None:
+    """Print a conversation as Markdown."""
+    store = _history_store()
+    _conversation(store, conversation_id)
+    typer.echo(store.export_markdown(conversation_id), nl=False)
+
+
+@history_app.command("delete")
+def history_delete(
+    conversation_id: Annotated[int, typer.Argument(metavar="ID")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+) -> None:
+    """Delete a conversation and its messages (asks first, unless --yes)."""
+    store = _history_store()
+    conv = _conversation(store, conversation_id)
+    if not yes:
+        typer.confirm(f"Delete #{conv.id} “{conv.title}” ({conv.turns} turns)?", abort=True, err=True)
+    store.delete(conversation_id)
+    if store.problem:
+        raise _fail(store.problem, 1)
+    typer.echo(f"Deleted #{conv.id}: {conv.title}", err=True)
+
+
+@history_app.command("export")
+def history_export(
+    conversation_id: Annotated[int, typer.Argument(metavar="ID")],
+    format_: Annotated[ExportFormat, typer.Option("--format", "-f", help="Markdown or JSON.")] = ExportFormat.md,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", metavar="FILE", help="Write to FILE instead of stdout.")] = None,
+) -> None:
+    """Export a conversation as Markdown or JSON (with each answer's figures)."""
+    store = _history_store()
+    _conversation(store, conversation_id)
+    text = store.export_json(conversation_id) if format_ is ExportFormat.json else store.export_markdown(conversation_id)
+    if output is None:
+        typer.echo(text, nl=False)
+        return
+    path = output.expanduser().resolve()
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise _fail(f"cannot write {path}: {e}", 1) from None
+    typer.echo(f"Exported #{conversation_id} to {path}", err=True)
 
 
 def _version(value: bool) -> None:

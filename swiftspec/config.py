@@ -174,7 +174,7 @@ class StepEvent:
     text: str
     stats: StepStats
     finished: bool = False
-    finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled"
+    finish_reason: str | None = None  # "eos" | "stop" | "length" (max_new_tokens) | "context" | "cancelled"
 
     def to_dict(self) -> dict[str, Any]:
         return {

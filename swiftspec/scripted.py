@@ -10,6 +10,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TextIO
 
+from swiftspec import window
 from swiftspec.config import SamplingParams, StepEvent
 from swiftspec.history import TurnRecorder, stats_line
 
@@ -21,7 +22,11 @@ class InputError(ValueError):
 
 
 class EngineLike(Protocol):
+    info: Any  # EngineInfo: context_length
+
     def generate(self, messages: list[dict], params: SamplingParams) -> Any: ...
+
+    def count_tokens(self, messages: list[dict]) -> int: ...
 
     def cancel(self) -> None: ...
 
@@ -58,17 +63,33 @@ def run(
     jsonl: bool = False,
     out: TextIO,
     err: TextIO,
-    record: Callable[[str, str, dict], None] | None = None,
+    record: Callable[[str, str, dict | None], None] | None = None,
 ) -> int:
-    """Answers each prompt independently (after ``context``) and returns the exit code; ``record``
-    receives (prompt, answer, figures) of each answer, to keep it in a resumed conversation."""
+    """Answers each prompt independently (after ``context``, of which the oldest turns are left out if
+    they no longer fit, as in the chat) and returns the exit code. ``record`` receives (role, text,
+    figures) of each message as soon as it exists: the prompt before its answer, the answer after it."""
     for index, prompt in enumerate(prompts):
-        messages = ([{"role": "system", "content": system}] if system else []) + list(context)
-        messages.append({"role": "user", "content": prompt})
+        head = [{"role": "system", "content": system}] if system else []
+        conversation = list(context) + [{"role": "user", "content": prompt}]
+        try:
+            start = window.fit(conversation, 0, system, engine.count_tokens, engine.info.context_length,
+                               params.max_new_tokens)
+        except window.ContextError as e:
+            if jsonl:
+                _write_json(out, {"event": "error", "index": index, "message": str(e)})
+            err.write(f"swiftspec: {e}\n")
+            err.flush()
+            return EXIT_USAGE
+        if start:
+            err.write(f"swiftspec: context full: left out the {window.turns_between(conversation, 0, start)} "
+                      f"oldest of {window.turns_between(conversation, 0, len(conversation) - 1)} earlier turns\n")
+            err.flush()
+        if record is not None:
+            record("user", prompt, None)
         recorder = TurnRecorder(params.mode)
         answer: list[str] = []
         try:
-            for ev in engine.generate(messages, params):
+            for ev in engine.generate(head + conversation[start:], params):
                 recorder.add(ev)
                 answer.append(ev.text)
                 _emit_token(ev, index, jsonl, out)
@@ -81,7 +102,7 @@ def run(
             return EXIT_ENGINE
         summary = recorder.summary()
         if record is not None:
-            record(prompt, "".join(answer), summary)
+            record("assistant", "".join(answer), summary)
         if jsonl:
             _write_json(out, {"event": "done", "index": index, "stats": summary,
                               "finish_reason": summary["finish_reason"]})

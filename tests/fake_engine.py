@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from swiftspec.config import EngineConfig, SamplingParams, StepEvent, StepStats
 from swiftspec.engine.client import EngineError
@@ -41,18 +42,23 @@ class FakeEngine:
     step_delay slows each step (for Esc tests); die_after makes the engine die (EngineError) after that
     many steps; refuse makes generate() raise EngineError while the engine stays alive; factory's
     start_error makes the start fail and start_gate, when given, holds it until set.
+
+    A "token" is a 4-character chunk of the answer, and a message counts one token per word plus 4, so
+    context_length can be filled as the real engine's is: an answer that reaches it ends with "context",
+    a prompt that does not fit is refused. When the last message is the assistant's, the answer goes on
+    from where that message's text leaves ``answer``.
     """
 
     ACCEPT_CYCLE = (3, 1, 0, 2)
 
     def __init__(self, answer: str = ANSWER, step_delay: float = 0.0, die_after: int | None = None,
-                 refuse: str | None = None) -> None:
+                 refuse: str | None = None, context_length: int = INFO.context_length) -> None:
         self.answer = answer
         self.step_delay = step_delay
         self.die_after = die_after
         self.refuse = refuse
         self.dead = False
-        self.info = INFO
+        self.info = replace(INFO, context_length=context_length)
         self.calls: list[tuple[list[dict], SamplingParams]] = []
         self.closed = False
         self._cancel = threading.Event()
@@ -90,9 +96,17 @@ class FakeEngine:
             raise EngineError("the engine is closed")
         if self.refuse:
             raise EngineError(self.refuse)
+        prompt_tokens = self.count_tokens(messages)
+        if prompt_tokens >= self.info.context_length:
+            raise EngineError(f"the conversation is {prompt_tokens} tokens, but the context length is "
+                              f"{self.info.context_length}")
         self.calls.append(([dict(m) for m in messages], params))
         self._cancel.clear()
-        pieces = chunks(self.answer)[: params.max_new_tokens]
+        done_before = messages[-1]["content"] if messages[-1]["role"] == "assistant" else ""
+        rest = chunks(self.answer[len(done_before):] if self.answer.startswith(done_before) else self.answer)
+        budget = min(params.max_new_tokens, self.info.context_length - prompt_tokens)
+        cut_reason = "context" if budget < params.max_new_tokens else "length"
+        pieces = rest[:budget]
         produced = accepted_total = verified = steps = 0
         i = 0
         while i < len(pieces):
@@ -113,9 +127,13 @@ class FakeEngine:
             if self.step_delay:
                 time.sleep(self.step_delay)
             done = i >= len(pieces)
-            reason = ("length" if len(pieces) < len(chunks(self.answer)) else "eos") if done else None
+            reason = (cut_reason if len(pieces) < len(rest) else "eos") if done else None
             yield StepEvent(list(range(produced - n, produced)), text,
                             self._stats(n - 1, accepted_total, verified, steps, produced), done, reason)
+
+    @staticmethod
+    def count_tokens(messages: list[dict]) -> int:
+        return sum(len(m["content"].split()) + 4 for m in messages)
 
     def _stats(self, accepted: int, accepted_total: int, verified: int, steps: int, produced: int) -> StepStats:
         return StepStats(

@@ -251,6 +251,17 @@ def test_encode_chat_uses_the_template():
         encode_chat(tok, [{"role": "user"}])
 
 
+def test_encode_chat_continues_a_final_answer():
+    """/continue: a last assistant message is left open, so the answer goes on where it stopped."""
+    from swiftspec.engine.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir())
+    question = encode_chat(tok, PROMPTS[0])
+    partial = encode_chat(tok, PROMPTS[0] + [{"role": "assistant", "content": "The answer is"}])
+    assert partial[:len(question)] == question  # the prefix the workers already hold
+    assert tok.decode(partial[len(question):]) == "The answer is"
+
+
 # ------------------------------------------------------------------------------------------- TP logits
 
 def _tp_logits(rank: int, world: int, store_path: str, paths: list, out: dict) -> None:

@@ -91,3 +91,35 @@ def test_read_prompts():
 def test_bad_input(data, kw, message):
     with pytest.raises(scripted.InputError, match=message):
         scripted.read_prompts(data, **kw)
+
+
+def test_long_resumed_conversation_leaves_out_its_oldest_turns():
+    context = []
+    for i in range(12):
+        context += [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "word " * 20}]
+    engine = FakeEngine(context_length=200)
+    saved = []
+    code, out, err = run(["last question"], engine, system="Be brief.", context=context,
+                         record=lambda role, text, figures: saved.append((role, text)))
+    assert code == 0 and out == ANSWER + "\n"
+    sent = engine.calls[0][0]
+    assert sent[0] == {"role": "system", "content": "Be brief."}  # never dropped
+    assert sent[1]["content"].startswith("question ") and sent[-1]["content"] == "last question"
+    assert engine.count_tokens(sent) + 100 <= 200  # room for the answer: half the context
+    dropped = int(sent[1]["content"].split()[1])
+    assert f"context full: left out the {dropped} oldest of 12 earlier turns" in err
+    assert saved == [("user", "last question"), ("assistant", ANSWER)]  # each message as it exists
+
+
+@pytest.mark.parametrize("jsonl", [False, True])
+def test_prompt_that_cannot_fit_is_a_usage_error(jsonl):
+    engine = FakeEngine(context_length=100)
+    code, out, err = run(["word " * 90], engine, jsonl=jsonl)
+    assert code == 2 and "more than the context of 100 tokens" in err and engine.calls == []
+    if jsonl:
+        assert json.loads(out)["event"] == "error"
+
+
+def test_answer_cut_by_the_context_says_context():
+    code, _, err = run(["q"], FakeEngine(answer="word " * 200, context_length=200))
+    assert code == 0 and "context" in err.splitlines()[-1]

@@ -14,6 +14,7 @@ from textual import events
 from swiftspec.config import SamplingParams
 from swiftspec.history import HistoryStore
 from swiftspec.tui.app import SwiftSpecApp
+from swiftspec.tui.dialogs import ConfirmScreen
 from swiftspec.tui.screens import ErrorScreen, HelpScreen, LoadingScreen
 from swiftspec.tui.widgets.chat_view import ChatView
 from swiftspec.tui.widgets.message import MessageBox
@@ -200,8 +201,14 @@ async def test_slash_commands(store, tmp_path):
         await type_and_send(pilot, "again")
         await idle(pilot)
         second = app.conversation_id
+        await type_and_send(pilot, "/clear")  # asks first: Esc keeps everything
+        assert isinstance(app.screen, ConfirmScreen) and "from the history" in str(app.screen.question)
+        await pilot.press("escape")
+        assert len(boxes(app)) == 2 and len(store.messages(second)) == 2
         await type_and_send(pilot, "/clear")
-        assert boxes(app) == [] and store.messages(second) == []
+        await pilot.click("#confirm")
+        await pilot.pause()
+        assert boxes(app) == [] and store.messages(second) == [] and app.messages == []
 
         await type_and_send(pilot, "/quit")
         await pilot.pause()
@@ -231,8 +238,11 @@ async def test_history_resume(store):
     async with resumed.run_test() as pilot:
         await ready(pilot)
         assert boxes(resumed) == [("user", "remember 42"), ("assistant", ANSWER)]
-        await pilot.press("up")
-        assert resumed.query_one(PromptInput).text == "remember 42"
+        prompt = resumed.query_one(PromptInput)
+        await pilot.press("up")  # on an empty input: edit the last message
+        assert prompt.text == "remember 42" and prompt.editing
+        await pilot.press("escape")
+        assert prompt.text == "" and not prompt.editing and len(boxes(resumed)) == 2
         await type_and_send(pilot, "what number?")
         await idle(pilot)
         assert [m["content"] for m in factory.started[0].calls[0][0]] == ["remember 42", ANSWER, "what number?"]

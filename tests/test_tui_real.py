@@ -161,3 +161,37 @@ async def test_worker_killed_shows_error_and_restart(store):
         await idle(pilot, ANSWER_S)
         assert boxes(app)[0] == ("user", "a long answer please") and last_answer(app).text
     assert not started[1].alive  # leaving the app closed the engine
+
+
+async def test_small_context_overflow_context_reason_and_continue(engine, store):
+    """The real workers in a 512-token context: an answer longer than the context ends with "context",
+    the next turn leaves it out (a notice, no error), and /continue extends a cut answer in place,
+    prefilling only what is new."""
+    from swiftspec.tui.widgets.notice import Notice
+
+    app = app_on(engine, store)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, STARTUP_S)
+        await type_and_send(pilot, "/max 2000")  # more than the context holds
+        app.params.ignore_eos = True
+        await type_and_send(pilot, "a very long one")
+        await idle(pilot, ANSWER_S)
+        assert "context" in last_answer(app).border_subtitle and app.last_finish == "context"
+
+        await type_and_send(pilot, "/max 6")
+        await type_and_send(pilot, "next")
+        await idle(pilot, ANSWER_S)
+        [notice] = app.query_one(ChatView).query(Notice)
+        assert notice.text.startswith("Context full: left out the oldest turn")
+        assert app.window_start == 2 and len(boxes(app)) == 4 and "length" in last_answer(app).border_subtitle
+
+        first = last_answer(app).text
+        await type_and_send(pilot, "/continue")
+        await idle(pilot, ANSWER_S)
+        assert last_answer(app).text.startswith(first) and len(last_answer(app).text) > len(first)
+        assert len(boxes(app)) == 4
+        # the question at least was cached (how much of the first part re-tokenizes to the same ids
+        # depends on the model: this random one's text does not)
+        window = app._engine_messages()
+        window[-1]["content"] = first
+        assert app.query_one(StatsPanel)._stats.prefill_tokens < engine.count_tokens(window) - 3

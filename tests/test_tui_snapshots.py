@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from pathlib import Path
 
 import pytest
 from fake_engine import FakeEngine
@@ -91,3 +93,64 @@ def test_help_screen(snap_compare, store):
         await pilot.press("f1")
 
     assert snap_compare(app, terminal_size=(80, 24), run_before=help_open)
+
+
+def test_overflow_notice(snap_compare, store):
+    app = StillApp(FakeEngine.factory(answer="Sure: " + "word " * 30, context_length=160), SamplingParams(),
+                   store=store)
+
+    async def overflowed(pilot):
+        await ready(pilot)
+        for question in ("first question", "second question", "third question"):
+            await type_and_send(pilot, question)
+            await idle(pilot)
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=overflowed)
+
+
+def test_history_screen(snap_compare, store, monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    for i, (title, turns) in enumerate([("How do I sort a list?", 3), ("Explain RoPE scaling", 1),
+                                        ("Write a haiku about the sea", 2)]):
+        conv = store.create(title)
+        for _ in range(turns):
+            store.add(conv, "user", "q")
+            store.add(conv, "assistant", "a", {"generated": 40 + i})
+        store._db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (1.7e9 + 3600 * i, conv))
+    store.path = Path("/home/user/.local/share/swiftspec/history.sqlite3")  # shown in the hint line
+    app = StillApp(FakeEngine.factory(), SamplingParams(), store=store)
+
+    async def history_open(pilot):
+        await ready(pilot)
+        await pilot.press("f2")
+        await pilot.pause()
+
+    try:
+        assert snap_compare(app, terminal_size=(80, 24), run_before=history_open)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+def test_clear_asks_first(snap_compare, store):
+    app = StillApp(FakeEngine.factory(), SamplingParams(), store=store)
+
+    async def asking(pilot):
+        await chat_after_one_answer(pilot)
+        await type_and_send(pilot, "/clear")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=asking)
+
+
+def test_editing_the_last_message(snap_compare, store):
+    app = StillApp(FakeEngine.factory(), SamplingParams(), store=store)
+
+    async def editing(pilot):
+        await ready(pilot)
+        await type_and_send(pilot, "Write a Python function that adds two numbers.")
+        await idle(pilot)
+        await pilot.press("up")
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=editing)

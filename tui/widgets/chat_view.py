@@ -5,6 +5,7 @@ from __future__ import annotations
 from textual.containers import VerticalScroll
 
 from swiftspec.tui.widgets.message import MessageBox
+from swiftspec.tui.widgets.notice import Notice
 
 
 class ChatView(VerticalScroll):
@@ -18,6 +19,17 @@ class ChatView(VerticalScroll):
         await self.mount(box)
         self.anchor()
         return box
+
+    async def add_notice(self, text: str) -> Notice:
+        notice = Notice(text)
+        await self.mount(notice)
+        self.anchor()
+        return notice
+
+    @property
+    def messages(self) -> list[MessageBox]:
+        """The message boxes, oldest first; they match the app's messages one to one."""
+        return list(self.query(MessageBox))
 
     async def clear(self) -> None:
         await self.remove_children()

@@ -36,6 +36,11 @@ class MessageBox(Vertical):
             self._stream = Markdown.get_stream(self.query_one(Markdown))
         await self._stream.write(fragment)
 
+    def resume(self) -> None:
+        """Streams again into a finished answer (``/continue``); finish() ends it as before."""
+        self.add_class("-streaming")
+        self.border_subtitle = ""
+
     async def finish(self, footer: str) -> None:
         """Ends the stream (flushing what it still holds) and shows the answer's figures under it."""
         if self._stream is not None:
