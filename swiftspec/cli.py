@@ -479,11 +479,6 @@ history_app = typer.Typer(
 app.add_typer(history_app, name="history")
 
 
-class ExportFormat(str, Enum):
-    md = "md"
-    json = "json"
-
-
 def _history_store():
     """The store, or exit 1 saying why it cannot be read."""
     from swiftspec.history import HistoryStore
@@ -550,14 +545,18 @@ def history_delete(
 @history_app.command("export")
 def history_export(
     conversation_id: Annotated[int, typer.Argument(metavar="ID")],
-    format_: Annotated[ExportFormat, typer.Option("--format", "-f", help="Markdown or JSON.")] = ExportFormat.md,
+    format_: Annotated[str, typer.Option(
+        "--format", "-f", metavar="FORMAT", autocompletion=_complete("md", "json"),
+        help="md (Markdown) or json.")] = "md",
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", metavar="FILE", help="Write to FILE instead of stdout.")] = None,
 ) -> None:
     """Export a conversation as Markdown or JSON (with each answer's figures)."""
     store = _history_store()
     _conversation(store, conversation_id)
-    text = store.export_json(conversation_id) if format_ is ExportFormat.json else store.export_markdown(conversation_id)
+    if format_ not in ("md", "json"):
+        raise _fail(f"format must be md or json, not {format_!r}", 2)
+    text = store.export_json(conversation_id) if format_ == "json" else store.export_markdown(conversation_id)
     if output is None:
         typer.echo(text, nl=False)
         return
