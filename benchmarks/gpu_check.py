@@ -131,7 +131,9 @@ def step_engine(dry: bool, workdir: Path, new_tokens: int) -> dict:
     device = "cpu" if dry else "cuda"
     out: dict = {"target": "llama-3.2-1b shape" + (" (scaled)" if dry else ""), "new_tokens": new_tokens}
     for name, drafter in (("model-draft", str(draft)), ("suffix", "suffix")):
-        config = EngineConfig(target=str(target), draft=drafter, device=device, dtype="bfloat16", max_seq_len=1024)
+        # No draft history: the suffix drafter must not learn an answer from the modes run before it.
+        config = EngineConfig(target=str(target), draft=drafter, device=device, dtype="bfloat16", max_seq_len=1024,
+                              draft_history=False)
         t0 = time.monotonic()
         with Engine.start(config) as eng:
             res: dict = {"start_s": round(time.monotonic() - t0, 1), "d": eng.info.d,
