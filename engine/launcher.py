@@ -116,9 +116,9 @@ def process_groups(devices: list[str], n_target: int) -> dict[str, GroupSpec]:
     """
     def tp(ranks: range) -> GroupSpec:
         devs = [devices[r] for r in ranks]
-        concrete = [d for d in devs if d != "cuda"]
-        if len(set(concrete)) != len(concrete):
-            raise ConfigError(f"ranks {list(ranks)} of one tensor-parallel group share a device: {devs}")
+        gpus = [d for d in devs if d.startswith("cuda:")]  # CPU ranks share the host, as they should
+        if len(set(gpus)) != len(gpus):
+            raise ConfigError(f"ranks {list(ranks)} of one tensor-parallel group share a GPU: {devs}")
         gpu = len(devs) > 1 and all(d.startswith("cuda") for d in devs)
         return GroupSpec(tuple(ranks), GLOO_NCCL if gpu else GLOO)
 

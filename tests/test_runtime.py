@@ -197,8 +197,9 @@ def test_no_nccl_communicator_holds_two_ranks_of_one_gpu(n_gpus, draft):
 
 
 def test_process_groups_refuse_a_shared_gpu_inside_one_group():
-    with pytest.raises(ConfigError, match="share a device"):
+    with pytest.raises(ConfigError, match="share a GPU"):
         launcher.process_groups(["cuda:0", "cuda:0", "cuda:1"], 2)
+    assert launcher.process_groups(["cpu", "cpu", "cpu"], 2)["target"].backend == "gloo"  # CPU TP: gloo
     groups = launcher.process_groups(["cuda", "cuda", "cuda"], 2)  # one GPU per local rank (several nodes)
     assert groups["target"].backend == "cpu:gloo,cuda:nccl" and groups["draft"].backend == "gloo"
 
