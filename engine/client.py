@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import re
+import shutil
 import socket
 import subprocess
 import threading
@@ -99,9 +100,9 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, proc: subprocess.Popen, conn: protocol.Connection, tail: _Tail,
-                 pgids: set[int], info: EngineInfo, tokenizer):
+                 pgids: set[int], run_dir: Path, info: EngineInfo, tokenizer):
         self.config, self.info, self.tokenizer = config, info, tokenizer
-        self._proc, self._conn, self._tail, self._pgids = proc, conn, tail, pgids
+        self._proc, self._conn, self._tail, self._pgids, self._run_dir = proc, conn, tail, pgids, run_dir
         self._ids = itertools.count(1)
         self._current: int | None = None  # the request whose events are still to be read
         self._closed = False
@@ -140,14 +141,15 @@ class Engine:
         n_gpus = torch.cuda.device_count() if config.device != "cpu" and torch.cuda.is_available() else 0
         layout = launcher.plan_layout(config, n_gpus)
         worker = launcher.worker_args(config, layout, target_dir, draft) + ["--target-name", target_name]
-        cmd = launcher.build_command(worker, layout.world)
+        run_dir = launcher.new_run_dir()
+        cmd = launcher.build_command(worker, layout.world, run_dir)
         listener = socket.create_server(("127.0.0.1", 0))
         key = protocol.new_key()
         addr = f"127.0.0.1:{listener.getsockname()[1]}"
         where = "GPU" if layout.cuda else "CPU"
         say(f"starting {layout.world} worker processes on {where} ({layout.n_target} target, "
             f"{layout.n_draft} draft)")
-        proc = launcher.spawn(cmd, {protocol.ENV_ADDR: addr, protocol.ENV_KEY: key})
+        proc = launcher.spawn(cmd, {protocol.ENV_ADDR: addr, protocol.ENV_KEY: key}, run_dir)
         tail = _Tail(proc.stdout)
         pgids = {proc.pid}
         conn = None
@@ -158,6 +160,7 @@ class Engine:
         except BaseException as e:
             launcher.kill_groups(pgids)
             proc.wait()
+            shutil.rmtree(run_dir, ignore_errors=True)
             if conn is not None:
                 conn.close()
             if isinstance(e, EngineError) or not isinstance(e, Exception):
@@ -166,7 +169,7 @@ class Engine:
         finally:
             listener.close()
         say(f"ready: d={info.d}, context {info.context_length} tokens")
-        return cls(config, proc, conn, tail, pgids, info, tokenizer)
+        return cls(config, proc, conn, tail, pgids, run_dir, info, tokenizer)
 
     # ------------------------------------------------------------------------------------- answers
     def generate(self, messages: list[dict], params: SamplingParams | None = None) -> Iterator[StepEvent]:
@@ -282,6 +285,7 @@ class Engine:
         except subprocess.TimeoutExpired:
             pass
         self._conn.close()
+        shutil.rmtree(self._run_dir, ignore_errors=True)
 
     def close(self) -> None:
         """Asks the workers to exit, then ends every process of the group (SIGTERM, then SIGKILL)."""

@@ -1,0 +1,79 @@
+"""torchrun for one machine with nothing listening on the network: ``python -m swiftspec.engine.torchrun``
+takes torchrun's arguments and runs torchrun's own main, with the ``swiftspec-local`` rendezvous.
+
+``--standalone`` would make torchrun's rendezvous a TCPStore listening on every interface, unauthenticated
+and uncapped, for as long as the chat runs. One node needs no network to agree with itself: this
+rendezvous keeps its store in torchrun's memory, and the workers meet through a FileStore in the Engine's
+private run directory (``worker.setup``), with gloo bound to the loopback interface (``launcher.spawn``).
+
+It also records its pid in the workers' environment, so that a worker can tell whether torchrun was
+killed before the worker set its death signal (``lifeline``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from torch.distributed import HashStore, PrefixStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    rendezvous_handler_registry,
+)
+
+from swiftspec.engine.launcher import LOCAL_RENDEZVOUS as BACKEND
+from swiftspec.engine.lifeline import ENV_LAUNCHER_PID
+
+
+class LocalRendezvous(RendezvousHandler):
+    """The rendezvous of a single node with itself: rank 0 of 1, an in-memory store, no listener."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self._store = HashStore()
+
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False  # the workers use their own FileStore, never a TCPStore at MASTER_ADDR
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        return RendezvousInfo(PrefixStore(self.run_id, self._store), 0, 1, RendezvousStoreInfo("127.0.0.1", 0))
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def shutdown(self) -> bool:
+        return True
+
+
+def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    if params.max_nodes != 1:
+        raise ValueError(f"the {BACKEND} rendezvous is for one node, not {params.max_nodes}")
+    return LocalRendezvous(params.run_id)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed import run
+
+    os.environ[ENV_LAUNCHER_PID] = str(os.getpid())
+    rendezvous_handler_registry.register(BACKEND, _create_handler)
+    run.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Faults, contention and hostile local peers (issue 16): listeners, orphans, start-up handshakes, request
+validation, interrupted conversions, and a bounded fault-injection loop.
+
+Every peer these tests start talks to loopback addresses only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+
+import pytest
+from tiny_models import tiny_model_dir
+
+from swiftspec.config import EngineConfig, SamplingParams
+from swiftspec.engine.client import Engine
+
+PROMPT = [{"role": "user", "content": "What is 17 times 23?"}]
+
+
+@pytest.fixture(scope="module")
+def target_dir():
+    return tiny_model_dir(seed=0, layers=2)
+
+
+def start(target_dir, **kw) -> Engine:
+    return Engine.start(EngineConfig(target=str(target_dir), max_seq_len=kw.pop("max_seq_len", 256), **kw))
+
+
+def descendants(pid: int) -> set[int]:
+    """``pid`` and every live process below it (by parent pid, read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(")") + 2:].split(" ")[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        found.add(p)
+        todo += children.get(p, [])
+    return found
+
+
+def listening_addresses(pids: set[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket in LISTEN state held by one of ``pids``."""
+    listening = {}
+    for name, width in (("tcp", 4), ("tcp6", 16)):
+        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A":
+                continue
+            hex_ip, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_ip)
+            # /proc/net prints the address as host-order 32-bit words
+            ip = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            listening[inode] = (str(ipaddress.ip_address(ip)), int(hex_port, 16))
+    found = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in listening:
+                found.append((pid, *listening[link[8:-1]]))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+# ------------------------------------------------------------------------------------------ listeners
+
+@pytest.mark.slow
+def test_no_listener_beyond_loopback_and_no_torchelastic_dir(target_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # torchrun's own temporary directories land here
+    with start(target_dir) as eng:
+        procs = descendants(eng._proc.pid)
+        assert {r.pid for r in eng.info.ranks} <= procs
+        listeners = listening_addresses(procs | {os.getpid()})
+        assert listeners, "gloo listens on loopback: the scan must see it"
+        assert [x for x in listeners if not is_loopback(x[1])] == []
+        list(eng.generate(PROMPT, SamplingParams(max_new_tokens=4)))
+        run_dir = eng._run_dir
+        assert run_dir.is_dir() and oct(run_dir.stat().st_mode & 0o777) == "0o700"
+    assert not run_dir.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("torchelastic_")] == []
