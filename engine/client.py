@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import queue
 import re
 import shutil
 import socket
@@ -74,8 +75,9 @@ class _Tail:
         return "\n".join(list(self.lines)[-n:])
 
     def headline(self) -> str | None:
-        """The last exception line, e.g. ``LoadError: ...``, to put first in an error message."""
-        for line in reversed(self.lines):
+        """The first exception line, e.g. ``LoadError: ...``, to put first in an error message: the rank
+        that failed first says why; the others then only report their lost connections to it."""
+        for line in self.lines:
             m = re.search(r"\b(\w+(Error|Exception|Interrupt)): (.+)", line)
             if m and "ChildFailedError" not in m.group(1):
                 return f"{m.group(1)}: {m.group(3)}"
@@ -323,28 +325,57 @@ def _startup_error(why: str, tail: _Tail) -> EngineError:
     return EngineError(f"{why}{': ' + head if head else ''}\n--- last lines of the workers' output ---\n{lines}")
 
 
+MAX_PENDING_HANDSHAKES = 32  # connections still proving themselves; more are closed at once
+
+
 def _accept_worker(listener: socket.socket, key: str, proc: subprocess.Popen, tail: _Tail,
                    deadline: float) -> protocol.Connection:
-    """Waits for the leader to connect and authenticate; peers without the key are refused and the
-    wait goes on."""
+    """Waits for the leader to connect and authenticate. Every connection gets its handshake in a thread
+    of its own, with its own deadline, so idle or slow peers cannot hold up the leader's; peers without
+    the key are refused and the wait goes on."""
     listener.settimeout(POLL_S)
-    while True:
-        if proc.poll() is not None:
-            raise _startup_error(f"the workers exited during start-up (torchrun exit code {proc.returncode})",
-                                 tail)
-        if time.monotonic() > deadline:
-            raise _startup_error("no worker connected and authenticated before the start-up timeout", tail)
-        try:
-            sock, _ = listener.accept()
-        except TimeoutError:
-            continue
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = protocol.Connection(sock)
+    winner: queue.Queue[protocol.Connection] = queue.Queue()
+    pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+    done = threading.Event()
+
+    def handshake(conn: protocol.Connection) -> None:
         try:
             protocol.server_handshake(conn, key)
-            return conn
+            if not done.is_set():
+                winner.put(conn)
+                return
         except (OSError, protocol.ProtocolError):
-            conn.close()
+            pass
+        finally:
+            pending.release()
+        conn.close()
+
+    try:
+        while True:
+            try:
+                return winner.get_nowait()
+            except queue.Empty:
+                pass
+            if proc.poll() is not None:
+                raise _startup_error(f"the workers exited during start-up, before the leader completed its "
+                                     f"handshake with the engine (torchrun exit code {proc.returncode})", tail)
+            if time.monotonic() > deadline:
+                raise _startup_error("no worker connected and completed the start-up handshake before the "
+                                     "start-up timeout", tail)
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = protocol.Connection(sock)
+            if not pending.acquire(blocking=False):
+                conn.close()
+                continue
+            threading.Thread(target=handshake, args=(conn,), daemon=True, name="engine-handshake").start()
+    finally:
+        done.set()
+        while not winner.empty():  # a second peer that authenticated too: only the first is kept
+            winner.get_nowait().close()
 
 
 def _wait_ready(conn: protocol.Connection, proc: subprocess.Popen, tail: _Tail, deadline: float,

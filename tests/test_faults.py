@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from tiny_models import tiny_model_dir
 
 from swiftspec.config import EngineConfig, SamplingParams
-from swiftspec.engine.client import Engine
+from swiftspec.engine import protocol
+from swiftspec.engine.client import Engine, _accept_worker, _Tail
 
 PROMPT = [{"role": "user", "content": "What is 17 times 23?"}]
 
@@ -98,3 +102,45 @@ def test_no_listener_beyond_loopback_and_no_torchelastic_dir(target_dir, tmp_pat
         assert run_dir.is_dir() and oct(run_dir.stat().st_mode & 0o777) == "0o700"
     assert not run_dir.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("torchelastic_")] == []
+
+
+# ------------------------------------------------------------------------------- start-up handshakes
+
+class _Running:
+    def poll(self):
+        return None
+
+
+def _closed_tail() -> _Tail:
+    r, w = os.pipe()
+    os.close(w)
+    return _Tail(os.fdopen(r, "rb"))
+
+
+def test_idle_connections_do_not_hold_up_the_workers_handshake():
+    listener = socket.create_server(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{listener.getsockname()[1]}"
+    key = protocol.new_key()
+    idle = [socket.create_connection(("127.0.0.1", listener.getsockname()[1])) for _ in range(3)]
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(conn=protocol.connect(addr, key, timeout=3.0)))
+    worker.start()
+    t0 = time.monotonic()
+    conn = _accept_worker(listener, key, _Running(), _closed_tail(), time.monotonic() + 20)
+    worker.join(5)
+    assert time.monotonic() - t0 < 3, "the idle peers delayed the worker's handshake"
+    conn.send("check")
+    assert result["conn"].recv(2)["type"] == "check"
+    for s in idle:
+        s.close()
+    listener.close()
+
+
+def test_start_up_error_names_the_rank_that_failed_first():
+    tail = _closed_tail()
+    tail.lines.extend([
+        "swiftspec.engine.protocol.AuthError: handshake timed out after 10 s waiting for 'challenge'",
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+    ])
+    assert tail.headline().startswith("AuthError: handshake timed out")
