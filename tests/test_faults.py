@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from tiny_models import tiny_model_dir
 
-from swiftspec.config import EngineConfig, SamplingParams
+from swiftspec.config import ConfigError, EngineConfig, SamplingParams
 from swiftspec.engine import protocol
-from swiftspec.engine.client import Engine, _accept_worker, _Tail
+from swiftspec.engine.client import Engine, EngineError, _accept_worker, _Tail, encode_chat
 
 PROMPT = [{"role": "user", "content": "What is 17 times 23?"}]
 
@@ -144,3 +144,53 @@ def test_start_up_error_names_the_rank_that_failed_first():
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
     ])
     assert tail.headline().startswith("AuthError: handshake timed out")
+
+
+# ---------------------------------------------------------------------------------- request validation
+
+@pytest.mark.parametrize("fields, message", [
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": "0.7"}, "temperature"),
+    ({"top_p": float("nan")}, "top-p"),
+    ({"top_k": 2.5}, "top-k"),
+    ({"seed": 99999999999999999999999}, "seed"),
+    ({"seed": -1}, "seed"),
+    ({"max_new_tokens": True}, "max-new-tokens"),
+    ({"stop": "END"}, "stop"),
+    ({"stop": ["x" * 100_000]}, "stop string"),
+])
+def test_sampling_params_refuse_what_the_sampler_cannot_take(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        SamplingParams(**fields).validate()
+    SamplingParams(seed=2**64 - 1, temperature=1e-3, stop=["x" * 1000]).validate()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "nan"], "temperature"),
+    (["--seed", "99999999999999999999999"], "seed"),
+])
+def test_cli_refuses_bad_sampling_values_before_starting(flags, message, monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from swiftspec import cli
+
+    monkeypatch.setenv("SWIFTSPEC_DATA_DIR", str(tmp_path))
+    started = []
+    monkeypatch.setattr(cli, "_start_engine", lambda *a: started.append(a))
+    result = CliRunner().invoke(cli.app, cli.normalise_argv(["chat", "-p", "hi", *flags]))
+    assert result.exit_code == 2 and message in result.output and not started
+
+
+@pytest.mark.slow
+def test_bad_requests_leave_the_engine_usable(target_dir):
+    with start(target_dir) as eng:
+        with pytest.raises(ConfigError, match="temperature"):
+            list(eng.generate(PROMPT, SamplingParams(temperature=float("nan"))))
+        ids = encode_chat(eng.tokenizer, PROMPT)
+        # past the Engine's own check, straight to the workers: they refuse it and carry on
+        for bad in (SamplingParams(temperature=float("nan")), SamplingParams(seed=2**70)):
+            with pytest.raises(EngineError, match="invalid request"):
+                list(eng._stream(ids, bad))
+        events = list(eng.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=0.8, seed=2**64 - 1)))
+        assert events[-1].finished and eng.alive
