@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import shutil
+import signal
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 from tiny_models import tiny_model_dir
 
 from swiftspec.config import ConfigError, EngineConfig, SamplingParams
-from swiftspec.engine import protocol
+from swiftspec.engine import launcher, protocol
 from swiftspec.engine.client import Engine, EngineError, _accept_worker, _Tail, encode_chat
 
 PROMPT = [{"role": "user", "content": "What is 17 times 23?"}]
@@ -217,7 +220,6 @@ def fake_gguf(tmp_path, monkeypatch):
 
 
 def test_conversion_killed_half_way_is_cleaned_up_by_the_next_start(fake_gguf, monkeypatch):
-    import signal
     import subprocess
     import sys
 
@@ -264,3 +266,61 @@ def test_damaged_conversion_is_detected_and_converted_again(harm, why, fake_gguf
     assert embedded.ensure_converted(fake_gguf) == out and len(calls) == 2
     assert embedded.damage(out) is None
     assert "damaged" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ process faults
+
+def marked_processes(marker: str) -> set[int]:
+    """Live processes whose environment carries ``SWIFTSPEC_TEST_MARK=marker`` (found even after they
+    were re-parented, which is what an orphan is)."""
+    needle = f"SWIFTSPEC_TEST_MARK={marker}".encode()
+    found = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{entry.name}/environ").read_bytes()
+            state = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and state not in "ZX":
+            found.add(int(entry.name))
+    return found
+
+
+def gone_within(marker: str, seconds: float) -> set[int]:
+    deadline = time.monotonic() + seconds
+    while (left := marked_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def children(pid: int) -> set[int]:
+    return descendants(pid) - {pid}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay_s", [0.0, 0.3])
+def test_workers_die_with_a_torchrun_killed_before_they_import_torch(target_dir, delay_s):
+    """torchrun SIGKILLed right after it spawned its workers (they take seconds to import torch before they
+    can connect anywhere): no worker may survive it."""
+    marker = uuid.uuid4().hex
+    cfg = EngineConfig(target=str(target_dir), max_seq_len=256)
+    worker = launcher.worker_args(cfg, launcher.Layout(1, 1), target_dir, "suffix")
+    run_dir = launcher.new_run_dir()
+    try:
+        proc = launcher.spawn(launcher.build_command(worker, 2, run_dir),
+                              {protocol.ENV_ADDR: "127.0.0.1:9", protocol.ENV_KEY: protocol.new_key(),
+                               "SWIFTSPEC_TEST_MARK": marker}, run_dir)
+        deadline = time.monotonic() + 60
+        while len(children(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(children(proc.pid)) >= 2, "torchrun did not start its workers"
+        time.sleep(delay_s)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert gone_within(marker, 10) == set()
+    finally:
+        for pid in marked_processes(marker):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(run_dir, ignore_errors=True)
