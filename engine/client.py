@@ -11,6 +11,7 @@ raises EngineError with the tail of their output, and leaves no process behind.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import queue
 import re
@@ -125,7 +126,7 @@ class Engine:
         import torch
 
         from swiftspec.engine.drafters import check_vocab_compatible
-        from swiftspec.engine.loader import load_tokenizer, resolve_model_dir
+        from swiftspec.engine.loader import load_tokenizer, read_args, resolve_model_dir
 
         config = (config or EngineConfig()).validate()
         say = progress or (lambda _text: None)
@@ -137,12 +138,16 @@ class Engine:
             target_name = EMBEDDED_NAME
         else:
             target_name = Path(config.target).name
+        limit = min(read_args(Path(d)).context_limit for d in (target_dir, draft) if d not in BUILTIN_DRAFTS)
+        if config.max_seq_len > limit:  # the KV cache is allocated for max_seq_len: never beyond the model
+            say(f"max-seq-len {config.max_seq_len} is beyond the models' {limit} positions: using {limit}")
+            config = dataclasses.replace(config, max_seq_len=limit)
         tokenizer = load_tokenizer(target_dir, config.trust_remote_code)
         if draft not in BUILTIN_DRAFTS:  # a clear error now rather than garbage proposals later
             check_vocab_compatible(tokenizer, load_tokenizer(Path(draft), config.trust_remote_code))
         n_gpus = torch.cuda.device_count() if config.device != "cpu" and torch.cuda.is_available() else 0
         layout = launcher.plan_layout(config, n_gpus)
-        worker = launcher.worker_args(config, layout, target_dir, draft) + ["--target-name", target_name]
+        worker = launcher.worker_args(config, layout, target_dir, draft) + [f"--target-name={target_name}"]
         run_dir = launcher.new_run_dir()
         cmd = launcher.build_command(worker, layout.world, run_dir)
         listener = socket.create_server(("127.0.0.1", 0))
@@ -357,8 +362,8 @@ def _accept_worker(listener: socket.socket, key: str, proc: subprocess.Popen, ta
             except queue.Empty:
                 pass
             if proc.poll() is not None:
-                raise _startup_error(f"the workers exited during start-up, before the leader completed its "
-                                     f"handshake with the engine (torchrun exit code {proc.returncode})", tail)
+                raise _startup_error(f"the workers exited during start-up (torchrun exit code {proc.returncode}), "
+                                     "before their leader had connected to the engine", tail)
             if time.monotonic() > deadline:
                 raise _startup_error("no worker connected and completed the start-up handshake before the "
                                      "start-up timeout", tail)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swiftspec.config import ConfigError, EngineConfig
+from swiftspec.engine.lifeline import ENV_ENGINE_PID
 
 LOCAL_RENDEZVOUS = "swiftspec-local"  # see swiftspec.engine.torchrun
 ENV_STORE = "SWIFTSPEC_STORE"  # the FileStore through which the workers of one node meet
@@ -94,7 +95,8 @@ def plan_layout(config: EngineConfig, n_gpus: int) -> Layout:
 
 def worker_args(config: EngineConfig, layout: Layout, target_dir: Path, draft: str) -> list[str]:
     """The worker's own flags (see ``python -m swiftspec.engine.worker --help``)."""
-    args = ["--target", str(target_dir), "--draft", draft, "--target-procs", str(layout.n_target),
+    # paths as --flag=value: argparse would take a directory named "-x" for an option of its own
+    args = [f"--target={target_dir}", f"--draft={draft}", "--target-procs", str(layout.n_target),
             "--dtype", config.dtype, "--max-seq-len", str(config.max_seq_len),
             "--tree-bs", str(config.tree.bs), "--tree-w", str(config.tree.w)]
     if config.tree.d is not None:
@@ -154,7 +156,8 @@ def spawn(cmd: list[str], env: dict[str, str], run_dir: Path) -> subprocess.Pope
     """
     lo = _loopback_interface()
     full_env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo, ENV_STORE: str(run_dir / "store"), **env}
+                "GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo, ENV_STORE: str(run_dir / "store"),
+                ENV_ENGINE_PID: str(os.getpid()), **env}
     return subprocess.Popen(cmd, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
 

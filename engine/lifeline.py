@@ -11,6 +11,7 @@ import signal
 import sys
 
 ENV_LAUNCHER_PID = "SWIFTSPEC_LAUNCHER_PID"  # torchrun's pid, set by swiftspec.engine.torchrun
+ENV_ENGINE_PID = "SWIFTSPEC_ENGINE_PID"  # the Engine's pid, set by launcher.spawn
 
 
 def die_with_launcher() -> None:

@@ -7,13 +7,19 @@ rendezvous keeps its store in torchrun's memory, and the workers meet through a 
 private run directory (``worker.setup``), with gloo bound to the loopback interface (``launcher.spawn``).
 
 It also records its pid in the workers' environment, so that a worker can tell whether torchrun was
-killed before the worker set its death signal (``lifeline``).
+killed before the worker set its death signal (``lifeline``), and it ends itself (and so its workers) when
+the Engine that started it dies.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import sys
+import threading
+import time
+from pathlib import Path
 
 from torch.distributed import HashStore, PrefixStore
 from torch.distributed.elastic.rendezvous import (
@@ -24,8 +30,11 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from swiftspec.engine.launcher import ENV_STORE
 from swiftspec.engine.launcher import LOCAL_RENDEZVOUS as BACKEND
-from swiftspec.engine.lifeline import ENV_LAUNCHER_PID
+from swiftspec.engine.lifeline import ENV_ENGINE_PID, ENV_LAUNCHER_PID
+
+ENGINE_POLL_S = 0.2
 
 
 class LocalRendezvous(RendezvousHandler):
@@ -67,9 +76,22 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
     return LocalRendezvous(params.run_id)
 
 
+def _follow_engine(engine_pid: int) -> None:
+    """Until the workers have connected, nothing else would tell them that the Engine is gone: when it
+    dies (this process is re-parented), remove the run directory it can no longer remove, and end
+    torchrun, whose workers die with it."""
+    while os.getppid() == engine_pid:
+        time.sleep(ENGINE_POLL_S)
+    if store := os.environ.get(ENV_STORE):
+        shutil.rmtree(Path(store).parent, ignore_errors=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run
 
+    if engine := os.environ.get(ENV_ENGINE_PID):
+        threading.Thread(target=_follow_engine, args=(int(engine),), daemon=True, name="follow-engine").start()
     os.environ[ENV_LAUNCHER_PID] = str(os.getpid())
     rendezvous_handler_registry.register(BACKEND, _create_handler)
     run.main(argv)

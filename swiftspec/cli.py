@@ -6,6 +6,7 @@ stay instant.
 
 from __future__ import annotations
 
+import os
 import sys
 from enum import Enum
 from functools import partial
@@ -276,9 +277,12 @@ def _chat_scripted(config, params, system, context, prompt, each_line, jsonl, re
         return scripted.EXIT_ENGINE
     with engine:
         try:
-            return scripted.run(engine, prompts, params, system=system,
+            code = scripted.run(engine, prompts, params, system=system,
                                 context=[{"role": m.role, "content": m.content} for m in context],
                                 jsonl=jsonl, out=sys.stdout, err=sys.stderr, record=record)
+            if code == scripted.EXIT_BROKEN_PIPE:  # nothing more can reach the reader, not even at exit
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return code
         except KeyboardInterrupt:
             engine.cancel()
             return 130

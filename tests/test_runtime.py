@@ -173,7 +173,7 @@ def test_build_command():
     # no --standalone: its TCPStore would listen on every interface
     assert "--standalone" not in cmd and "--rdzv-backend=swiftspec-local" in cmd and "--log-dir=/run/x/logs" in cmd
     tail = cmd[cmd.index("swiftspec.engine.worker") + 1:]
-    assert tail[:6] == ["--target", "/models/t", "--draft", "suffix", "--target-procs", "2"]
+    assert tail[:4] == ["--target=/models/t", "--draft=suffix", "--target-procs", "2"]
     assert {"--tree-bs", "6", "--tree-w", "4", "--tree-d", "3", "--threads", "2"} <= set(tail)
     from torch.distributed.run import get_args_parser
 
