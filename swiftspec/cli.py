@@ -109,7 +109,9 @@ MaxSeqLenOpt = Annotated[int, typer.Option(
     "--max-seq-len", min=16, rich_help_panel=MODEL, help="KV cache length per conversation (tokens).")]
 TrustRemoteCodeOpt = Annotated[bool, typer.Option(
     "--trust-remote-code", rich_help_panel=MODEL,
-    help="Allow the model directory's own tokenizer code (model code is always SwiftSpec's own).")]
+    help="Run Python code shipped in the model directory (whatever its auto_map names, and what that "
+         "imports) while loading its tokenizer: only for directories you trust. The forward pass always "
+         "runs SwiftSpec's own model code.")]
 BsOpt = Annotated[int, typer.Option(
     "--bs", min=1, max=64, rich_help_panel=TREE, help="Tree nodes verified per target forward.")]
 WOpt = Annotated[int, typer.Option(
