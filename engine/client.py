@@ -31,6 +31,9 @@ from swiftspec.engine.protocol import EngineInfo
 
 POLL_S = 0.25  # how often a blocked receive looks at the worker processes
 CLOSE_GRACE_S = 1.0  # for a clean exit after "shutdown", before signals
+# After Ctrl-C, the workers stop at their next step; not stopped after this long, they are taken for hung
+# (only a long prefill of a big model on CPU takes longer, and Ctrl-C asked to stop anyway).
+CANCEL_TIMEOUT_S = 10.0
 
 
 class EngineError(RuntimeError):
@@ -183,7 +186,8 @@ class Engine:
         """Streams the answer to ``messages`` (chat format) as StepEvents; the last has finished=True.
 
         Ctrl-C while waiting cancels the answer (the KeyboardInterrupt is re-raised once the workers have
-        stopped), and abandoning the iterator cancels it too; either way the engine stays usable.
+        stopped), and abandoning the iterator cancels it too; either way the engine stays usable. Workers
+        that do not stop within CANCEL_TIMEOUT_S of a Ctrl-C, or a second Ctrl-C, end the worker group.
         """
         params = (params or SamplingParams()).validate()
         ids = encode_chat(self.tokenizer, messages)
@@ -209,8 +213,10 @@ class Engine:
                 if event.finished:
                     return
         except KeyboardInterrupt:
-            self.cancel()
-            self._finish_pending()
+            try:
+                self._finish_pending(CANCEL_TIMEOUT_S)
+            except (EngineError, KeyboardInterrupt):  # hung workers, or Ctrl-C again: end them now
+                self._abandon("the answer was interrupted and the workers did not stop")
             raise
         finally:
             if self._current == rid and self._dead is None:  # abandoned: stop the workers' loop
@@ -226,17 +232,25 @@ class Engine:
             except OSError:
                 pass
 
-    def _finish_pending(self) -> None:
-        """Reads away the rest of a cancelled or abandoned answer."""
+    def _finish_pending(self, timeout_s: float | None = None) -> None:
+        """Reads away the rest of a cancelled or abandoned answer. Workers that have not stopped after
+        ``timeout_s`` are taken for hung: the group is ended (EngineError)."""
         rid = self._current
         if rid is None:
             return
         self.cancel()
-        while not self._next_event(rid).finished:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._next_event(rid, deadline).finished:
             pass
         self._current = None
 
-    def _next_event(self, rid: int) -> StepEvent:
+    def _abandon(self, why: str) -> None:
+        """Ends the group at once, without waiting for anything from it."""
+        self._dead = self._dead or why
+        self._current = None
+        self._end_processes(grace_s=0.5)
+
+    def _next_event(self, rid: int, deadline: float | None = None) -> StepEvent:
         while True:
             try:
                 msg = self._conn.recv(POLL_S)
@@ -244,6 +258,8 @@ class Engine:
                 self._fail(f"lost the connection to the workers ({e})")
             if msg is None:
                 self._check_alive()
+                if deadline is not None and time.monotonic() > deadline:
+                    self._fail("the workers did not stop after a cancel: they are hung and were ended")
                 continue
             if msg["type"] == "event" and msg.get("id") == rid:
                 return _event(msg["event"])
