@@ -7,6 +7,7 @@ Every peer these tests start talks to loopback addresses only.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import shutil
 import signal
@@ -35,8 +36,7 @@ def start(target_dir, **kw) -> Engine:
     return Engine.start(EngineConfig(target=str(target_dir), max_seq_len=kw.pop("max_seq_len", 256), **kw))
 
 
-def descendants(pid: int) -> set[int]:
-    """``pid`` and every live process below it (by parent pid, read from /proc)."""
+def _children_by_parent() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -46,6 +46,12 @@ def descendants(pid: int) -> set[int]:
                 continue
             ppid = int(stat[stat.rindex(")") + 2:].split(" ")[1])
             children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def descendants(pid: int) -> set[int]:
+    """``pid`` and every live process below it (by parent pid, read from /proc)."""
+    children = _children_by_parent()
     found, todo = set(), [pid]
     while todo:
         p = todo.pop()
@@ -296,7 +302,7 @@ def gone_within(marker: str, seconds: float) -> set[int]:
 
 
 def children(pid: int) -> set[int]:
-    return descendants(pid) - {pid}
+    return set(_children_by_parent().get(pid, []))
 
 
 @pytest.mark.slow
@@ -324,3 +330,231 @@ def test_workers_die_with_a_torchrun_killed_before_they_import_torch(target_dir,
         for pid in marked_processes(marker):
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# The engine's process for the fault-injection test: starts, reports its ranks, then answers at length
+# ("mid-answer") or waits for a line on stdin before answering ("idle").
+DRIVER = r"""
+import sys
+from swiftspec.config import EngineConfig, SamplingParams
+from swiftspec.engine.client import Engine, EngineError
+
+target, stage = sys.argv[1], sys.argv[2]
+say = lambda text: print(text, flush=True)
+try:
+    engine = Engine.start(EngineConfig(target=target, max_seq_len=4096), progress=lambda t: say("progress " + t))
+    say("ranks " + " ".join(f"{r.role}:{r.pid}" for r in engine.info.ranks))
+    if stage == "idle":
+        say("idle")
+        sys.stdin.readline()
+    params = SamplingParams(max_new_tokens=4000, ignore_eos=True)
+    for i, _ in enumerate(engine.generate([{"role": "user", "content": "Count to a thousand."}], params)):
+        if i == 0:
+            say("streaming")
+    say("finished")
+except EngineError as e:
+    say("engine-error " + str(e).splitlines()[0])
+    sys.exit(1)
+"""
+VICTIMS = ("engine", "torchrun", "target", "draft")
+STAGES = ("start-up", "mid-answer", "idle")
+FAULT_ROUNDS = 20
+
+
+def _rank_pids(torchrun: int) -> dict[str, int]:
+    """The workers torchrun has spawned so far, by role (RANK 0 is the target, 1 the draft)."""
+    found = {}
+    for pid in children(torchrun):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"RANK=0" in env:
+            found["target"] = pid
+        elif b"RANK=1" in env:
+            found["draft"] = pid
+    return found
+
+
+def _wait_for(what, lines: list[str], timeout_s: float = 300):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (value := what()) is not None:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"the stage was not reached; the engine's process said {lines[-3:]}")
+
+
+def _victim_pid(victim: str, stage: str, driver, lines: list[str]) -> int:
+    """Waits until the stage is reached, then names the process to kill."""
+    if stage != "start-up":
+        _wait_for(lambda: True if (lines and lines[-1] in ("streaming", "idle")) else None, lines)
+    if victim == "engine":
+        if stage == "start-up":
+            _wait_for(lambda: True if any(x.startswith("progress starting") for x in lines) else None, lines)
+        return driver.pid
+    torchrun = _wait_for(lambda: next(iter(children(driver.pid)), None), lines)
+    if victim == "torchrun":
+        return torchrun
+    return _wait_for(lambda: _rank_pids(torchrun).get(victim), lines)
+
+
+@pytest.mark.slow
+def test_fault_injection_leaves_no_process_and_the_next_start_works(target_dir):
+    """Kills each of our processes (the engine's, torchrun, a target rank, a draft rank) at start-up,
+    mid-answer and idle, FAULT_ROUNDS times in a row: every time the engine reports the failure (or is
+    the victim), no process is left, and a start after them all works."""
+    import subprocess
+    import sys
+
+    for round_ in range(FAULT_ROUNDS):
+        victim, stage = VICTIMS[round_ % len(VICTIMS)], STAGES[round_ % len(STAGES)]
+        marker = uuid.uuid4().hex
+        driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(target_dir), stage], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "SWIFTSPEC_TEST_MARK": marker})
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda out, into: into.extend(line.strip() for line in out),
+                                  args=(driver.stdout, lines), daemon=True)
+        reader.start()
+        try:
+            pid = _victim_pid(victim, stage, driver, lines)
+            time.sleep((0.0, 0.2, 0.6)[round_ % 3] if stage == "start-up" else 0.0)
+            os.kill(pid, signal.SIGKILL)
+            if stage == "idle" and victim != "engine":
+                driver.stdin.write("answer\n")
+                driver.stdin.flush()
+            driver.wait(60)
+            reader.join(5)
+            where = f"round {round_}: {victim} killed at {stage}"
+            if victim != "engine":
+                assert driver.returncode == 1 and lines[-1].startswith("engine-error"), (where, lines[-3:])
+            assert gone_within(marker, 20) == set(), where
+        finally:
+            for pid in marked_processes(marker) | ({driver.pid} if driver.poll() is None else set()):
+                os.kill(pid, signal.SIGKILL)
+            driver.wait()
+    with start(target_dir) as eng:
+        events = list(eng.generate(PROMPT, SamplingParams(max_new_tokens=4)))
+        assert events[-1].finished
+
+
+# ------------------------------------------------------------------------------------- lower defects
+
+def test_a_model_directory_named_like_an_option_reaches_the_worker():
+    from swiftspec.engine.worker import parse_args
+
+    cfg = EngineConfig(target="-model")
+    args = parse_args(launcher.worker_args(cfg, launcher.Layout(1, 1), Path("-model"), "-draft")
+                      + ["--target-name=-model"])
+    assert (args.target, args.draft, args.target_name) == ("-model", "-draft", "-model")
+
+
+def test_max_seq_len_beyond_the_model_is_limited_before_any_process_starts(target_dir, monkeypatch):
+    class Spawned(Exception):
+        pass
+
+    def record(worker, *args, **kwargs):
+        raise Spawned(worker)
+
+    said = []
+    monkeypatch.setattr(launcher, "build_command", record)
+    with pytest.raises(Spawned) as spawned:
+        Engine.start(EngineConfig(target=str(target_dir), max_seq_len=10**12), progress=said.append)
+    worker = spawned.value.args[0]
+    assert worker[worker.index("--max-seq-len") + 1] == "4096"  # the tiny model's max_position_embeddings
+    assert any("beyond the models' 4096 positions" in line for line in said)
+
+
+def test_each_line_answers_the_other_lines_after_one_is_refused():
+    import io
+
+    from fake_engine import FakeEngine
+
+    from swiftspec import scripted
+
+    class RefusesLongPrompts(FakeEngine):
+        def generate(self, messages, params):
+            if len(messages[-1]["content"]) > 20:
+                raise EngineError("the conversation is 9000 tokens, but the context length is 4096")
+            return super().generate(messages, params)
+
+    out, err = io.StringIO(), io.StringIO()
+    code = scripted.run(RefusesLongPrompts(answer="ok"), ["first", "x" * 100, "third"], SamplingParams(),
+                        jsonl=True, out=out, err=err)
+    events = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert code == scripted.EXIT_ENGINE and "context length" in err.getvalue()
+    assert [(e["event"], e["index"]) for e in events if e["event"] != "token"] == [
+        ("done", 0), ("error", 1), ("done", 2)]
+
+
+def test_a_closed_stdout_is_not_an_engine_error():
+    """`swiftspec chat -p ... | head -c 1`: the reader goes away; that is no engine error."""
+    import io
+
+    from fake_engine import FakeEngine
+
+    from swiftspec import scripted
+
+    class ClosedAfterOneWrite(io.StringIO):
+        def write(self, text):
+            if self.getvalue():
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().write(text)
+
+    err = io.StringIO()
+    engine = FakeEngine()
+    code = scripted.run(engine, ["one", "two"], SamplingParams(), out=ClosedAfterOneWrite(), err=err)
+    assert code == scripted.EXIT_BROKEN_PIPE and "engine error" not in err.getvalue()
+    assert len(engine.calls) == 1
+
+
+def test_a_prompt_that_is_not_utf8_is_a_usage_error():
+    from swiftspec import scripted
+
+    with pytest.raises(scripted.InputError, match="not valid UTF-8"):
+        scripted.read_prompts(b"", prompt=b"caf\xe9".decode("utf-8", "surrogateescape"))
+
+
+def test_a_symlink_loop_is_named_as_such(tmp_path):
+    from swiftspec.engine.loader import LoadError, resolve_model_dir
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(LoadError, match="symbolic link that cannot be followed"):
+        resolve_model_dir(str(tmp_path / "a"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_with_a_hung_worker_ends_the_group(target_dir, presses):
+    """The target rank stops responding mid-answer (SIGSTOP); Ctrl-C gives up on it after
+    CANCEL_TIMEOUT_S, a second Ctrl-C at once."""
+    from swiftspec.engine import client
+
+    eng = start(target_dir, max_seq_len=4096)
+    streaming = threading.Event()
+
+    def hang_then_ctrl_c():
+        streaming.wait(120)
+        os.kill(eng.info.ranks[0].pid, signal.SIGSTOP)
+        for _ in range(presses):
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (see test_runtime)
+    interrupter = threading.Thread(target=hang_then_ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            interrupter.start()
+            for _ in eng.generate(PROMPT, SamplingParams(max_new_tokens=4000, ignore_eos=True, mode="ar")):
+                if not streaming.is_set():
+                    t0 = time.monotonic()
+                    streaming.set()
+        elapsed = time.monotonic() - t0
+        interrupter.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        eng.close()
+    assert elapsed < (client.CANCEL_TIMEOUT_S + 6 if presses == 1 else 5), elapsed
+    assert not eng.alive and launcher.alive_groups(eng.pgids) == []
