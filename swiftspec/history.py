@@ -77,7 +77,9 @@ class HistoryStore:
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or default_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Conversations are private: the file (and the journals SQLite gives its mode) only for the user.
+        os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
         # Autocommit: every write is durable at once; add() groups its two statements explicitly.
         self._db = sqlite3.connect(self.path, isolation_level=None)
         self._db.execute("PRAGMA foreign_keys = ON")

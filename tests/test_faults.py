@@ -558,3 +558,13 @@ def test_ctrl_c_with_a_hung_worker_ends_the_group(target_dir, presses):
         eng.close()
     assert elapsed < (client.CANCEL_TIMEOUT_S + 6 if presses == 1 else 5), elapsed
     assert not eng.alive and launcher.alive_groups(eng.pgids) == []
+
+
+def test_the_history_database_is_private(tmp_path):
+    from swiftspec.history import HistoryStore
+
+    store = HistoryStore(tmp_path / "data" / "history.sqlite3")
+    store.add(store.create("t"), "user", "a secret")
+    store.close()
+    assert (tmp_path / "data" / "history.sqlite3").stat().st_mode & 0o077 == 0
+    assert (tmp_path / "data").stat().st_mode & 0o077 == 0
