@@ -15,7 +15,6 @@ import dataclasses
 import itertools
 import queue
 import re
-import shutil
 import socket
 import subprocess
 import threading
@@ -170,7 +169,7 @@ class Engine:
         except BaseException as e:
             launcher.kill_groups(pgids)
             proc.wait()
-            shutil.rmtree(run_dir, ignore_errors=True)
+            launcher.remove_run_dir(run_dir)
             if conn is not None:
                 conn.close()
             if isinstance(e, EngineError) or not isinstance(e, Exception):
@@ -308,7 +307,7 @@ class Engine:
         except subprocess.TimeoutExpired:
             pass
         self._conn.close()
-        shutil.rmtree(self._run_dir, ignore_errors=True)
+        launcher.remove_run_dir(self._run_dir)
 
     def close(self) -> None:
         """Asks the workers to exit, then ends every process of the group (SIGTERM, then SIGKILL)."""

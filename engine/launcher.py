@@ -8,7 +8,9 @@ with torchrun (``lifeline``), also when torchrun is killed before the Engine has
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,12 +20,15 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from swiftspec.config import ConfigError, EngineConfig
 from swiftspec.engine.lifeline import ENV_ENGINE_PID
 
 LOCAL_RENDEZVOUS = "swiftspec-local"  # see swiftspec.engine.torchrun
 ENV_STORE = "SWIFTSPEC_STORE"  # the FileStore through which the workers of one node meet
+RUN_DIR_PREFIX, RUN_LOCK = "swiftspec-run-", ".lock"
+_run_locks: dict[Path, IO[bytes]] = {}  # run directory -> its lock, held while its Engine lives
 
 
 @dataclass(frozen=True)
@@ -138,8 +143,27 @@ def build_command(worker: list[str], nproc_per_node: int, run_dir: Path | None =
 
 
 def new_run_dir() -> Path:
-    """A private (0700) directory for one worker group: the workers' FileStore and torchrun's logs."""
-    return Path(tempfile.mkdtemp(prefix="swiftspec-run-"))
+    """A private (0700) directory for one worker group: the workers' FileStore and torchrun's logs. The
+    Engine holds its lock until ``remove_run_dir``; directories whose lock is free belonged to an Engine
+    that was killed, and are removed here."""
+    for old in Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*"):
+        try:
+            with (old / RUN_LOCK).open("rb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:  # held by a live Engine, not ours, or already gone
+            continue
+    run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))
+    lock = (run_dir / RUN_LOCK).open("wb")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    _run_locks[run_dir] = lock
+    return run_dir
+
+
+def remove_run_dir(run_dir: Path) -> None:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if lock := _run_locks.pop(run_dir, None):
+        lock.close()
 
 
 def _loopback_interface() -> str:

@@ -78,13 +78,22 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 def _follow_engine(engine_pid: int) -> None:
     """Until the workers have connected, nothing else would tell them that the Engine is gone: when it
-    dies (this process is re-parented), remove the run directory it can no longer remove, and end
-    torchrun, whose workers die with it."""
+    dies (this process is re-parented), end torchrun, whose workers die with it, and remove the run
+    directory the Engine can no longer remove."""
     while os.getppid() == engine_pid:
         time.sleep(ENGINE_POLL_S)
+    torchrun = os.getpid()
+    if os.fork() == 0:  # removes the run directory once torchrun can no longer write into it
+        while os.getppid() == torchrun:
+            time.sleep(0.01)
+        _remove_run_dir()
+        os._exit(0)
+    os.kill(torchrun, signal.SIGKILL)
+
+
+def _remove_run_dir() -> None:
     if store := os.environ.get(ENV_STORE):
         shutil.rmtree(Path(store).parent, ignore_errors=True)
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,7 +103,11 @@ def main(argv: list[str] | None = None) -> None:
         threading.Thread(target=_follow_engine, args=(int(engine),), daemon=True, name="follow-engine").start()
     os.environ[ENV_LAUNCHER_PID] = str(os.getpid())
     rendezvous_handler_registry.register(BACKEND, _create_handler)
-    run.main(argv)
+    try:
+        run.main(argv)
+    finally:
+        if engine and os.getppid() != int(engine):  # the workers ended on their own after the Engine died
+            _remove_run_dir()
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -329,7 +329,7 @@ def test_workers_die_with_a_torchrun_killed_before_they_import_torch(target_dir,
     finally:
         for pid in marked_processes(marker):
             os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        launcher.remove_run_dir(run_dir)
 
 
 # The engine's process for the fault-injection test: starts, reports its ranks, then answers at length
@@ -400,10 +400,11 @@ def _victim_pid(victim: str, stage: str, driver, lines: list[str]) -> int:
 
 
 @pytest.mark.slow
-def test_fault_injection_leaves_no_process_and_the_next_start_works(target_dir):
+def test_fault_injection_leaves_no_process_and_the_next_start_works(target_dir, tmp_path, monkeypatch):
     """Kills each of our processes (the engine's, torchrun, a target rank, a draft rank) at start-up,
     mid-answer and idle, FAULT_ROUNDS times in a row: every time the engine reports the failure (or is
-    the victim), no process is left, and a start after them all works."""
+    the victim), no process is left, and a start after them all works and removes every run directory
+    they left."""
     import subprocess
     import sys
 
@@ -412,7 +413,7 @@ def test_fault_injection_leaves_no_process_and_the_next_start_works(target_dir):
         marker = uuid.uuid4().hex
         driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(target_dir), stage], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True,
-                                  env={**os.environ, "SWIFTSPEC_TEST_MARK": marker})
+                                  env={**os.environ, "SWIFTSPEC_TEST_MARK": marker, "TMPDIR": str(tmp_path)})
         lines: list[str] = []
         reader = threading.Thread(target=lambda out, into: into.extend(line.strip() for line in out),
                                   args=(driver.stdout, lines), daemon=True)
@@ -434,9 +435,11 @@ def test_fault_injection_leaves_no_process_and_the_next_start_works(target_dir):
             for pid in marked_processes(marker) | ({driver.pid} if driver.poll() is None else set()):
                 os.kill(pid, signal.SIGKILL)
             driver.wait()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the next start sweeps the rounds' run dirs
     with start(target_dir) as eng:
         events = list(eng.generate(PROMPT, SamplingParams(max_new_tokens=4)))
         assert events[-1].finished
+    assert list(tmp_path.glob("swiftspec-run-*")) == []
 
 
 # ------------------------------------------------------------------------------------- lower defects
