@@ -151,14 +151,18 @@ class Engine:
         layout = launcher.plan_layout(config, n_gpus)
         worker = launcher.worker_args(config, layout, target_dir, draft) + [f"--target-name={target_name}"]
         run_dir = launcher.new_run_dir()
-        cmd = launcher.build_command(worker, layout.world, run_dir)
-        listener = socket.create_server(("127.0.0.1", 0))
-        key = protocol.new_key()
-        addr = f"127.0.0.1:{listener.getsockname()[1]}"
-        where = "GPU" if layout.cuda else "CPU"
-        say(f"starting {layout.world} worker processes on {where} ({layout.n_target} target, "
-            f"{layout.n_draft} draft)")
-        proc = launcher.spawn(cmd, {protocol.ENV_ADDR: addr, protocol.ENV_KEY: key}, run_dir)
+        try:
+            cmd = launcher.build_command(worker, layout.world, run_dir)
+            listener = socket.create_server(("127.0.0.1", 0))
+            key = protocol.new_key()
+            addr = f"127.0.0.1:{listener.getsockname()[1]}"
+            where = "GPU" if layout.cuda else "CPU"
+            say(f"starting {layout.world} worker processes on {where} ({layout.n_target} target, "
+                f"{layout.n_draft} draft)")
+            proc = launcher.spawn(cmd, {protocol.ENV_ADDR: addr, protocol.ENV_KEY: key}, run_dir)
+        except BaseException:
+            launcher.remove_run_dir(run_dir)
+            raise
         tail = _Tail(proc.stdout)
         pgids = {proc.pid}
         conn = None
