@@ -11,8 +11,10 @@ raises EngineError with the tail of their output, and leaves no process behind.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import os
+import queue
 import re
 import signal
 import socket
@@ -31,6 +33,9 @@ from swiftspec.engine.protocol import EngineInfo
 POLL_S = 0.25  # how often a blocked receive looks at the worker processes
 CLOSE_GRACE_S = 1.0  # for a clean exit after "shutdown", before signals
 TORCHRUN_REPORT_S = 3.0  # after a failure, for torchrun to find which worker failed and end the rest
+# After Ctrl-C, the workers stop at their next step; not stopped after this long, they are taken for hung
+# (only a long prefill of a big model on CPU takes longer, and Ctrl-C asked to stop anyway).
+CANCEL_TIMEOUT_S = 10.0
 
 
 class EngineError(RuntimeError):
@@ -165,9 +170,9 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, proc: subprocess.Popen, conn: protocol.Connection, tail: _Tail,
-                 pgids: set[int], info: EngineInfo, tokenizer):
+                 pgids: set[int], run_dir: Path, info: EngineInfo, tokenizer):
         self.config, self.info, self.tokenizer = config, info, tokenizer
-        self._proc, self._conn, self._tail, self._pgids = proc, conn, tail, pgids
+        self._proc, self._conn, self._tail, self._pgids, self._run_dir = proc, conn, tail, pgids, run_dir
         self._ids = itertools.count(1)
         self._current: int | None = None  # the request whose events are still to be read
         self._closed = False
@@ -188,28 +193,37 @@ class Engine:
         import torch
 
         from swiftspec.engine.drafters import check_vocab_compatible
-        from swiftspec.engine.loader import load_tokenizer, resolve_model_dir
+        from swiftspec.engine.loader import load_tokenizer, read_args, resolve_model_dir
 
         config = (config or EngineConfig()).validate()
         say = progress or (lambda _text: None)
         say("resolving the models")
         target_dir = resolve_model_dir(config.target)
         draft = config.draft if config.draft in BUILTIN_DRAFTS else str(resolve_model_dir(config.draft))
+        limit = min(read_args(Path(d)).context_limit for d in (target_dir, draft) if d not in BUILTIN_DRAFTS)
+        if config.max_seq_len > limit:  # the KV cache is allocated for max_seq_len: never beyond the model
+            say(f"max-seq-len {config.max_seq_len} is beyond the models' {limit} positions: using {limit}")
+            config = dataclasses.replace(config, max_seq_len=limit)
         tokenizer = load_tokenizer(target_dir, config.trust_remote_code)
         if draft not in BUILTIN_DRAFTS:  # a clear error now rather than garbage proposals later
             check_vocab_compatible(tokenizer, load_tokenizer(Path(draft), config.trust_remote_code))
         n_gpus = torch.cuda.device_count() if config.device != "cpu" and torch.cuda.is_available() else 0
         layout = launcher.plan_layout(config, n_gpus)
         target_name = _target_name(config, layout)
-        worker = launcher.worker_args(config, layout, target_dir, draft) + ["--target-name", target_name]
-        cmd = launcher.build_command(worker, layout.world)
-        listener = socket.create_server(("127.0.0.1", 0))
-        key = protocol.new_key()
-        addr = f"127.0.0.1:{listener.getsockname()[1]}"
-        where = "GPU" if layout.cuda else "CPU"
-        say(f"starting {layout.world} worker processes on {where} ({layout.n_target} target, "
-            f"{layout.n_draft} draft)")
-        proc = launcher.spawn(cmd, {protocol.ENV_ADDR: addr, protocol.ENV_KEY: key})
+        worker = launcher.worker_args(config, layout, target_dir, draft) + [f"--target-name={target_name}"]
+        run_dir = launcher.new_run_dir()
+        try:
+            cmd = launcher.build_command(worker, layout.world, run_dir)
+            listener = socket.create_server(("127.0.0.1", 0))
+            key = protocol.new_key()
+            addr = f"127.0.0.1:{listener.getsockname()[1]}"
+            where = "GPU" if layout.cuda else "CPU"
+            say(f"starting {layout.world} worker processes on {where} ({layout.n_target} target, "
+                f"{layout.n_draft} draft)")
+            proc = launcher.spawn(cmd, {protocol.ENV_ADDR: addr, protocol.ENV_KEY: key}, run_dir)
+        except BaseException:
+            launcher.remove_run_dir(run_dir)
+            raise
         tail = _Tail(proc.stdout, worker_log_path(), layout.n_target)
         pgids = {proc.pid}
         conn = None
@@ -220,6 +234,7 @@ class Engine:
         except BaseException as e:
             launcher.kill_groups(pgids)
             proc.wait()
+            launcher.remove_run_dir(run_dir)
             if not isinstance(e, Exception):  # Ctrl-C: nothing failed, no log to keep
                 tail.log_path.unlink(missing_ok=True)
             if conn is not None:
@@ -230,7 +245,7 @@ class Engine:
         finally:
             listener.close()
         say(f"ready: d={info.d}, context {info.context_length} tokens")
-        return cls(config, proc, conn, tail, pgids, info, tokenizer)
+        return cls(config, proc, conn, tail, pgids, run_dir, info, tokenizer)
 
     # ------------------------------------------------------------------------------------- answers
     def generate(self, messages: list[dict], params: SamplingParams | None = None) -> Iterator[StepEvent]:
@@ -241,7 +256,8 @@ class Engine:
         a long conversation within the context is the caller's part (``swiftspec.window``).
 
         Ctrl-C while waiting cancels the answer (the KeyboardInterrupt is re-raised once the workers have
-        stopped), and abandoning the iterator cancels it too; either way the engine stays usable.
+        stopped), and abandoning the iterator cancels it too; either way the engine stays usable. Workers
+        that do not stop within CANCEL_TIMEOUT_S of a Ctrl-C, or a second Ctrl-C, end the worker group.
         """
         params = (params or SamplingParams()).validate()
         ids = encode_chat(self.tokenizer, messages)
@@ -271,8 +287,10 @@ class Engine:
                 if event.finished:
                     return
         except KeyboardInterrupt:
-            self.cancel()
-            self._finish_pending()
+            try:
+                self._finish_pending(CANCEL_TIMEOUT_S)
+            except (EngineError, KeyboardInterrupt):  # hung workers, or Ctrl-C again: end them now
+                self._abandon("the answer was interrupted and the workers did not stop")
             raise
         finally:
             if self._current == rid and self._dead is None:  # abandoned: stop the workers' loop
@@ -288,17 +306,25 @@ class Engine:
             except OSError:
                 pass
 
-    def _finish_pending(self) -> None:
-        """Reads away the rest of a cancelled or abandoned answer."""
+    def _finish_pending(self, timeout_s: float | None = None) -> None:
+        """Reads away the rest of a cancelled or abandoned answer. Workers that have not stopped after
+        ``timeout_s`` are taken for hung: the group is ended (EngineError)."""
         rid = self._current
         if rid is None:
             return
         self.cancel()
-        while not self._next_event(rid).finished:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._next_event(rid, deadline).finished:
             pass
         self._current = None
 
-    def _next_event(self, rid: int) -> StepEvent:
+    def _abandon(self, why: str) -> None:
+        """Ends the group at once, without waiting for anything from it."""
+        self._dead = self._dead or why
+        self._current = None
+        self._end_processes(grace_s=0.5)
+
+    def _next_event(self, rid: int, deadline: float | None = None) -> StepEvent:
         while True:
             try:
                 msg = self._conn.recv(POLL_S)
@@ -306,6 +332,8 @@ class Engine:
                 self._fail(f"lost the connection to the workers ({e})")
             if msg is None:
                 self._check_alive()
+                if deadline is not None and time.monotonic() > deadline:
+                    self._fail("the workers did not stop after a cancel: they are hung and were ended")
                 continue
             if msg["type"] == "event" and msg.get("id") == rid:
                 return _event(msg["event"])
@@ -352,6 +380,7 @@ class Engine:
         except subprocess.TimeoutExpired:
             pass
         self._conn.close()
+        launcher.remove_run_dir(self._run_dir)
 
     def close(self) -> None:
         """Asks the workers to exit, then ends every process of the group (SIGTERM, then SIGKILL)."""
@@ -402,28 +431,57 @@ def _target_name(config: EngineConfig, layout: launcher.Layout) -> str:
     return f"{name} · {str(dtype).removeprefix('torch.')}"
 
 
+MAX_PENDING_HANDSHAKES = 32  # connections still proving themselves; more are closed at once
+
+
 def _accept_worker(listener: socket.socket, key: str, proc: subprocess.Popen, tail: _Tail,
                    deadline: float) -> protocol.Connection:
-    """Waits for the leader to connect and authenticate; peers without the key are refused and the
-    wait goes on."""
+    """Waits for the leader to connect and authenticate. Every connection gets its handshake in a thread
+    of its own, with its own deadline, so idle or slow peers cannot hold up the leader's; peers without
+    the key are refused and the wait goes on."""
     listener.settimeout(POLL_S)
-    while True:
-        if proc.poll() is not None:
-            raise EngineError(tail.report(
-                f"the workers exited during start-up (torchrun exit code {proc.returncode})", proc))
-        if time.monotonic() > deadline:
-            raise EngineError(tail.report("no worker connected and authenticated before the start-up timeout", proc))
-        try:
-            sock, _ = listener.accept()
-        except TimeoutError:
-            continue
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = protocol.Connection(sock)
+    winner: queue.Queue[protocol.Connection] = queue.Queue()
+    pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+    done = threading.Event()
+
+    def handshake(conn: protocol.Connection) -> None:
         try:
             protocol.server_handshake(conn, key)
-            return conn
+            if not done.is_set():
+                winner.put(conn)
+                return
         except (OSError, protocol.ProtocolError):
-            conn.close()
+            pass
+        finally:
+            pending.release()
+        conn.close()
+
+    try:
+        while True:
+            try:
+                return winner.get_nowait()
+            except queue.Empty:
+                pass
+            if proc.poll() is not None:
+                raise EngineError(tail.report(f"the workers exited during start-up (torchrun exit code "
+                                              f"{proc.returncode}), before their leader had connected", proc))
+            if time.monotonic() > deadline:
+                raise EngineError(tail.report("no worker connected and completed the start-up handshake before "
+                                              "the start-up timeout", proc))
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = protocol.Connection(sock)
+            if not pending.acquire(blocking=False):
+                conn.close()
+                continue
+            threading.Thread(target=handshake, args=(conn,), daemon=True, name="engine-handshake").start()
+    finally:
+        done.set()
+        while not winner.empty():  # a second peer that authenticated too: only the first is kept
+            winner.get_nowait().close()
 
 
 def _wait_ready(conn: protocol.Connection, proc: subprocess.Popen, tail: _Tail, deadline: float,

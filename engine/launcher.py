@@ -2,21 +2,33 @@
 
 torchrun starts every worker in a session of its own (``start_new_session`` in torch.distributed.elastic),
 so "the whole group" is the launcher's process group plus each worker's: the Engine learns the workers'
-pids in the leader's ``hello`` and ends all of those groups, SIGTERM first, then SIGKILL.
+pids in the leader's ``hello`` and ends all of those groups, SIGTERM first, then SIGKILL. Each worker dies
+with torchrun (``lifeline``), also when torchrun is killed before the Engine has heard from them.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from swiftspec.config import ConfigError, EngineConfig
+from swiftspec.engine.lifeline import ENV_ENGINE_PID
+
+LOCAL_RENDEZVOUS = "swiftspec-local"  # see swiftspec.engine.torchrun
+ENV_STORE = "SWIFTSPEC_STORE"  # the FileStore through which the workers of one node meet
+RUN_DIR_PREFIX, RUN_LOCK = "swiftspec-run-", ".lock"
+_run_locks: dict[Path, IO[bytes]] = {}  # run directory -> its lock, held while its Engine lives
 
 
 @dataclass(frozen=True)
@@ -137,7 +149,8 @@ def memory_fraction(devices: list[str], rank: int, n_target: int) -> float | Non
 
 def worker_args(config: EngineConfig, layout: Layout, target_dir: Path, draft: str) -> list[str]:
     """The worker's own flags (see ``python -m swiftspec.engine.worker --help``)."""
-    args = ["--target", str(target_dir), "--draft", draft, "--target-procs", str(layout.n_target),
+    # paths as --flag=value: argparse would take a directory named "-x" for an option of its own
+    args = [f"--target={target_dir}", f"--draft={draft}", "--target-procs", str(layout.n_target),
             "--dtype", config.dtype, "--batch-invariant", config.batch_invariant,
             "--max-seq-len", str(config.max_seq_len),
             "--tree-bs", str(config.tree.bs), "--tree-w", str(config.tree.w)]
@@ -155,29 +168,70 @@ def worker_args(config: EngineConfig, layout: Layout, target_dir: Path, draft: s
     return args
 
 
-def build_command(worker: list[str], nproc_per_node: int, nnodes: int = 1, rdzv_endpoint: str | None = None,
-                  rdzv_id: str = "swiftspec") -> list[str]:
-    """torchrun through ``python -m torch.distributed.run`` (the same interpreter as the Engine).
+def build_command(worker: list[str], nproc_per_node: int, run_dir: Path | None = None, nnodes: int = 1,
+                  rdzv_endpoint: str | None = None, rdzv_id: str = "swiftspec") -> list[str]:
+    """torchrun, run by the same interpreter as the Engine. No restarts: a failed worker must fail the
+    Engine, not loop.
 
-    One node uses torchrun's standalone rendezvous (a free local port); several nodes use c10d
+    One node runs ``swiftspec.engine.torchrun`` (torchrun with the ``swiftspec-local`` rendezvous: nothing
+    listens on the network) and keeps torchrun's logs in ``run_dir``; several nodes use torchrun's c10d
     rendezvous at ``rdzv_endpoint`` (which assigns the node ranks; the node that gets rank 0 holds the
-    leader). No restarts: a failed worker must fail the Engine, not loop.
+    leader).
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
-           "--max-restarts=0", "--monitor-interval=0.1"]
+    common = [f"--nproc-per-node={nproc_per_node}", "--max-restarts=0", "--monitor-interval=0.1"]
     if nnodes == 1:
-        cmd.append("--standalone")
+        if run_dir is None:
+            raise ConfigError("one node needs the run directory for torchrun's logs")
+        cmd = [sys.executable, "-m", "swiftspec.engine.torchrun", *common, f"--rdzv-backend={LOCAL_RENDEZVOUS}",
+               f"--rdzv-id={rdzv_id}", f"--log-dir={run_dir / 'logs'}"]
     else:
         if not rdzv_endpoint:
             raise ConfigError("multi-node needs a rendezvous endpoint (host:port)")
-        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *common, f"--nnodes={nnodes}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
     return cmd + ["-m", "swiftspec.engine.worker", *worker]
 
 
-def spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
-    """Starts torchrun in a new session (its pid is its process group id), output piped together."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+def new_run_dir() -> Path:
+    """A private (0700) directory for one worker group: the workers' FileStore and torchrun's logs. The
+    Engine holds its lock until ``remove_run_dir``; directories whose lock is free belonged to an Engine
+    that was killed, and are removed here."""
+    for old in Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*"):
+        try:
+            with (old / RUN_LOCK).open("rb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:  # held by a live Engine, not ours, or already gone
+            continue
+    run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))
+    lock = (run_dir / RUN_LOCK).open("wb")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    _run_locks[run_dir] = lock
+    return run_dir
+
+
+def remove_run_dir(run_dir: Path) -> None:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if lock := _run_locks.pop(run_dir, None):
+        lock.close()
+
+
+def _loopback_interface() -> str:
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    return names[0] if names else "lo"
+
+
+def spawn(cmd: list[str], env: dict[str, str], run_dir: Path) -> subprocess.Popen:
+    """Starts torchrun in a new session (its pid is its process group id), output piped together.
+
+    The workers of this node meet through a FileStore in ``run_dir`` and talk over the loopback interface
+    (gloo, and NCCL's bootstrap). OpenMP threads sleep instead of spinning while they wait: spinning
+    threads cost 8-25x in speed as soon as another process wants a core (benchmarks/contention.py).
+    """
+    lo = _loopback_interface()
+    full_env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo, ENV_STORE: str(run_dir / "store"),
+                ENV_ENGINE_PID: str(os.getpid()), **env}
     return subprocess.Popen(cmd, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -26,6 +26,11 @@ def resolve_model_dir(spec: str | None, quiet: bool = False) -> Path:
     if spec is None:
         return embedded.ensure_converted(embedded.embedded_gguf_path(), quiet=quiet)
     path = Path(spec).expanduser()
+    if path.is_symlink() and not path.exists():
+        try:
+            path.resolve(strict=True)
+        except (OSError, RuntimeError) as e:  # a loop (RuntimeError before Python 3.13) or a dangling link
+            raise LoadError(f"model path {spec!r} is a symbolic link that cannot be followed: {e}") from None
     if not path.exists():
         raise LoadError(f"model path {spec!r} does not exist (expected a Hugging Face model directory or a .gguf file)")
     if path.is_file():

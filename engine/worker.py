@@ -14,13 +14,17 @@ group alone.
 
 from __future__ import annotations
 
+from swiftspec.engine.lifeline import die_with_launcher
+
+if __name__ == "__main__":  # first thing: importing torch takes seconds (see lifeline)
+    die_with_launcher()
+
 import argparse
 import json
 import math
 import os
 import queue
 import secrets
-import signal
 import socket
 import sys
 import threading
@@ -42,10 +46,11 @@ from swiftspec.config import (
     StepStats,
     TreeParams,
 )
-from swiftspec.engine import protocol
+from swiftspec.engine import launcher, protocol
 from swiftspec.engine.protocol import EngineInfo, RankInfo
 
 PG_TIMEOUT = timedelta(days=3650)  # followers wait in a broadcast while the chat is idle
+INIT_TIMEOUT = timedelta(seconds=120)  # for every rank to reach init_process_group and new_group
 D_MAX = 16
 DRAFT_TREE_SLOTS = 512  # draft KV slots for the token tree beyond the verified prefix
 
@@ -167,14 +172,6 @@ def _devices(spec: str | None) -> list[int]:
     return [int(x) for x in spec.split(",") if x.strip()] if spec else []
 
 
-def _die_with_parent() -> None:
-    """torchrun ends the other workers when one fails; this covers torchrun itself being killed."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-
-
 def _cpu_threads(args: argparse.Namespace, rank: int, n_target: int) -> int:
     """Divides this node's cores between its local ranks. The suffix drafter is light Python, so with it
     the draft rank takes one thread and the target ranks share all the cores."""
@@ -190,8 +187,6 @@ def _cpu_threads(args: argparse.Namespace, rank: int, n_target: int) -> int:
 
 
 def setup(args: argparse.Namespace) -> Ctx:
-    from swiftspec.engine import launcher
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     n_target = args.target_procs
     if not 1 <= n_target < world:
@@ -211,11 +206,20 @@ def setup(args: argparse.Namespace) -> Ctx:
     threads = _cpu_threads(args, rank, n_target)
     torch.set_num_threads(threads)
     groups = launcher.process_groups(devices, n_target)
-    dist.init_process_group(groups["world"].backend, timeout=PG_TIMEOUT)
+    store_path = os.environ.get(launcher.ENV_STORE)
+    if store_path:  # one node: a FileStore in the Engine's private run directory, no listener
+        dist.init_process_group(groups["world"].backend, store=dist.FileStore(store_path, world), rank=rank,
+                                world_size=world, timeout=INIT_TIMEOUT)
+    else:  # several nodes: torchrun's rendezvous (MASTER_ADDR / MASTER_PORT)
+        dist.init_process_group(groups["world"].backend, timeout=INIT_TIMEOUT)
     backend = groups["target"].backend if role == "target" else groups["draft"].backend
     ctx = Ctx(args, rank, world, n_target, role, device, threads, backend, wire=Wire(args.bs))
-    ctx.target_group = dist.new_group(list(groups["target"].ranks), timeout=PG_TIMEOUT, backend=groups["target"].backend)
-    ctx.draft_group = dist.new_group(list(groups["draft"].ranks), timeout=PG_TIMEOUT, backend=groups["draft"].backend)
+    ctx.target_group = dist.new_group(list(groups["target"].ranks), timeout=INIT_TIMEOUT,
+                                      backend=groups["target"].backend)
+    ctx.draft_group = dist.new_group(list(groups["draft"].ranks), timeout=INIT_TIMEOUT,
+                                     backend=groups["draft"].backend)
+    for group in (None, ctx.group):  # all met: from now on, waits while the chat is idle are fine
+        dist.distributed_c10d._set_pg_timeout(PG_TIMEOUT, group)
     return ctx
 
 
@@ -686,7 +690,6 @@ def serve(ctx: Ctx, io) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    _die_with_parent()
     ctx = setup(args)
     io = None
     if ctx.rank == 0:

@@ -6,6 +6,7 @@ stay instant.
 
 from __future__ import annotations
 
+import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -128,7 +129,9 @@ MaxSeqLenOpt = Annotated[int, _opt(
     help="KV cache length per conversation (tokens).")]
 TrustRemoteCodeOpt = Annotated[bool, _opt(
     "--trust-remote-code", panel=MODEL,
-    help="Allow the model directory's own tokenizer code (model code is always SwiftSpec's own).")]
+    help="Run Python code shipped in the model directory (whatever its auto_map names, and what that "
+         "imports) while loading its tokenizer: only for directories you trust. The forward pass always "
+         "runs SwiftSpec's own model code.")]
 BsOpt = Annotated[int, _opt(
     "--bs", parser=_whole_number, panel=TREE, metavar="N",
     help="Tree nodes verified per target forward (1-64).")]
@@ -341,9 +344,12 @@ def _chat_scripted(config, params, system, context, prompt, each_line, jsonl, re
         return scripted.EXIT_ENGINE
     with engine:
         try:
-            return scripted.run(engine, prompts, params, system=system,
+            code = scripted.run(engine, prompts, params, system=system,
                                 context=[{"role": m.role, "content": m.content} for m in context],
                                 jsonl=jsonl, out=sys.stdout, err=sys.stderr, record=record)
+            if code == scripted.EXIT_BROKEN_PIPE:  # nothing more can reach the reader, not even at exit
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return code
         except KeyboardInterrupt:
             engine.cancel()
             return 130

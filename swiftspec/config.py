@@ -6,6 +6,7 @@ They travel between the Engine and its workers as JSON (``to_dict`` / ``from_dic
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,18 @@ BUILTIN_DRAFTS = {
 
 class ConfigError(ValueError):
     """A user-supplied setting is invalid; the message says which and why."""
+
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes at most 64 bits
+MAX_STOP_CHARS = 1000  # stop strings are matched against every streamed token
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _from_dict(cls, data: dict[str, Any]):
@@ -45,16 +58,24 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> SamplingParams:
+        """Every entry point (TUI, CLI, bench, Engine.generate, the worker) checks a request here, before
+        anything runs: a value the sampler cannot take (nan, a seed beyond 64 bits) would fail the workers."""
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
-        if self.temperature < 0:
-            raise ConfigError("temperature must be >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError("top-p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ConfigError("top-k must be >= 0 (0 = off)")
-        if self.max_new_tokens < 1:
-            raise ConfigError("max-new-tokens must be >= 1")
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), not {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"top-p must be in (0, 1], not {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ConfigError(f"top-k must be an integer >= 0 (0 = off), not {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise ConfigError(f"seed must be an integer in 0..{MAX_SEED}, not {self.seed!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ConfigError("max-new-tokens must be an integer >= 1")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ConfigError("stop must be a list of strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ConfigError(f"a stop string may be at most {MAX_STOP_CHARS} characters long")
         return self
 
     @property

@@ -7,12 +7,15 @@ Hugging Face directory (safetensors, config, tokenizer) in the user's cache; lat
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 import struct
 import tempfile
+import time
 from pathlib import Path
 
 import platformdirs
@@ -64,6 +67,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SWIFTSPEC_CACHE") or platformdirs.user_cache_dir("swiftspec"))
 
 
+LOCK_FILE = ".lock"  # held by the process converting into a .tmp-* directory
+MAX_SAFETENSORS_HEADER = 100 << 20
 CONVERSION_FORMAT = 1  # bump when the converted files change, so older conversions are not reused
 
 
@@ -83,8 +88,6 @@ def converted_dir(gguf: Path) -> Path:
 def _save_dequantised(model, out: Path) -> None:
     """transformers refuses save_pretrained on a GGUF-loaded model although its weights are plain
     tensors by then, so the weights and config are written directly."""
-    import json
-
     from safetensors.torch import save_file
 
     config = model.config.to_dict()
@@ -97,48 +100,107 @@ def _save_dequantised(model, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def damage(out: Path) -> str | None:
+    """Why the converted directory ``out`` cannot be used (a file missing, model.safetensors shorter or
+    longer than its own header says), or None. Reads only the safetensors header: cheap on every start."""
+    for name in ("config.json", "model.safetensors"):
+        if not (out / name).is_file():
+            return f"{name} is missing"
+    weights = out / "model.safetensors"
+    try:
+        with weights.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n)) if n <= MAX_SAFETENSORS_HEADER else None
+    except (OSError, struct.error, ValueError) as e:
+        return f"model.safetensors has no readable header ({e})"
+    if not isinstance(header, dict):
+        return "model.safetensors has no readable header"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    size = weights.stat().st_size
+    if size != 8 + n + end:
+        return f"model.safetensors is {size} bytes, its header says {8 + n + end}"
+    return None
+
+
+def _remove_stale_temp_dirs(parent: Path) -> None:
+    """Removes what conversions killed half-way left behind (their lock is free); a conversion that is
+    still running holds its lock and is left alone."""
+    for tmp in parent.glob(".tmp-*"):
+        lock = tmp / LOCK_FILE
+        try:
+            if not lock.exists():  # just created (the lock comes next), or not ours: only when old
+                if time.time() - tmp.stat().st_mtime > 3600:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                continue
+            with lock.open("a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(tmp, ignore_errors=True)
+        except (BlockingIOError, FileNotFoundError):
+            continue
+
+
+def _convert(gguf: Path, out: Path, console) -> None:
+    """Dequantises ``gguf`` through transformers into ``out``: safetensors, config and tokenizer."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    steps = ["reading and dequantising the GGUF", "reading the tokenizer", "writing safetensors"]
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task(f"Converting {gguf.name} (once): {steps[0]}", total=len(steps))
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        transformers.utils.logging.disable_progress_bar()
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            progress.update(task, advance=1, description=f"Converting {gguf.name} (once): {steps[1]}")
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except Exception as e:  # the gguf reader fails with struct, value and index errors alike
+            raise GGUFError(f"cannot convert {gguf}: {_gguf_problem(gguf, e)}") from None
+        progress.update(task, advance=1, description=f"Converting {gguf.name} (once): {steps[2]}")
+        _save_dequantised(model, out)
+        tokenizer.save_pretrained(out)
+        progress.update(task, advance=1)
+
+
 def ensure_converted(gguf: Path, quiet: bool = False) -> Path:
     """Returns a Hugging Face directory for ``gguf``, converting it first if needed.
 
-    The conversion writes into a temporary directory beside the target and renames it into place, so a
-    conversion killed half-way leaves no broken cache entry.
+    The conversion writes into a locked temporary directory beside the target and renames it into place,
+    so a conversion killed half-way leaves no broken cache entry, and the next start removes its leftovers.
+    A converted copy that was damaged since (truncated, a file deleted) is converted again.
     """
-    out = converted_dir(gguf)
-    if (out / "config.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True, quiet=quiet)
-    steps = ["reading and dequantising the GGUF", "reading the tokenizer", "writing safetensors"]
+    out = converted_dir(gguf)
+    _remove_stale_temp_dirs(out.parent)
+    if out.exists():
+        why = damage(out)
+        if why is None:
+            return out
+        console.print(f"[yellow]the converted copy {out} is damaged ({why}): converting {gguf.name} again[/yellow]")
+        aside = Path(tempfile.mkdtemp(prefix=".tmp-damaged-", dir=out.parent))
+        try:
+            out.rename(aside / out.name)
+        except OSError:  # another process moved it first
+            pass
+        shutil.rmtree(aside, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
     try:
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                      TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                      console=console, transient=True, disable=not console.is_terminal) as progress:
-            task = progress.add_task(f"Converting {gguf.name} (once): {steps[0]}", total=len(steps))
-            import torch
-            import transformers
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            transformers.utils.logging.disable_progress_bar()
-
+        with (tmp / LOCK_FILE).open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _convert(gguf, tmp, console)
+            (tmp / LOCK_FILE).unlink()
             try:
-                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-                progress.update(task, advance=1, description=f"Converting {gguf.name} (once): {steps[1]}")
-                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            except Exception as e:  # the gguf reader fails with struct, value and index errors alike
-                raise GGUFError(f"cannot convert {gguf}: {_gguf_problem(gguf, e)}") from None
-            progress.update(task, advance=1, description=f"Converting {gguf.name} (once): {steps[2]}")
-            _save_dequantised(model, tmp)
-            tokenizer.save_pretrained(tmp)
-            progress.update(task, advance=1)
-        try:
-            tmp.rename(out)
-        except OSError:  # another process finished first
-            if not (out / "config.json").is_file():
-                raise
+                tmp.rename(out)
+            except OSError:  # another process finished first
+                if damage(out) is not None:
+                    raise
         console.print(f"[dim]converted {gguf.name} -> {out}[/dim]")
         return out
     finally:

@@ -131,7 +131,7 @@ class HistoryStore:
                 self._fail(again)
 
     def _open(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not self.path.exists():  # conversations are private: the file is the user's alone
             os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
         # Autocommit: every write is durable at once; multi-statement writes group themselves explicitly.

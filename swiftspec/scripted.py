@@ -15,6 +15,7 @@ from swiftspec.config import SamplingParams, StepEvent
 from swiftspec.history import TurnRecorder, stats_line
 
 EXIT_OK, EXIT_ENGINE, EXIT_USAGE = 0, 1, 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a reader that went away
 
 
 class InputError(ValueError):
@@ -29,6 +30,9 @@ class EngineLike(Protocol):
     def count_tokens(self, messages: list[dict]) -> int: ...
 
     def cancel(self) -> None: ...
+
+    @property
+    def alive(self) -> bool: ...
 
 
 def read_prompts(data: bytes, each_line: bool = False, prompt: str | None = None) -> list[str]:
@@ -46,6 +50,12 @@ def read_prompts(data: bytes, each_line: bool = False, prompt: str | None = None
         pieces = [text.strip()] if text.strip() else []
     if prompt is not None and not prompt.strip():
         raise InputError("the prompt given with -p is empty")
+    if prompt is not None:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # undecodable argv bytes arrive as lone surrogates
+            raise InputError(f"the prompt given with -p is not valid UTF-8 (character {e.start}); "
+                             "check the terminal's locale") from None
     if prompt is None:
         if not pieces:
             raise InputError("empty input: pipe a prompt on stdin or pass -p PROMPT")
@@ -67,7 +77,19 @@ def run(
 ) -> int:
     """Answers each prompt independently (after ``context``, of which the oldest turns are left out if
     they no longer fit, as in the chat) and returns the exit code. ``record`` receives (role, text,
-    figures) of each message as soon as it exists: the prompt before its answer, the answer after it."""
+    figures) of each message as soon as it exists: the prompt before its answer, the answer after it.
+    A prompt the engine refuses (e.g. too long) is reported and the others are still answered while the
+    engine lives; a reader that closes stdout ends the run quietly (exit 141, as for SIGPIPE)."""
+    try:
+        return _answer_each(engine, prompts, params, system, context, jsonl, out, err, record)
+    except BrokenPipeError:
+        return EXIT_BROKEN_PIPE
+
+
+def _answer_each(engine: EngineLike, prompts: Sequence[str], params: SamplingParams, system: str | None,
+                 context: Sequence[dict], jsonl: bool, out: TextIO, err: TextIO,
+                 record: Callable[[str, str, dict | None], None] | None) -> int:
+    failed = False
     for index, prompt in enumerate(prompts):
         head = [{"role": "system", "content": system}] if system else []
         conversation = list(context) + [{"role": "user", "content": prompt}]
@@ -93,12 +115,17 @@ def run(
                 recorder.add(ev)
                 answer.append(ev.text)
                 _emit_token(ev, index, jsonl, out)
-        except Exception as e:  # anything escaping the engine means it cannot answer: report, exit 1
+        except BrokenPipeError:
+            raise
+        except Exception as e:  # the engine cannot answer this prompt: report, exit 1 in the end
             message = str(e) or type(e).__name__
             if jsonl:
                 _write_json(out, {"event": "error", "index": index, "message": message})
             err.write(f"swiftspec: engine error: {message}\n")
             err.flush()
+            failed = True
+            if engine.alive:
+                continue
             return EXIT_ENGINE
         summary = recorder.summary()
         if record is not None:
@@ -111,7 +138,7 @@ def run(
             out.flush()
         err.write(f"[{stats_line(summary)}]\n")
         err.flush()
-    return EXIT_OK
+    return EXIT_ENGINE if failed else EXIT_OK
 
 
 def _emit_token(ev: StepEvent, index: int, jsonl: bool, out: TextIO) -> None:

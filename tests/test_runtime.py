@@ -207,16 +207,19 @@ def test_process_groups_refuse_a_shared_gpu_inside_one_group():
 def test_build_command():
     cfg = EngineConfig(tree=TreeParams(bs=6, w=4, d=3), threads=2, trust_remote_code=True)
     worker = launcher.worker_args(cfg, launcher.Layout(2, 1), "/models/t", "suffix")
-    cmd = launcher.build_command(worker, 3)
-    assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node=3"] and "--standalone" in cmd
+    cmd = launcher.build_command(worker, 3, Path("/run/x"))
+    assert cmd[1:4] == ["-m", "swiftspec.engine.torchrun", "--nproc-per-node=3"]
+    # no --standalone: its TCPStore would listen on every interface
+    assert "--standalone" not in cmd and "--rdzv-backend=swiftspec-local" in cmd and "--log-dir=/run/x/logs" in cmd
     tail = cmd[cmd.index("swiftspec.engine.worker") + 1:]
-    assert tail[:6] == ["--target", "/models/t", "--draft", "suffix", "--target-procs", "2"]
+    assert tail[:4] == ["--target=/models/t", "--draft=suffix", "--target-procs", "2"]
     assert {"--tree-bs", "6", "--tree-w", "4", "--tree-d", "3", "--threads", "2"} <= set(tail)
     from torch.distributed.run import get_args_parser
 
     parsed = get_args_parser().parse_args(cmd[3:])  # torchrun must hand every worker flag through
     assert parsed.training_script == "swiftspec.engine.worker" and parsed.training_script_args == worker
     multi = launcher.build_command(worker, 1, nnodes=2, rdzv_endpoint="h:29400")
+    assert multi[1:3] == ["-m", "torch.distributed.run"]
     assert "--nnodes=2" in multi and "--rdzv-endpoint=h:29400" in multi and "--rdzv-backend=c10d" in multi
     assert "--standalone" not in multi
     with pytest.raises(ConfigError):

@@ -1,0 +1,28 @@
+"""Ties a process to its parent's life: imports nothing heavy, so a worker can call it first thing.
+
+torchrun's workers used to set their death signal only after importing torch (1.5-3 s); a torchrun killed
+in that window left them orphaned for good, stuck in ``init_process_group``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+ENV_LAUNCHER_PID = "SWIFTSPEC_LAUNCHER_PID"  # torchrun's pid, set by swiftspec.engine.torchrun
+ENV_ENGINE_PID = "SWIFTSPEC_ENGINE_PID"  # the Engine's pid, set by launcher.spawn
+
+
+def die_with_launcher() -> None:
+    """SIGKILL this process when its launcher dies (Linux PR_SET_PDEATHSIG), and exit now if the launcher
+    is already gone: a launcher killed between spawning us and this call leaves us with another parent."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    launcher = os.environ.get(ENV_LAUNCHER_PID)
+    if launcher and os.getppid() != int(launcher):
+        sys.stderr.write(f"the launcher (pid {launcher}) exited before this worker started: exiting\n")
+        os._exit(1)

@@ -1,0 +1,114 @@
+"""torchrun for one machine with nothing listening on the network: ``python -m swiftspec.engine.torchrun``
+takes torchrun's arguments and runs torchrun's own main, with the ``swiftspec-local`` rendezvous.
+
+``--standalone`` would make torchrun's rendezvous a TCPStore listening on every interface, unauthenticated
+and uncapped, for as long as the chat runs. One node needs no network to agree with itself: this
+rendezvous keeps its store in torchrun's memory, and the workers meet through a FileStore in the Engine's
+private run directory (``worker.setup``), with gloo bound to the loopback interface (``launcher.spawn``).
+
+It also records its pid in the workers' environment, so that a worker can tell whether torchrun was
+killed before the worker set its death signal (``lifeline``), and it ends itself (and so its workers) when
+the Engine that started it dies.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from torch.distributed import HashStore, PrefixStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    rendezvous_handler_registry,
+)
+
+from swiftspec.engine.launcher import ENV_STORE
+from swiftspec.engine.launcher import LOCAL_RENDEZVOUS as BACKEND
+from swiftspec.engine.lifeline import ENV_ENGINE_PID, ENV_LAUNCHER_PID
+
+ENGINE_POLL_S = 0.2
+
+
+class LocalRendezvous(RendezvousHandler):
+    """The rendezvous of a single node with itself: rank 0 of 1, an in-memory store, no listener."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self._store = HashStore()
+
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False  # the workers use their own FileStore, never a TCPStore at MASTER_ADDR
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        return RendezvousInfo(PrefixStore(self.run_id, self._store), 0, 1, RendezvousStoreInfo("127.0.0.1", 0))
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def shutdown(self) -> bool:
+        return True
+
+
+def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    if params.max_nodes != 1:
+        raise ValueError(f"the {BACKEND} rendezvous is for one node, not {params.max_nodes}")
+    return LocalRendezvous(params.run_id)
+
+
+def _follow_engine(engine_pid: int) -> None:
+    """Until the workers have connected, nothing else would tell them that the Engine is gone: when it
+    dies (this process is re-parented), end torchrun, whose workers die with it, and remove the run
+    directory the Engine can no longer remove."""
+    while os.getppid() == engine_pid:
+        time.sleep(ENGINE_POLL_S)
+    torchrun = os.getpid()
+    if os.fork() == 0:  # removes the run directory once torchrun can no longer write into it
+        while os.getppid() == torchrun:
+            time.sleep(0.01)
+        _remove_run_dir()
+        os._exit(0)
+    os.kill(torchrun, signal.SIGKILL)
+
+
+def _remove_run_dir() -> None:
+    if store := os.environ.get(ENV_STORE):
+        shutil.rmtree(Path(store).parent, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed import run
+
+    if engine := os.environ.get(ENV_ENGINE_PID):
+        threading.Thread(target=_follow_engine, args=(int(engine),), daemon=True, name="follow-engine").start()
+    os.environ[ENV_LAUNCHER_PID] = str(os.getpid())
+    rendezvous_handler_registry.register(BACKEND, _create_handler)
+    try:
+        run.main(argv)
+    finally:
+        if engine and os.getppid() != int(engine):  # the workers ended on their own after the Engine died
+            _remove_run_dir()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

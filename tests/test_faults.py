@@ -1,0 +1,573 @@
+"""Faults, contention and hostile local peers (issue 16): listeners, orphans, start-up handshakes, request
+validation, interrupted conversions, and a bounded fault-injection loop.
+
+Every peer these tests start talks to loopback addresses only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from tiny_models import tiny_model_dir
+
+from swiftspec.config import ConfigError, EngineConfig, SamplingParams
+from swiftspec.engine import launcher, protocol
+from swiftspec.engine.client import Engine, EngineError, _accept_worker, _Tail, encode_chat
+
+PROMPT = [{"role": "user", "content": "What is 17 times 23?"}]
+
+
+@pytest.fixture(scope="module")
+def target_dir():
+    return tiny_model_dir(seed=0, layers=2)
+
+
+def start(target_dir, **kw) -> Engine:
+    return Engine.start(EngineConfig(target=str(target_dir), max_seq_len=kw.pop("max_seq_len", 256), **kw))
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(")") + 2:].split(" ")[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def descendants(pid: int) -> set[int]:
+    """``pid`` and every live process below it (by parent pid, read from /proc)."""
+    children = _children_by_parent()
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        found.add(p)
+        todo += children.get(p, [])
+    return found
+
+
+def listening_addresses(pids: set[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket in LISTEN state held by one of ``pids``."""
+    listening = {}
+    for name, width in (("tcp", 4), ("tcp6", 16)):
+        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A":
+                continue
+            hex_ip, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_ip)
+            # /proc/net prints the address as host-order 32-bit words
+            ip = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            listening[inode] = (str(ipaddress.ip_address(ip)), int(hex_port, 16))
+    found = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in listening:
+                found.append((pid, *listening[link[8:-1]]))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+# ------------------------------------------------------------------------------------------ listeners
+
+@pytest.mark.slow
+def test_no_listener_beyond_loopback_and_no_torchelastic_dir(target_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # torchrun's own temporary directories land here
+    with start(target_dir) as eng:
+        procs = descendants(eng._proc.pid)
+        assert {r.pid for r in eng.info.ranks} <= procs
+        listeners = listening_addresses(procs | {os.getpid()})
+        assert listeners, "gloo listens on loopback: the scan must see it"
+        assert [x for x in listeners if not is_loopback(x[1])] == []
+        list(eng.generate(PROMPT, SamplingParams(max_new_tokens=4)))
+        run_dir = eng._run_dir
+        assert run_dir.is_dir() and oct(run_dir.stat().st_mode & 0o777) == "0o700"
+    assert not run_dir.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("torchelastic_")] == []
+
+
+# ------------------------------------------------------------------------------- start-up handshakes
+
+class _Running:
+    def poll(self):
+        return None
+
+
+def _closed_tail() -> _Tail:
+    r, w = os.pipe()
+    os.close(w)
+    return _Tail(os.fdopen(r, "rb"))
+
+
+def test_idle_connections_do_not_hold_up_the_workers_handshake():
+    listener = socket.create_server(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{listener.getsockname()[1]}"
+    key = protocol.new_key()
+    idle = [socket.create_connection(("127.0.0.1", listener.getsockname()[1])) for _ in range(3)]
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(conn=protocol.connect(addr, key, timeout=3.0)))
+    worker.start()
+    t0 = time.monotonic()
+    conn = _accept_worker(listener, key, _Running(), _closed_tail(), time.monotonic() + 20)
+    worker.join(5)
+    assert time.monotonic() - t0 < 3, "the idle peers delayed the worker's handshake"
+    conn.send("check")
+    assert result["conn"].recv(2)["type"] == "check"
+    for s in idle:
+        s.close()
+    listener.close()
+
+
+def test_start_up_error_names_the_rank_that_failed_first():
+    tail = _closed_tail()
+    tail.lines.extend([
+        "swiftspec.engine.protocol.AuthError: handshake timed out after 10 s waiting for 'challenge'",
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+    ])
+    assert tail.headline().startswith("AuthError: handshake timed out")
+
+
+# ---------------------------------------------------------------------------------- request validation
+
+@pytest.mark.parametrize("fields, message", [
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": "0.7"}, "temperature"),
+    ({"top_p": float("nan")}, "top-p"),
+    ({"top_k": 2.5}, "top-k"),
+    ({"seed": 99999999999999999999999}, "seed"),
+    ({"seed": -1}, "seed"),
+    ({"max_new_tokens": True}, "max-new-tokens"),
+    ({"stop": "END"}, "stop"),
+    ({"stop": ["x" * 100_000]}, "stop string"),
+])
+def test_sampling_params_refuse_what_the_sampler_cannot_take(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        SamplingParams(**fields).validate()
+    SamplingParams(seed=2**64 - 1, temperature=1e-3, stop=["x" * 1000]).validate()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "nan"], "temperature"),
+    (["--seed", "99999999999999999999999"], "seed"),
+])
+def test_cli_refuses_bad_sampling_values_before_starting(flags, message, monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from swiftspec import cli
+
+    monkeypatch.setenv("SWIFTSPEC_DATA_DIR", str(tmp_path))
+    started = []
+    monkeypatch.setattr(cli, "_start_engine", lambda *a: started.append(a))
+    result = CliRunner().invoke(cli.app, cli.normalise_argv(["chat", "-p", "hi", *flags]))
+    assert result.exit_code == 2 and message in result.output and not started
+
+
+@pytest.mark.slow
+def test_bad_requests_leave_the_engine_usable(target_dir):
+    with start(target_dir) as eng:
+        with pytest.raises(ConfigError, match="temperature"):
+            list(eng.generate(PROMPT, SamplingParams(temperature=float("nan"))))
+        ids = encode_chat(eng.tokenizer, PROMPT)
+        # past the Engine's own check, straight to the workers: they refuse it and carry on
+        for bad in (SamplingParams(temperature=float("nan")), SamplingParams(seed=2**70)):
+            with pytest.raises(EngineError, match="invalid request"):
+                list(eng._stream(ids, bad))
+        events = list(eng.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=0.8, seed=2**64 - 1)))
+        assert events[-1].finished and eng.alive
+
+
+# --------------------------------------------------------------------------- the embedded conversion
+
+def _fake_convert(gguf, out, console) -> None:
+    """Stands in for the 25 s dequantisation: a small but well-formed converted directory."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(1000)}, str(out / "model.safetensors"))
+    (out / "config.json").write_text("{}")
+
+
+@pytest.fixture
+def fake_gguf(tmp_path, monkeypatch):
+
+    monkeypatch.setenv("SWIFTSPEC_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(os.urandom(4096))
+    return gguf
+
+
+def test_conversion_killed_half_way_is_cleaned_up_by_the_next_start(fake_gguf, monkeypatch):
+    import subprocess
+    import sys
+
+    from swiftspec import embedded
+
+    converted = embedded.converted_dir(fake_gguf).parent
+    hang = ("import sys, time\nfrom swiftspec import embedded\n"
+            "def hang(gguf, out, console):\n    (out / 'model.safetensors').write_bytes(b'x' * 4096)\n"
+            "    time.sleep(60)\n"
+            "embedded._convert = hang\nembedded.ensure_converted(embedded.Path(sys.argv[1]), quiet=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", hang, str(fake_gguf)])
+    try:
+        deadline = time.monotonic() + 30
+        while not list(converted.glob(".tmp-*/model.safetensors")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        running = list(converted.glob(".tmp-*"))
+        assert len(running) == 1
+        embedded._remove_stale_temp_dirs(converted)  # a conversion still running is left alone
+        assert running[0].is_dir()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert running[0].is_dir()  # what a SIGKILL leaves behind
+    monkeypatch.setattr(embedded, "_convert", _fake_convert)
+    out = embedded.ensure_converted(fake_gguf, quiet=True)
+    assert embedded.damage(out) is None
+    assert sorted(p.name for p in converted.iterdir()) == [out.name]
+
+
+@pytest.mark.parametrize("harm, why", [
+    (lambda out: os.truncate(out / "model.safetensors", 2000), "bytes, its header says"),
+    (lambda out: (out / "model.safetensors").unlink(), "model.safetensors is missing"),
+    (lambda out: (out / "model.safetensors").write_bytes(b"\xff" * 16), "no readable header"),
+])
+def test_damaged_conversion_is_detected_and_converted_again(harm, why, fake_gguf, monkeypatch, capsys):
+    from swiftspec import embedded
+
+    calls = []
+    monkeypatch.setattr(embedded, "_convert", lambda *a: (calls.append(1), _fake_convert(*a)))
+    out = embedded.ensure_converted(fake_gguf)
+    assert embedded.ensure_converted(fake_gguf) == out and len(calls) == 1  # intact: used as it is
+    harm(out)
+    assert why in embedded.damage(out)
+    assert embedded.ensure_converted(fake_gguf) == out and len(calls) == 2
+    assert embedded.damage(out) is None
+    assert "damaged" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ process faults
+
+def marked_processes(marker: str) -> set[int]:
+    """Live processes whose environment carries ``SWIFTSPEC_TEST_MARK=marker`` (found even after they
+    were re-parented, which is what an orphan is)."""
+    needle = f"SWIFTSPEC_TEST_MARK={marker}".encode()
+    found = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{entry.name}/environ").read_bytes()
+            state = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and state not in "ZX":
+            found.add(int(entry.name))
+    return found
+
+
+def gone_within(marker: str, seconds: float) -> set[int]:
+    deadline = time.monotonic() + seconds
+    while (left := marked_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def children(pid: int) -> set[int]:
+    return set(_children_by_parent().get(pid, []))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay_s", [0.0, 0.3])
+def test_workers_die_with_a_torchrun_killed_before_they_import_torch(target_dir, delay_s):
+    """torchrun SIGKILLed right after it spawned its workers (they take seconds to import torch before they
+    can connect anywhere): no worker may survive it."""
+    marker = uuid.uuid4().hex
+    cfg = EngineConfig(target=str(target_dir), max_seq_len=256)
+    worker = launcher.worker_args(cfg, launcher.Layout(1, 1), target_dir, "suffix")
+    run_dir = launcher.new_run_dir()
+    try:
+        proc = launcher.spawn(launcher.build_command(worker, 2, run_dir),
+                              {protocol.ENV_ADDR: "127.0.0.1:9", protocol.ENV_KEY: protocol.new_key(),
+                               "SWIFTSPEC_TEST_MARK": marker}, run_dir)
+        deadline = time.monotonic() + 60
+        while len(children(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(children(proc.pid)) >= 2, "torchrun did not start its workers"
+        time.sleep(delay_s)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert gone_within(marker, 10) == set()
+    finally:
+        for pid in marked_processes(marker):
+            os.kill(pid, signal.SIGKILL)
+        launcher.remove_run_dir(run_dir)
+
+
+# The engine's process for the fault-injection test: starts, reports its ranks, then answers at length
+# ("mid-answer") or waits for a line on stdin before answering ("idle").
+DRIVER = r"""
+import sys
+from swiftspec.config import EngineConfig, SamplingParams
+from swiftspec.engine.client import Engine, EngineError
+
+target, stage = sys.argv[1], sys.argv[2]
+say = lambda text: print(text, flush=True)
+try:
+    engine = Engine.start(EngineConfig(target=target, max_seq_len=4096), progress=lambda t: say("progress " + t))
+    say("ranks " + " ".join(f"{r.role}:{r.pid}" for r in engine.info.ranks))
+    if stage == "idle":
+        say("idle")
+        sys.stdin.readline()
+    params = SamplingParams(max_new_tokens=4000, ignore_eos=True)
+    for i, _ in enumerate(engine.generate([{"role": "user", "content": "Count to a thousand."}], params)):
+        if i == 0:
+            say("streaming")
+    say("finished")
+except EngineError as e:
+    say("engine-error " + str(e).splitlines()[0])
+    sys.exit(1)
+"""
+VICTIMS = ("engine", "torchrun", "target", "draft")
+STAGES = ("start-up", "mid-answer", "idle")
+FAULT_ROUNDS = 20
+
+
+def _rank_pids(torchrun: int) -> dict[str, int]:
+    """The workers torchrun has spawned so far, by role (RANK 0 is the target, 1 the draft)."""
+    found = {}
+    for pid in children(torchrun):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"RANK=0" in env:
+            found["target"] = pid
+        elif b"RANK=1" in env:
+            found["draft"] = pid
+    return found
+
+
+def _wait_for(what, lines: list[str], timeout_s: float = 300):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (value := what()) is not None:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"the stage was not reached; the engine's process said {lines[-3:]}")
+
+
+def _victim_pid(victim: str, stage: str, driver, lines: list[str]) -> int:
+    """Waits until the stage is reached, then names the process to kill."""
+    if stage != "start-up":
+        _wait_for(lambda: True if (lines and lines[-1] in ("streaming", "idle")) else None, lines)
+    if victim == "engine":
+        if stage == "start-up":
+            _wait_for(lambda: True if any(x.startswith("progress starting") for x in lines) else None, lines)
+        return driver.pid
+    torchrun = _wait_for(lambda: next(iter(children(driver.pid)), None), lines)
+    if victim == "torchrun":
+        return torchrun
+    return _wait_for(lambda: _rank_pids(torchrun).get(victim), lines)
+
+
+@pytest.mark.slow
+def test_fault_injection_leaves_no_process_and_the_next_start_works(target_dir, tmp_path, monkeypatch):
+    """Kills each of our processes (the engine's, torchrun, a target rank, a draft rank) at start-up,
+    mid-answer and idle, FAULT_ROUNDS times in a row: every time the engine reports the failure (or is
+    the victim), no process is left, and a start after them all works and removes every run directory
+    they left."""
+    import subprocess
+    import sys
+
+    for round_ in range(FAULT_ROUNDS):
+        victim, stage = VICTIMS[round_ % len(VICTIMS)], STAGES[round_ % len(STAGES)]
+        marker = uuid.uuid4().hex
+        driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(target_dir), stage], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "SWIFTSPEC_TEST_MARK": marker, "TMPDIR": str(tmp_path)})
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda out, into: into.extend(line.strip() for line in out),
+                                  args=(driver.stdout, lines), daemon=True)
+        reader.start()
+        try:
+            pid = _victim_pid(victim, stage, driver, lines)
+            time.sleep((0.0, 0.2, 0.6)[round_ % 3] if stage == "start-up" else 0.0)
+            os.kill(pid, signal.SIGKILL)
+            if stage == "idle" and victim != "engine":
+                driver.stdin.write("answer\n")
+                driver.stdin.flush()
+            driver.wait(60)
+            reader.join(5)
+            where = f"round {round_}: {victim} killed at {stage}"
+            if victim != "engine":
+                assert driver.returncode == 1 and lines[-1].startswith("engine-error"), (where, lines[-3:])
+            assert gone_within(marker, 20) == set(), where
+        finally:
+            for pid in marked_processes(marker) | ({driver.pid} if driver.poll() is None else set()):
+                os.kill(pid, signal.SIGKILL)
+            driver.wait()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the next start sweeps the rounds' run dirs
+    with start(target_dir) as eng:
+        events = list(eng.generate(PROMPT, SamplingParams(max_new_tokens=4)))
+        assert events[-1].finished
+    assert list(tmp_path.glob("swiftspec-run-*")) == []
+
+
+# ------------------------------------------------------------------------------------- lower defects
+
+def test_a_model_directory_named_like_an_option_reaches_the_worker():
+    from swiftspec.engine.worker import parse_args
+
+    cfg = EngineConfig(target="-model")
+    args = parse_args(launcher.worker_args(cfg, launcher.Layout(1, 1), Path("-model"), "-draft")
+                      + ["--target-name=-model"])
+    assert (args.target, args.draft, args.target_name) == ("-model", "-draft", "-model")
+
+
+def test_max_seq_len_beyond_the_model_is_limited_before_any_process_starts(target_dir, monkeypatch):
+    class Spawned(Exception):
+        pass
+
+    def record(worker, *args, **kwargs):
+        raise Spawned(worker)
+
+    said = []
+    monkeypatch.setattr(launcher, "build_command", record)
+    with pytest.raises(Spawned) as spawned:
+        Engine.start(EngineConfig(target=str(target_dir), max_seq_len=10**12), progress=said.append)
+    worker = spawned.value.args[0]
+    assert worker[worker.index("--max-seq-len") + 1] == "4096"  # the tiny model's max_position_embeddings
+    assert any("beyond the models' 4096 positions" in line for line in said)
+
+
+def test_each_line_answers_the_other_lines_after_one_is_refused():
+    import io
+
+    from fake_engine import FakeEngine
+
+    from swiftspec import scripted
+
+    class RefusesLongPrompts(FakeEngine):
+        def generate(self, messages, params):
+            if len(messages[-1]["content"]) > 20:
+                raise EngineError("the conversation is 9000 tokens, but the context length is 4096")
+            return super().generate(messages, params)
+
+    out, err = io.StringIO(), io.StringIO()
+    code = scripted.run(RefusesLongPrompts(answer="ok"), ["first", "x" * 100, "third"], SamplingParams(),
+                        jsonl=True, out=out, err=err)
+    events = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert code == scripted.EXIT_ENGINE and "context length" in err.getvalue()
+    assert [(e["event"], e["index"]) for e in events if e["event"] != "token"] == [
+        ("done", 0), ("error", 1), ("done", 2)]
+
+
+def test_a_closed_stdout_is_not_an_engine_error():
+    """`swiftspec chat -p ... | head -c 1`: the reader goes away; that is no engine error."""
+    import io
+
+    from fake_engine import FakeEngine
+
+    from swiftspec import scripted
+
+    class ClosedAfterOneWrite(io.StringIO):
+        def write(self, text):
+            if self.getvalue():
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().write(text)
+
+    err = io.StringIO()
+    engine = FakeEngine()
+    code = scripted.run(engine, ["one", "two"], SamplingParams(), out=ClosedAfterOneWrite(), err=err)
+    assert code == scripted.EXIT_BROKEN_PIPE and "engine error" not in err.getvalue()
+    assert len(engine.calls) == 1
+
+
+def test_a_prompt_that_is_not_utf8_is_a_usage_error():
+    from swiftspec import scripted
+
+    with pytest.raises(scripted.InputError, match="not valid UTF-8"):
+        scripted.read_prompts(b"", prompt=b"caf\xe9".decode("utf-8", "surrogateescape"))
+
+
+def test_a_symlink_loop_is_named_as_such(tmp_path):
+    from swiftspec.engine.loader import LoadError, resolve_model_dir
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(LoadError, match="symbolic link that cannot be followed"):
+        resolve_model_dir(str(tmp_path / "a"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_with_a_hung_worker_ends_the_group(target_dir, presses):
+    """The target rank stops responding mid-answer (SIGSTOP); Ctrl-C gives up on it after
+    CANCEL_TIMEOUT_S, a second Ctrl-C at once."""
+    from swiftspec.engine import client
+
+    eng = start(target_dir, max_seq_len=4096)
+    streaming = threading.Event()
+
+    def hang_then_ctrl_c():
+        streaming.wait(120)
+        os.kill(eng.info.ranks[0].pid, signal.SIGSTOP)
+        for _ in range(presses):
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (see test_runtime)
+    interrupter = threading.Thread(target=hang_then_ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            interrupter.start()
+            for _ in eng.generate(PROMPT, SamplingParams(max_new_tokens=4000, ignore_eos=True, mode="ar")):
+                if not streaming.is_set():
+                    t0 = time.monotonic()
+                    streaming.set()
+        elapsed = time.monotonic() - t0
+        interrupter.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        eng.close()
+    assert elapsed < (client.CANCEL_TIMEOUT_S + 6 if presses == 1 else 5), elapsed
+    assert not eng.alive and launcher.alive_groups(eng.pgids) == []
+
+
+def test_the_history_database_is_private(tmp_path):
+    from swiftspec.history import HistoryStore
+
+    store = HistoryStore(tmp_path / "data" / "history.sqlite3")
+    store.add(store.create("t"), "user", "a secret")
+    store.close()
+    assert (tmp_path / "data" / "history.sqlite3").stat().st_mode & 0o077 == 0
+    assert (tmp_path / "data").stat().st_mode & 0o077 == 0
