@@ -160,9 +160,9 @@ class FeedForward(nn.Module):
         self.w13 = nn.Linear(args.dim, 2 * inter, bias=False)  # gate rows, then up rows
         self.w2 = nn.Linear(inter, args.dim, bias=False)
 
-    def forward(self, x: Tensor, invariant: bool = False) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         if isinstance(self.w13, nn.Linear):
-            return self.w2(kernels.swiglu(x, self.w13.weight, self.inter, invariant))
+            return self.w2(kernels.swiglu(x, self.w13.weight, self.inter))
         gate, up = self.w13(x).chunk(2, dim=-1)  # a CPU linear (packed or int8): same math
         return self.w2(F.silu(gate) * up)
 
@@ -270,7 +270,7 @@ class Transformer(nn.Module):
         verification of n tree nodes then computes, bit for bit, what n one-token steps would (16-bit
         GEMMs and split reductions otherwise round differently by row count, and greedy argmaxes flip).
 
-        On CUDA: batch-invariant Triton linears, SwiGLU and attention, elementwise RoPE. Elsewhere a forward of T
+        On CUDA: batch-invariant Triton linears and attention, elementwise RoPE. Elsewhere a forward of T
         rows runs as T one-row forwards (invariant by construction; T times the weight reads). Attention
         reads each row's own key list in both (kernels.KeyList). Exact across ranks only without TP (or
         with an all-reduce whose summation order is fixed).
@@ -279,7 +279,7 @@ class Transformer(nn.Module):
         if self.tok_embeddings.weight.is_cuda:
             for mod in list(self.modules()):
                 for name, child in list(mod.named_children()):
-                    if isinstance(child, nn.Linear) and name != "w13":  # w13: the fused SwiGLU kernel
+                    if isinstance(child, nn.Linear):
                         setattr(mod, name, InvariantLinear(child))
 
     def _all_reduce(self, x: Tensor) -> Tensor:
@@ -322,7 +322,7 @@ class Transformer(nn.Module):
             h, residual = layer.attention_norm(x, residual)
             x = self._all_reduce(layer.attention(h, rope, slots, attn_mask, k_cache, v_cache))
             h, residual = layer.ffn_norm(x, residual)
-            x = self._all_reduce(layer.feed_forward(h, invariant))
+            x = self._all_reduce(layer.feed_forward(h))
         hidden, _ = self.norm(x, residual)
         rows = hidden if logits_rows is None else hidden[logits_rows]
         logits = self.output(rows).float()

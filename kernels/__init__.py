@@ -13,9 +13,10 @@ from . import reference
 __all__ = ["KeyList", "add_rms_norm", "apply_rope", "prepare_mask", "rope_rotate_half", "rope_rotation", "swiglu",
            "tree_attention", "use_triton"]
 
-# RoPE is one batched matmul on every device; elementwise in the batch-invariant mode (rope_rotate_half).
+# RoPE is one batched matmul on every device; elementwise in the batch-invariant mode.
 rope_rotation = reference.rope_rotation
 apply_rope = reference.apply_rope
+rope_rotate_half = reference.rope_rotate_half
 KeyList = reference.KeyList
 
 
@@ -54,14 +55,7 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
     return ops.add_rms_norm(x, residual, weight, eps)
 
 
-def swiglu(x: Tensor, w_gate_up: Tensor, inter: int, invariant: bool = False) -> Tensor:
-    """silu(x @ Wg.T) * (x @ Wu.T) with w_gate_up = [Wg; Wu] of shape [2*inter, dim]; ``invariant``: a
-    row's result independent of the call's rows."""
+def swiglu(x: Tensor, w_gate_up: Tensor, inter: int) -> Tensor:
+    """silu(x @ Wg.T) * (x @ Wu.T) with w_gate_up = [Wg; Wu] of shape [2*inter, dim]."""
     ops = _triton_kernels() if use_triton(x) else reference
-    return ops.swiglu(x, w_gate_up, inter, invariant)
-
-
-def rope_rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, N, D] rotated elementwise by fp32 [T, D] cos/sin: the batch-invariant mode's RoPE."""
-    ops = _triton_kernels() if use_triton(x) else reference
-    return ops.rope_rotate_half(x, cos, sin)
+    return ops.swiglu(x, w_gate_up, inter)

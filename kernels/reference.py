@@ -125,8 +125,7 @@ def _scalar(value: float, device: torch.device) -> Tensor:
     return torch.tensor(value, dtype=torch.float32, device=device)
 
 
-def swiglu(x: Tensor, w_gate_up: Tensor, inter: int, invariant: bool = False) -> Tensor:
-    """Llama MLP up half: silu(x @ Wg.T) * (x @ Wu.T), with w_gate_up = [Wg; Wu] of shape [2*inter, dim].
-    (``invariant`` is for the Triton kernel: off CUDA the batch-invariant mode runs one-row forwards.)"""
+def swiglu(x: Tensor, w_gate_up: Tensor, inter: int) -> Tensor:
+    """Llama MLP up half: silu(x @ Wg.T) * (x @ Wu.T), with w_gate_up = [Wg; Wu] of shape [2*inter, dim]."""
     gate, up = F.linear(x, w_gate_up).split(inter, dim=-1)
     return F.silu(gate) * up

@@ -287,16 +287,14 @@ def _swiglu_kernel(
     tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-def swiglu(x: Tensor, w_gate_up: Tensor, inter: int, invariant: bool = False) -> Tensor:
-    """See reference.swiglu: gate and up tiles share each x tile, and [T, 2*inter] never reaches memory.
-    ``invariant``: 16-row tiles whatever the rows, so that a row's result does not depend on the call
-    (the tiles over the weight and K already depend on the weight's shape alone)."""
+def swiglu(x: Tensor, w_gate_up: Tensor, inter: int) -> Tensor:
+    """See reference.swiglu: gate and up tiles share each x tile, and [T, 2*inter] never reaches memory."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     assert w_gate_up.shape == (2 * inter, K) and x2.stride(-1) == w_gate_up.stride(-1) == 1
     y = torch.empty(M, inter, dtype=x.dtype, device=x.device)
-    block_m = 16 if invariant else min(64, max(16, triton.next_power_of_2(M)))
+    block_m = min(64, max(16, triton.next_power_of_2(M)))
     block_k = 128 if x.element_size() == 2 else 64
     block_n = _weight_block_n(inter, x.device)
     grid = (triton.cdiv(inter, block_n), triton.cdiv(M, block_m))
@@ -364,36 +362,3 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4,
     )  # fmt: skip
     return y.view(*x.shape[:-1], N)
-
-
-@triton.jit
-def _rope_kernel(
-    X, Cos, Sin, Out, N, stride_xt, stride_xn, stride_ot, stride_on, stride_ct,
-    HALF: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, HALF)
-    ok = (n < N)[:, None]
-    x = X + t * stride_xt + n[:, None] * stride_xn + d[None, :]
-    x1 = tl.load(x, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(x + HALF, mask=ok, other=0.0).to(tl.float32)
-    c1, c2 = tl.load(Cos + t * stride_ct + d)[None, :], tl.load(Cos + t * stride_ct + HALF + d)[None, :]
-    s1, s2 = tl.load(Sin + t * stride_ct + d)[None, :], tl.load(Sin + t * stride_ct + HALF + d)[None, :]
-    out = Out + t * stride_ot + n[:, None] * stride_on + d[None, :]
-    tl.store(out, (x1 * c1 - x2 * s1).to(Out.dtype.element_ty), mask=ok)
-    tl.store(out + HALF, (x2 * c2 + x1 * s2).to(Out.dtype.element_ty), mask=ok)
-
-
-def rope_rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """See reference.rope_rotate_half: one launch for every head of q and k, each element on its own."""
-    T, N, D = x.shape
-    assert D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0 and x.stride(-1) == 1, x.shape
-    cos, sin = cos.contiguous(), sin.contiguous()
-    out = torch.empty(T, N, D, dtype=x.dtype, device=x.device)
-    block_n = min(64, triton.next_power_of_2(N))
-    _rope_kernel[(T, triton.cdiv(N, block_n))](
-        x, cos, sin, out, N, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-        HALF=D // 2, BLOCK_N=block_n,
-    )  # fmt: skip
-    return out

@@ -150,21 +150,3 @@ def test_invariant_linear(M, N, K, bias, dtype):
     b = torch.randn(N, generator=g).to(dtype) if bias else None
     expected = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
     torch.testing.assert_close(tk.linear(x, w, b), expected, **(ATTN_TOL if dtype == torch.float32 else FP16_TOL))
-
-
-@pytest.mark.parametrize("T,N,D,dtype", [(5, 12, 64, torch.float32), (3, 70, 16, torch.float16), (1, 6, 128, torch.float32)])
-def test_rope_rotate_half(T, N, D, dtype):
-    g = torch.Generator().manual_seed(N * D)
-    qkv = torch.randn(T, N + 3, D, generator=g).to(dtype)  # q and k sliced out of a wider projection
-    angles = torch.randn(T, D // 2, generator=g) * 50
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    out = tk.rope_rotate_half(qkv[:, :N], cos, sin)
-    expected = reference.rope_rotate_half(qkv[:, :N], cos, sin)
-    torch.testing.assert_close(out, expected, **(NORM_TOL if dtype == torch.float32 else FP16_TOL))
-
-
-def test_swiglu_invariant_tiles():
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(40, 96, generator=g)
-    w = torch.randn(2 * 50, 96, generator=g) / 96**0.5
-    torch.testing.assert_close(tk.swiglu(x, w, 50, invariant=True), reference.swiglu(x, w, 50), **SWIGLU_TOL)

@@ -104,8 +104,6 @@ HOPPER_VARIANTS = {
                               dict(HEAD_DIM=64, BLOCK_M=16, BLOCK_N=64, SPLIT=False, IEEE=False, INVARIANT=False), 4, 3),
     "tree_attention_invariant": ("_tree_attention_kernel", INVARIANT_ATTN_POINTERS, ["scale_log2"],
                                  dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_N=64, SPLIT=True, IEEE=False, INVARIANT=True), 4, 3),
-    "rope_rotate_half": ("_rope_kernel", dict(X="bf16", Cos="fp32", Sin="fp32", Out="bf16"), [],
-                         dict(HALF=64, BLOCK_N=64), 4, 3),
     "linear_invariant": ("_linear_kernel", dict(X="bf16", W="bf16", B="bf16", Y="bf16"), [],
                          dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, IEEE=False), 4, 4),
     "add_rms_norm": ("_add_rms_norm_kernel", dict(X="bf16", R="bf16", W="bf16", Out="bf16", ROut="bf16"),
