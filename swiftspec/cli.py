@@ -90,7 +90,7 @@ def _opt(*names: str, panel: str, metavar: str | None = None, **kwargs) -> typer
 
 
 # The options, defined once and shared by `chat` and `bench`. Ranges are checked by EngineConfig and
-# SamplingParams, whose messages say what a value means ("temperature must be >= 0 (0 = greedy)").
+# SamplingParams, whose messages say what a value means ("temperature must be a finite number >= 0 (0 = greedy)").
 TargetOpt = Annotated[Path | None, _opt(
     "-m", "--model", "--target", panel=MODEL, metavar="PATH",
     help="Target model: a Hugging Face model directory or a .gguf file (--target is the same flag). "

@@ -84,9 +84,9 @@ def test_one_metavar_style():
     (["--gpus", "4", "--target-devices", "0", "--draft-devices", "1"], "--gpus"),
     (["--bs", "0"], "bs (nodes verified per target forward) must be in 1..64"),
     (["--resume", "abc"], "conversation id"),
-    (["--temperature", "-1"], "temperature must be >= 0"),
-    (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
-    (["--top-k", "-3"], "top-k must be >= 0"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--max-new-tokens", "0"], "max-new-tokens must be an integer >= 1"),
+    (["--top-k", "-3"], "top-k must be an integer >= 0"),
     (["--gpus", "1"], "gpus must be >= 2"),
     (["--threads", "0"], "threads must be >= 1"),
     (["--target-procs", "0"], "at least one process"),
@@ -146,7 +146,7 @@ def test_env_and_config_file_precedence(fake, data_dir, monkeypatch, tmp_path):
     ("colour = 'red'\n", "unknown setting 'colour'"),
     ("prompt = 'hi'\n", "unknown setting 'prompt'"),
     ("[chat]\nmodes = 'ar'\n", "[chat] has no setting 'modes'"),
-    ("temperature = -2\n", "temperature must be >= 0"),
+    ("temperature = -2\n", "temperature must be a finite number >= 0"),
 ])
 def test_bad_config_file_is_a_usage_error(text, message, fake, data_dir, monkeypatch, tmp_path):
     config = tmp_path / "config.toml"
