@@ -142,10 +142,11 @@ class _Tail:
         return "\n".join(lines + [f"the workers' full output: {self.log_path}"])
 
     def headline(self, rank: int | None = None) -> str | None:
-        """The last exception line, e.g. ``LoadError: ...``, of one rank (its lines start "[rank1]:") or
-        of any."""
+        """An exception line, e.g. ``LoadError: ...``: of one rank (its lines start "[rank1]:") the last,
+        the outermost of a chain; of any rank the first, since the rank that failed first says why and the
+        others then only report their lost connections to it."""
         prefix = "" if rank is None else f"[rank{rank}]:"
-        for line in reversed(self.lines):
+        for line in (self.lines if rank is None else reversed(self.lines)):
             m = re.search(r"\b(\w+(Error|Exception|Interrupt)): (.+)", line)
             if m and line.startswith(prefix) and "ChildFailedError" not in m.group(1):
                 return f"{m.group(1)}: {m.group(3)}"

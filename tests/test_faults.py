@@ -120,13 +120,13 @@ class _Running:
         return None
 
 
-def _closed_tail() -> _Tail:
+def _closed_tail(log_dir: Path) -> _Tail:
     r, w = os.pipe()
     os.close(w)
-    return _Tail(os.fdopen(r, "rb"))
+    return _Tail(os.fdopen(r, "rb"), log_dir / "workers.log", n_target=1)
 
 
-def test_idle_connections_do_not_hold_up_the_workers_handshake():
+def test_idle_connections_do_not_hold_up_the_workers_handshake(tmp_path):
     listener = socket.create_server(("127.0.0.1", 0))
     addr = f"127.0.0.1:{listener.getsockname()[1]}"
     key = protocol.new_key()
@@ -135,7 +135,7 @@ def test_idle_connections_do_not_hold_up_the_workers_handshake():
     worker = threading.Thread(target=lambda: result.update(conn=protocol.connect(addr, key, timeout=3.0)))
     worker.start()
     t0 = time.monotonic()
-    conn = _accept_worker(listener, key, _Running(), _closed_tail(), time.monotonic() + 20)
+    conn = _accept_worker(listener, key, _Running(), _closed_tail(tmp_path), time.monotonic() + 20)
     worker.join(5)
     assert time.monotonic() - t0 < 3, "the idle peers delayed the worker's handshake"
     conn.send("check")
@@ -145,8 +145,8 @@ def test_idle_connections_do_not_hold_up_the_workers_handshake():
     listener.close()
 
 
-def test_start_up_error_names_the_rank_that_failed_first():
-    tail = _closed_tail()
+def test_start_up_error_names_the_rank_that_failed_first(tmp_path):
+    tail = _closed_tail(tmp_path)
     tail.lines.extend([
         "swiftspec.engine.protocol.AuthError: handshake timed out after 10 s waiting for 'challenge'",
         "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer",

@@ -48,6 +48,18 @@ def engine():
     eng.close()
 
 
+@pytest.fixture(scope="module")
+def small_engine():
+    """Workers with a 512-token context, for the overflow test (the Esc test needs long answers)."""
+    from tiny_models import tiny_model_dir
+
+    from swiftspec import Engine
+
+    eng = Engine.start(EngineConfig(target=str(tiny_model_dir(seed=0, layers=2)), draft="suffix", max_seq_len=512))
+    yield eng
+    eng.close()
+
+
 @pytest.fixture
 def store(tmp_path):
     s = HistoryStore(tmp_path / "history.sqlite3")
@@ -163,13 +175,13 @@ async def test_worker_killed_shows_error_and_restart(store):
     assert not started[1].alive  # leaving the app closed the engine
 
 
-async def test_small_context_overflow_context_reason_and_continue(engine, store):
+async def test_small_context_overflow_context_reason_and_continue(small_engine, store):
     """The real workers in a 512-token context: an answer longer than the context ends with "context",
     the next turn leaves it out (a notice, no error), and /continue extends a cut answer in place,
     prefilling only what is new."""
     from swiftspec.tui.widgets.notice import Notice
 
-    app = app_on(engine, store)
+    app = app_on(small_engine, store)
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot, STARTUP_S)
         await type_and_send(pilot, "/max 2000")  # more than the context holds
@@ -194,4 +206,4 @@ async def test_small_context_overflow_context_reason_and_continue(engine, store)
         # depends on the model: this random one's text does not)
         window = app._engine_messages()
         window[-1]["content"] = first
-        assert app.query_one(StatsPanel)._stats.prefill_tokens < engine.count_tokens(window) - 3
+        assert app.query_one(StatsPanel)._stats.prefill_tokens < small_engine.count_tokens(window) - 3
