@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from swiftspec.embedded import GGUF_METADATA
 from swiftspec.engine.model import ModelArgs, ModelConfigError, Transformer
 
 
@@ -97,16 +98,61 @@ def _weight_files(model_dir: Path) -> list[Path]:
                     "(only safetensors weights are read; convert .bin checkpoints first)")
 
 
+GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}  # values and bytes per block
+
+
+def dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """GGUF blocks ([rows, bytes per row], uint8) as fp32 [rows, columns], computed as gguf-py computes them
+    for transformers (fp16 scales to fp32, then d*q + m in two roundings): the very same model bit for bit.
+    This runs on every start, over every weight: the integers go to fp32 inside the multiplication, and the
+    rest is in place."""
+    values, size = GGUF_BLOCKS[kind]
+    b = blocks.reshape(-1, size)
+    d = b[:, :2].contiguous().view(torch.float16).float()
+    if kind == "Q8_0":
+        return torch.mul(b[:, 2:].view(torch.int8), d).reshape(blocks.shape[0], -1)
+    qs = b[:, -values // 2:]
+    lo, hi = qs & 0x0F, qs >> 4
+    if kind == "Q4_0":
+        lo, hi = lo.view(torch.int8) - 8, hi.view(torch.int8) - 8
+    y = torch.empty(len(b), 2, values // 2)
+    torch.mul(lo, d, out=y[:, 0])
+    torch.mul(hi, d, out=y[:, 1])
+    if kind == "Q4_1":
+        y.add_(b[:, 2:4].contiguous().view(torch.float16).float().unsqueeze(1))
+    return y.reshape(blocks.shape[0], -1)
+
+
 def read_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor in the directory's safetensors; GGUF blocks kept by a conversion are dequantised here."""
     state: dict[str, torch.Tensor] = {}
     for f in _weight_files(model_dir):
         try:
             with safe_open(str(f), framework="pt") as fh:
+                blocks = json.loads((fh.metadata() or {}).get(GGUF_METADATA, "{}"))
                 for k in fh.keys():
-                    state[k] = fh.get_tensor(k)
+                    state[k] = dequantize(fh.get_tensor(k), blocks[k]) if k in blocks else fh.get_tensor(k)
         except Exception as e:  # safetensors raises several types for corrupt files
             raise LoadError(f"cannot read weights from {f}: {e}") from None
     return state
+
+
+def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
+    """The transformers model of ``model_dir``, which the tests and the bench's hf modes compare with. A
+    converted GGUF keeps blocks transformers cannot read: it gets the weights dequantised as ours are."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with safe_open(str(_weight_files(model_dir)[0]), framework="pt") as fh:
+        converted = GGUF_METADATA in (fh.metadata() or {})
+    if not converted:
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)), dtype=dtype)
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(dtype) for k, v in read_hf_state_dict(model_dir).items()}, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise LoadError(f"{model_dir}: weights do not match the config: {unexpected or missing}")
+    model.tie_weights()
+    return model
 
 
 def convert_hf_state_dict(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
