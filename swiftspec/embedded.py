@@ -4,7 +4,7 @@ The GGUF is found through the package's installed file list (importing ``llm_smo
 ``llm`` and ``llama_cpp``). Any GGUF is converted once, through transformers' GGUF loader, into a
 Hugging Face directory (safetensors, config, tokenizer) in the user's cache; later loads read that. The
 safetensors keep the GGUF's quantised blocks (the loader dequantises them): about the GGUF's size, where
-dequantised fp32 would be 4-8 times larger and a 16-bit copy would change the model.
+dequantised fp32 would be 4-6 times larger and a 16-bit copy would change the model.
 """
 
 from __future__ import annotations
