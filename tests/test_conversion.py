@@ -14,7 +14,15 @@ from safetensors.torch import save_file
 from tiny_models import make_tiny_gguf
 
 from swiftspec import cache, embedded
-from swiftspec.engine.loader import GGUF_BLOCKS, load_hf_model, load_model, read_hf_state_dict
+from swiftspec.engine.loader import (
+    GGUF_BLOCKS,
+    convert_hf_state_dict,
+    load_hf_model,
+    load_model,
+    read_args,
+    read_hf_state_dict,
+    read_weights,
+)
 from swiftspec.engine.loader import dequantize as our_dequantize
 
 
@@ -48,6 +56,12 @@ def test_weights_load_as_transformers_dequantises_them(converted):
     for name, tensor in reference.items():
         assert ours[name].dtype != torch.float32 or tensor.dtype == torch.float32
         assert torch.equal(ours[name].float(), tensor), name
+    hf, kinds = read_weights(out)
+    assert {kinds[f"model.layers.1.{n}.weight"] for n in ("self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj")} == {
+        "Q4_1", "Q8_0"}  # layer 1's q/k/v and gate/up are fused as blocks
+    fused = convert_hf_state_dict(hf, read_args(out), kinds)
+    for name, tensor in convert_hf_state_dict(reference, read_args(out)).items():  # blocks fused, then dequantised
+        assert torch.equal(fused[name], tensor), name
     model = load_model(out, max_slots=64)
     assert torch.equal(model.tok_embeddings.weight, reference["model.embed_tokens.weight"])
     hf = load_hf_model(out).state_dict()  # what the tests and the bench compare with
@@ -79,8 +93,8 @@ def test_blocks_are_kept_and_the_rest_is_stored_exactly(converted):
 
 def test_title_names_the_precision_and_the_source(converted, tmp_path):
     _, out, _ = converted
-    assert embedded.precision_label(out, "float32") == "fp32 (from Q4_0 GGUF)"  # most of the tiny GGUF's values
-    assert embedded.precision_label(out, "bfloat16") == "bf16 (from Q4_0 GGUF)"
+    assert embedded.precision_label(out, "float32") == "fp32 (from Q8_0 GGUF)"  # most of the tiny GGUF's values
+    assert embedded.precision_label(out, "bfloat16") == "bf16 (from Q8_0 GGUF)"
     assert embedded.precision_label(tmp_path, "float16") == "fp16"  # a plain model directory
 
 
@@ -88,7 +102,7 @@ def test_cache_list_shows_true_sizes(converted):
     _, out, _ = converted
     (entry,) = [e for e in cache.entries(out.parent.parent) if e.path == out]
     assert entry.size == sum(f.stat().st_size for f in out.iterdir()) > (out / "model.safetensors").stat().st_size
-    assert entry.what == "converted GGUF, float32 + float16 + Q8_0 + Q4_1 + Q4_0 weights"
+    assert entry.what == "converted GGUF, Q8_0 + float32 + Q4_1 + float16 + Q4_0 weights"
 
 
 def test_older_formats_are_converted_again_and_removed(tmp_path, monkeypatch):

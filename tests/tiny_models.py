@@ -130,7 +130,8 @@ def make_tiny_gguf(path: str | Path, vocab: int = 320, layers: int = 2, hidden: 
                    kv_heads: int = 2, seed: int = 0) -> Path:
     """Writes a random llama GGUF with this module's tokenizer; returns the path. Its tensors come in every
     kind a conversion meets: blocks the loader dequantises (Q4_0, Q4_1, Q8_0; q and k among them, which
-    transformers permutes), blocks it does not (Q5_0, stored dequantised), F16 and F32 (norms)."""
+    transformers permutes), blocks it does not (Q5_0, stored dequantised), F16 and F32 (norms); layer 0
+    mixes types inside q/k/v and gate/up, layer 1 has one type in each (their blocks are fused)."""
     import json
 
     import numpy as np
@@ -177,10 +178,10 @@ def make_tiny_gguf(path: str | Path, vocab: int = 320, layers: int = 2, hidden: 
     for i in range(layers):
         add(f"blk.{i}.attn_q.weight", (hidden, hidden), Q.Q4_1)
         add(f"blk.{i}.attn_k.weight", (kv_heads * head_dim, hidden), Q.Q4_1)
-        add(f"blk.{i}.attn_v.weight", (kv_heads * head_dim, hidden), Q.Q8_0)
+        add(f"blk.{i}.attn_v.weight", (kv_heads * head_dim, hidden), Q.Q8_0 if i == 0 else Q.Q4_1)
         add(f"blk.{i}.attn_output.weight", (hidden, hidden), Q.Q4_0)
-        add(f"blk.{i}.ffn_gate.weight", (2 * hidden, hidden), Q.Q5_0)
-        add(f"blk.{i}.ffn_up.weight", (2 * hidden, hidden), Q.F16)
+        add(f"blk.{i}.ffn_gate.weight", (2 * hidden, hidden), Q.Q5_0 if i == 0 else Q.Q8_0)
+        add(f"blk.{i}.ffn_up.weight", (2 * hidden, hidden), Q.F16 if i == 0 else Q.Q8_0)
         add(f"blk.{i}.ffn_down.weight", (hidden, 2 * hidden), Q.Q4_1)
         add(f"blk.{i}.attn_norm.weight", (hidden,), Q.F32)
         add(f"blk.{i}.ffn_norm.weight", (hidden,), Q.F32)
