@@ -210,7 +210,7 @@ class Engine:
             check_vocab_compatible(tokenizer, load_tokenizer(Path(draft), config.trust_remote_code))
         n_gpus = torch.cuda.device_count() if config.device != "cpu" and torch.cuda.is_available() else 0
         layout = launcher.plan_layout(config, n_gpus)
-        target_name = _target_name(config, layout)
+        target_name = _target_name(config, layout, target_dir)
         worker = launcher.worker_args(config, layout, target_dir, draft) + [f"--target-name={target_name}"]
         run_dir = launcher.new_run_dir()
         try:
@@ -416,20 +416,17 @@ class Engine:
         self.close()
 
 
-def _target_name(config: EngineConfig, layout: launcher.Layout) -> str:
+def _target_name(config: EngineConfig, layout: launcher.Layout, target_dir: Path) -> str:
     """What the title bar calls the target: its name and the precision it runs at, which for a GGUF is
-    not its quantisation (it is dequantised when converted)."""
+    not its quantisation (its blocks are dequantised at load)."""
     import torch
 
+    from swiftspec.embedded import EMBEDDED_NAME, precision_label
     from swiftspec.engine.loader import default_dtype
 
-    if config.target is None:
-        from swiftspec.embedded import EMBEDDED_NAME
-        name = EMBEDDED_NAME
-    else:
-        name = Path(config.target).name
+    name = EMBEDDED_NAME if config.target is None else Path(config.target).name
     dtype = default_dtype(torch.device("cuda" if layout.cuda else "cpu"), config.dtype)
-    return f"{name} · {str(dtype).removeprefix('torch.')}"
+    return f"{name} · {precision_label(Path(target_dir), str(dtype).removeprefix('torch.'))}"
 
 
 MAX_PENDING_HANDSHAKES = 32  # connections still proving themselves; more are closed at once

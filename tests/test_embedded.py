@@ -74,8 +74,30 @@ def test_interrupted_conversion_leaves_no_cache_entry(tmp_path, monkeypatch):
     assert list((tmp_path / "converted").iterdir()) == []
 
 
-def test_greedy_equals_transformers_generate(embedded_dir, embedded_tokenizer):
-    hf = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32).eval()
+@pytest.fixture(scope="module")
+def hf_from_gguf():
+    """transformers' own reading of the embedded GGUF, dequantised to fp32: what our model must equal."""
+    gguf = embedded.embedded_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def test_conversion_keeps_the_blocks_and_loads_bit_for_bit(embedded_dir, hf_from_gguf):
+    """The converted copy is about the GGUF's size (fp32 was 538 MB), and what loads from it is exactly
+    transformers' fp32 dequantisation of the GGUF, through the loader and through load_hf_model alike."""
+    from swiftspec.engine.loader import load_hf_model, read_hf_state_dict
+
+    weights = (embedded_dir / "model.safetensors").stat().st_size
+    assert weights < 1.1 * embedded.embedded_gguf_path().stat().st_size
+    reference = hf_from_gguf.state_dict()
+    ours = read_hf_state_dict(embedded_dir)
+    assert all(torch.equal(ours[k].float(), reference[k]) for k in ours) and len(ours) == len(reference) - 1
+    hf = load_hf_model(embedded_dir).state_dict()
+    assert all(torch.equal(hf[k], v) for k, v in reference.items())
+    assert embedded.precision_label(embedded_dir, "float32") == "fp32 (from Q4_1 GGUF)"
+
+
+def test_greedy_equals_transformers_generate(embedded_dir, embedded_tokenizer, hf_from_gguf):
+    hf = hf_from_gguf
     target = TargetState(load_model(embedded_dir, max_slots=512), 512)
     params = SamplingParams(mode="ar", max_new_tokens=64)  # both stop at EOS (if it comes first)
     for prompt in CHATS:

@@ -619,12 +619,19 @@ class _Exited:
 
 
 @pytest.mark.parametrize("target, device, dtype, name", [
-    (None, "cpu", "auto", "SmolLM2-135M-Instruct (embedded, from a Q4_1 GGUF) · float32"),
-    ("/models/Llama-3.1-8B-Q4_K_M.gguf", "cuda", "auto", "Llama-3.1-8B-Q4_K_M.gguf · bfloat16"),
-    ("/models/Qwen2.5-7B", "cuda", "float16", "Qwen2.5-7B · float16"),
+    (None, "cpu", "auto", "SmolLM2-135M-Instruct (embedded) · fp32 (from Q4_1 GGUF)"),
+    ("/models/Llama-3.1-8B-Q4_K_M.gguf", "cuda", "auto", "Llama-3.1-8B-Q4_K_M.gguf · bf16 (from Q4_K GGUF)"),
+    ("/models/Qwen2.5-7B", "cuda", "float16", "Qwen2.5-7B · fp16"),
 ])
-def test_title_names_the_precision_the_target_runs_at(target, device, dtype, name):
+def test_title_names_the_precision_the_target_runs_at(target, device, dtype, name, tmp_path):
+    """The precision the target runs at, and for a GGUF the type its weights came in (from the conversion)."""
+    from safetensors.torch import save_file
+
+    from swiftspec.embedded import SOURCE_METADATA
     from swiftspec.engine.client import _target_name
 
+    gguf_type = {None: "Q4_1", "/models/Llama-3.1-8B-Q4_K_M.gguf": "Q4_K"}.get(target)
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"),
+              metadata={SOURCE_METADATA: gguf_type} if gguf_type else None)
     layout = launcher.Layout(1, 1, [0] if device == "cuda" else None, [] if device == "cuda" else None)
-    assert _target_name(EngineConfig(target=target, dtype=dtype), layout) == name
+    assert _target_name(EngineConfig(target=target, dtype=dtype), layout, tmp_path) == name

@@ -124,3 +124,69 @@ def single_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def make_tiny_gguf(path: str | Path, vocab: int = 320, layers: int = 2, hidden: int = 64, heads: int = 4,
+                   kv_heads: int = 2, seed: int = 0) -> Path:
+    """Writes a random llama GGUF with this module's tokenizer; returns the path. Its tensors come in every
+    kind a conversion meets: blocks the loader dequantises (Q4_0, Q4_1, Q8_0; q and k among them, which
+    transformers permutes), blocks it does not (Q5_0, stored dequantised), F16 and F32 (norms); layer 0
+    mixes types inside q/k/v and gate/up, layer 1 has one type in each (their blocks are fused)."""
+    import json
+
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter, quants
+
+    rng = np.random.default_rng(seed)
+    tok = json.loads(_tokenizer_json(vocab))
+    tokens = sorted({**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}.items(),
+                    key=lambda item: item[1])
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(2 * hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([t for t, _ in tokens])
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t, _ in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    def add(name: str, shape: tuple[int, ...], kind: Q) -> None:
+        w = rng.normal(0, 0.2, shape).astype(np.float32)
+        if kind == Q.F32:
+            writer.add_tensor(name, w)
+        elif kind == Q.F16:
+            writer.add_tensor(name, w.astype(np.float16))
+        else:
+            writer.add_tensor(name, quants.quantize(w, kind), raw_dtype=kind)
+
+    head_dim = hidden // heads
+    add("token_embd.weight", (vocab, hidden), Q.Q8_0)
+    add("output.weight", (vocab, hidden), Q.Q4_0)
+    add("output_norm.weight", (hidden,), Q.F32)
+    for i in range(layers):
+        add(f"blk.{i}.attn_q.weight", (hidden, hidden), Q.Q4_1)
+        add(f"blk.{i}.attn_k.weight", (kv_heads * head_dim, hidden), Q.Q4_1)
+        add(f"blk.{i}.attn_v.weight", (kv_heads * head_dim, hidden), Q.Q8_0 if i == 0 else Q.Q4_1)
+        add(f"blk.{i}.attn_output.weight", (hidden, hidden), Q.Q4_0)
+        add(f"blk.{i}.ffn_gate.weight", (2 * hidden, hidden), Q.Q5_0 if i == 0 else Q.Q8_0)
+        add(f"blk.{i}.ffn_up.weight", (2 * hidden, hidden), Q.F16 if i == 0 else Q.Q8_0)
+        add(f"blk.{i}.ffn_down.weight", (hidden, 2 * hidden), Q.Q4_1)
+        add(f"blk.{i}.attn_norm.weight", (hidden,), Q.F32)
+        add(f"blk.{i}.ffn_norm.weight", (hidden,), Q.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)

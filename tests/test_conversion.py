@@ -1,0 +1,130 @@
+"""A GGUF's conversion keeps its quantised blocks, and the model loaded from it is transformers' fp32
+dequantisation bit for bit: on a tiny synthetic GGUF with every kind of tensor a conversion meets."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, dequantize, quants
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tiny_models import make_tiny_gguf
+
+from swiftspec import cache, embedded
+from swiftspec.engine.loader import (
+    GGUF_BLOCKS,
+    convert_hf_state_dict,
+    load_hf_model,
+    load_model,
+    read_args,
+    read_hf_state_dict,
+    read_weights,
+)
+from swiftspec.engine.loader import dequantize as our_dequantize
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(the GGUF, its converted directory, transformers' fp32 state dict of the GGUF)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("conversion")
+    gguf = make_tiny_gguf(root / "tiny.Q4_1.gguf")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SWIFTSPEC_CACHE", str(root / "cache"))
+        out = embedded.ensure_converted(gguf, quiet=True)
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    return gguf, out, reference.state_dict()
+
+
+@pytest.mark.parametrize("kind", sorted(GGUF_BLOCKS))
+def test_dequantize_is_gguf_py_bit_for_bit(kind):
+    qtype = GGMLQuantizationType[kind]
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((48, 256)) * rng.choice([1e-4, 1.0, 300.0], size=(48, 1))).astype(np.float32)
+    blocks = quants.quantize(w, qtype)
+    assert torch.equal(our_dequantize(torch.from_numpy(blocks), kind), torch.from_numpy(dequantize(blocks, qtype)))
+
+
+def test_weights_load_as_transformers_dequantises_them(converted):
+    _, out, reference = converted
+    ours = read_hf_state_dict(out)
+    assert sorted(ours) == sorted(reference)
+    for name, tensor in reference.items():
+        assert ours[name].dtype != torch.float32 or tensor.dtype == torch.float32
+        assert torch.equal(ours[name].float(), tensor), name
+    hf, kinds = read_weights(out)
+    assert {kinds[f"model.layers.1.{n}.weight"] for n in ("self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj")} == {
+        "Q4_1", "Q8_0"}  # layer 1's q/k/v and gate/up are fused as blocks
+    fused = convert_hf_state_dict(hf, read_args(out), kinds)
+    for name, tensor in convert_hf_state_dict(reference, read_args(out)).items():  # blocks fused, then dequantised
+        assert torch.equal(fused[name], tensor), name
+    model = load_model(out, max_slots=64)
+    assert torch.equal(model.tok_embeddings.weight, reference["model.embed_tokens.weight"])
+    hf = load_hf_model(out).state_dict()  # what the tests and the bench compare with
+    assert all(torch.equal(hf[name], tensor) for name, tensor in reference.items())
+
+
+def test_blocks_are_kept_and_the_rest_is_stored_exactly(converted):
+    """Q4_0/Q4_1/Q8_0 as blocks (q and k permuted as rows of blocks), F16 as F16, Q5_0 (which the loader
+    does not dequantise) and the F32 norms as F32: nothing stored wider than it needs, nothing rounded."""
+    gguf, out, _ = converted
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+        stored = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    blocks = json.loads(meta[embedded.GGUF_METADATA])
+    layer = "model.layers.0."
+    assert {k: blocks.get(layer + k) for k in ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                                                "mlp.down_proj.weight")} == {
+        "self_attn.q_proj.weight": "Q4_1", "self_attn.k_proj.weight": "Q4_1", "self_attn.v_proj.weight": "Q8_0",
+        "self_attn.o_proj.weight": "Q4_0", "mlp.down_proj.weight": "Q4_1"}
+    assert blocks["model.embed_tokens.weight"] == "Q8_0" and blocks["lm_head.weight"] == "Q4_0"
+    assert all(stored[k] == "U8" for k in blocks)
+    assert stored[layer + "mlp.up_proj.weight"] == "F16"
+    assert stored[layer + "mlp.gate_proj.weight"] == stored[layer + "input_layernorm.weight"] == "F32"
+    assert meta[embedded.FORMAT_METADATA] == str(embedded.CONVERSION_FORMAT)
+    weights = (out / "model.safetensors").stat().st_size
+    assert weights < 1.6 * gguf.stat().st_size  # the Q5_0 tensors, dequantised, are the excess
+
+
+def test_title_names_the_precision_and_the_source(converted, tmp_path):
+    _, out, _ = converted
+    assert embedded.precision_label(out, "float32") == "fp32 (from Q8_0 GGUF)"  # most of the tiny GGUF's values
+    assert embedded.precision_label(out, "bfloat16") == "bf16 (from Q8_0 GGUF)"
+    assert embedded.precision_label(tmp_path, "float16") == "fp16"  # a plain model directory
+
+
+def test_cache_list_shows_true_sizes(converted):
+    _, out, _ = converted
+    (entry,) = [e for e in cache.entries(out.parent.parent) if e.path == out]
+    assert entry.size == sum(f.stat().st_size for f in out.iterdir()) > (out / "model.safetensors").stat().st_size
+    assert entry.what == "converted GGUF, Q8_0 + float32 + Q4_1 + float16 + Q4_0 weights"
+
+
+def test_older_formats_are_converted_again_and_removed(tmp_path, monkeypatch):
+    """A conversion by an older version (fp32 in format 1, bf16 in format 2) has another key, so it is not
+    used; the new conversion removes it, and `cache list` marks any that are left as unused."""
+    monkeypatch.setenv("SWIFTSPEC_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(4092))
+    old = [embedded.converted_dir(gguf, f) for f in range(1, embedded.CONVERSION_FORMAT)]
+    for d in old:
+        d.mkdir(parents=True)
+        save_file({"w": torch.ones(8)}, str(d / "model.safetensors"))  # no swiftspec metadata, as then
+    assert [e.what for e in cache.entries() if e.path in old] == [
+        "converted GGUF, float32 weights (an older format, no longer used: clear it)"] * len(old)
+    calls = []
+
+    def fake(gguf, out, console):
+        calls.append(out)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")
+
+    monkeypatch.setattr(embedded, "_convert", fake)
+    out = embedded.ensure_converted(gguf, quiet=True)
+    assert len(calls) == 1 and out not in old and out.is_dir()
+    assert not any(d.exists() for d in old)
