@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from swiftspec.config import ConfigError, SamplingParams, TreeParams
-from swiftspec.engine.drafters import Expansion
+from swiftspec.engine.drafters import Expansion, Features
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.tree import TokenTree, target_inputs
 from swiftspec.engine.tree_cache import ContextFull, TreeKVCache, prefill_forward
@@ -39,6 +39,7 @@ class Verdict:
     accepted: int  # number of accepted draft tokens (len(path) - 1)
     tree_size: int  # nodes verified
     target_ms: float  # this verification's forward + verify time
+    features: torch.Tensor | None = None  # with want_features: final hidden states of the root and accepted nodes
 
 
 @dataclass
@@ -62,6 +63,8 @@ class TargetState:
         self._committed: list[int] = []
         self.prefill_tokens = 0
         self.device = model.k_cache.device
+        self.want_features = False  # a draft head reads the target's final hidden states
+        self.features: Features | None = None  # the last prefill's, with want_features
 
     @property
     def committed(self) -> list[int]:
@@ -82,7 +85,9 @@ class TargetState:
         reuse = min(common_prefix(self._committed, prompt_ids), len(prompt_ids) - 1)
         self._committed = self._committed[:reuse]
         self.cache.prefix_len = reuse
-        logits = prefill_forward(self.model, prompt_ids[reuse:], reuse)
+        hidden = [] if self.want_features else None
+        logits = prefill_forward(self.model, prompt_ids[reuse:], reuse, hidden=hidden)
+        self.features = Features(reuse, torch.cat(hidden)) if hidden else None
         self._committed = list(prompt_ids)
         self.cache.prefix_len = len(prompt_ids)
         self.prefill_tokens = len(prompt_ids) - reuse
@@ -101,11 +106,14 @@ class TargetState:
             raise ContextFull(f"the KV cache ({self.cache.capacity} slots) is full")
         positions, slots, mask = target_inputs(parents, p0)
         dev = self.device
-        logits = self.model(torch.tensor(tokens, device=dev), positions.to(dev), slots.to(dev), mask.to(dev))
+        out = self.model(torch.tensor(tokens, device=dev), positions.to(dev), slots.to(dev), mask.to(dev),
+                         return_hidden=self.want_features)
+        logits, hidden = out if self.want_features else (out, None)
         path, bonus = verify_tree(logits, tokens, parents, sampler)
         self.cache.commit([p0] + [p0 + i for i in path], 1 + len(path))
         self._committed += [tokens[0]] + [tokens[i] for i in path]
-        return Verdict([tokens[i] for i in path] + [bonus], len(path), n, (time.perf_counter() - t0) * 1e3)
+        feats = None if hidden is None else hidden[[0, *path]]
+        return Verdict([tokens[i] for i in path] + [bonus], len(path), n, (time.perf_counter() - t0) * 1e3, feats)
 
 
 class DraftState:
@@ -132,9 +140,9 @@ class DraftState:
         self.tree: TokenTree | None = None
         self.next_slot = 0
 
-    def prefill(self, prompt_ids: list[int]) -> None:
+    def prefill(self, prompt_ids: list[int], features: Features | None = None) -> None:
         reuse = common_prefix(self.committed[:self.cache.prefix_len], prompt_ids)
-        self.drafter.prefill(prompt_ids, reuse)
+        self.drafter.prefill(prompt_ids, reuse, features)
         self.committed = list(prompt_ids)
         self.cache.prefix_len = len(prompt_ids)
         self.pending = []
@@ -168,9 +176,10 @@ class DraftState:
         self.pending = []
         return (time.perf_counter() - t0) * 1e3
 
-    def reroot(self, path: list[int]) -> None:
+    def reroot(self, path: list[int], features: torch.Tensor | None = None) -> None:
         """Walks the tree along a verdict's path (the old root plus path[:-1] are now verified) and
-        re-roots at path[-1], keeping its subtree and moving all surviving KV into place."""
+        re-roots at path[-1], keeping its subtree and moving all surviving KV into place. ``features``:
+        the verdict's, for a drafter that wants them."""
         tree = self.tree
         nodes = tree.walk(path)
         verified = nodes[:len(path)]  # the old root and the accepted tokens: all in the tree
@@ -185,7 +194,7 @@ class DraftState:
         # A node without draft KV has no children, so only the last verified ones can lack it.
         self.pending += new_tokens[len(with_kv):]
         self.cache.commit(with_kv + survivors, len(with_kv))
-        self.drafter.extend(new_tokens)
+        self.drafter.extend(new_tokens, features)
         self.committed += new_tokens
         new_slot = {s: self.cache.prefix_len + j for j, s in enumerate(survivors)}
         new_tree.slot = [new_slot.get(s, -1) for s in new_tree.slot]
@@ -272,8 +281,9 @@ def generate_sync(target: TargetState, draft: DraftState, prompt_ids: list[int],
     sampler = Sampler(params, target.device)
     eos = set(target.model.args.eos_token_ids)
     bs = draft.params.bs
+    target.want_features = draft.drafter.wants_features
     root, step = _first_step(target, prompt_ids, params, sampler)
-    draft.prefill(prompt_ids)
+    draft.prefill(prompt_ids, target.features)
     draft.start(root)
     yield step
     produced = 1
@@ -291,7 +301,7 @@ def generate_sync(target: TargetState, draft: DraftState, prompt_ids: list[int],
         tokens, parents = draft.subtree()
         keep = min(len(tokens), target.room)
         v = target.verify(tokens[:keep], parents[:keep], sampler)
-        draft.reroot(v.path)
+        draft.reroot(v.path, v.features)
         out, reason = _finish(v.path, produced, params, eos)
         produced += len(out)
         step = Step(out, v.accepted, v.tree_size, sum(times) / max(len(times), 1), v.target_ms, reason)

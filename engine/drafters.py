@@ -2,11 +2,16 @@
 
 A drafter has a ``cache`` (a TreeKVCache; model-free drafters keep bookkeeping only) and three methods:
 
-* ``prefill(tokens, reuse)`` — the committed context is now ``tokens``; its first ``reuse`` tokens were
-  already committed before, so their KV is kept (a model-free drafter compares the context itself);
-* ``extend(tokens)`` — these verified tokens were appended to the committed context;
+* ``prefill(tokens, reuse, features)`` — the committed context is now ``tokens``; its first ``reuse``
+  tokens were already committed before, so their KV is kept (a model-free drafter compares the context
+  itself);
+* ``extend(tokens, features)`` — these verified tokens were appended to the committed context;
 * ``propose(expansion, k)`` — for each leaf of the expansion, up to k (token, log-prob) children, most
   probable first. A model drafter computes the KV of the expansion's rows as a side effect.
+
+``wants_features``: the drafter reads the target's final hidden states (a draft head): ``prefill`` then
+gets a Features of the positions the target computed, ``extend`` a [len(tokens), dim] tensor aligned with
+the tokens; other drafters get None.
 """
 
 from __future__ import annotations
@@ -14,12 +19,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from swiftspec.engine.tree import TokenTree
 from swiftspec.engine.tree_cache import TreeKVCache, prefill_forward
 
 
 class VocabMismatch(ValueError):
     """The draft does not share the target's vocabulary, so its proposals would be garbage."""
+
+
+@dataclass
+class Features:
+    """The target's final hidden states at positions ``start..start + len(hidden) - 1``, for drafters
+    that read them (``wants_features``)."""
+
+    start: int
+    hidden: Tensor
 
 
 @dataclass
@@ -53,6 +69,8 @@ def check_vocab_compatible(target_tokenizer, draft_tokenizer) -> int:
 class ModelDrafter:
     """A Llama-family draft model with its own evolving tree cache."""
 
+    wants_features = False
+
     def __init__(self, model, vocab_size: int | None = None):
         """vocab_size: the shared vocabulary (see check_vocab_compatible); padded ids beyond it are never
         proposed."""
@@ -60,10 +78,10 @@ class ModelDrafter:
         self.cache = TreeKVCache(model)
         self.vocab_size = vocab_size or model.args.vocab_size
 
-    def prefill(self, tokens: list[int], reuse: int) -> None:
+    def prefill(self, tokens: list[int], reuse: int, features=None) -> None:
         prefill_forward(self.model, tokens[reuse:], reuse, logits=False)
 
-    def extend(self, tokens: list[int]) -> None:
+    def extend(self, tokens: list[int], features=None) -> None:
         pass  # the KV of verified tokens is moved by the cache commit
 
     def propose(self, exp: Expansion, k: int) -> list[list[tuple[int, float]]]:
@@ -118,6 +136,7 @@ class SuffixDrafter:
     """
 
     HISTORY_TOKENS = 200_000
+    wants_features = False
 
     def __init__(self, max_order: int = 16, confidence: float = 2.0, history_tokens: int = HISTORY_TOKENS):
         self.max_order = max_order
@@ -127,7 +146,7 @@ class SuffixDrafter:
         self.context = SuffixIndex(max_order)
         self.history = SuffixIndex(max_order)
 
-    def prefill(self, tokens: list[int], reuse: int) -> None:
+    def prefill(self, tokens: list[int], reuse: int, features=None) -> None:
         old = self.context.tokens
         if tokens[:len(old)] != old:  # another conversation, or an edited one: index it afresh
             if len(self.history.tokens) + len(old) > self.history_tokens:
@@ -137,7 +156,7 @@ class SuffixDrafter:
             self.context = SuffixIndex(self.max_order)
         self.context.extend(tokens[len(self.context.tokens):])
 
-    def extend(self, tokens: list[int]) -> None:
+    def extend(self, tokens: list[int], features=None) -> None:
         self.context.extend(tokens)
 
     def lookup(self, context: list[int]) -> tuple[dict[int, int], int]:

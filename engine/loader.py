@@ -46,6 +46,21 @@ def resolve_model_dir(spec: str | None, quiet: bool = False) -> Path:
     return path
 
 
+def resolve_draft(spec: str, target_dir: Path) -> str:
+    """A built-in draft kind as is; a draft head directory checked against the target (hidden size,
+    vocabulary, readable weights); otherwise a draft model, resolved like a target."""
+    from swiftspec.config import BUILTIN_DRAFTS
+    from swiftspec.engine.draft_head import is_head_dir, load_head
+
+    if spec in BUILTIN_DRAFTS:
+        return spec
+    path = Path(spec).expanduser()
+    if path.is_dir() and is_head_dir(path):
+        load_head(path, read_args(target_dir), "meta")
+        return str(path)
+    return str(resolve_model_dir(spec))
+
+
 def check_safetensors(path: Path) -> None:
     """A LoadError naming the file when it is not safetensors or is cut short: found here, before any
     worker starts, rather than as a worker's traceback. Reads the header only."""

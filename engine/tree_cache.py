@@ -40,6 +40,9 @@ class TreeKVCache:
             dst_t = torch.arange(first + skip, first + len(src), device=src_t.device)
             for cache in (self.model.k_cache, self.model.v_cache):
                 cache.index_copy_(2, dst_t, cache.index_select(2, src_t))
+            feats = getattr(self.model, "slot_features", None)  # a draft head's predictions, by slot
+            if feats is not None:
+                feats.index_copy_(0, dst_t, feats.index_select(0, src_t))
         self.prefix_len += n_verified
 
 
@@ -48,9 +51,11 @@ def causal_mask(start: int, n: int) -> Tensor:
     return torch.ones(n, start + n, dtype=torch.bool).tril(start)
 
 
-def prefill_forward(model, tokens: list[int], start: int, logits: bool = True) -> Tensor | None:
+def prefill_forward(model, tokens: list[int], start: int, logits: bool = True, hidden: list[Tensor] | None = None
+                    ) -> Tensor | None:
     """Computes the KV of ``tokens`` at positions and slots ``start..`` in chunks (bounded activation
-    memory); returns the last token's logits [vocab] when asked."""
+    memory); returns the last token's logits [vocab] when asked, and appends every chunk's final hidden
+    states to ``hidden`` when given."""
     if start + len(tokens) > model.max_slots:
         raise ContextFull(f"the prompt needs {start + len(tokens)} KV slots but the cache has "
                           f"{model.max_slots}; raise max-seq-len or shorten the conversation")
@@ -62,5 +67,8 @@ def prefill_forward(model, tokens: list[int], start: int, logits: bool = True) -
         pos = torch.arange(start + s, start + s + len(chunk), device=device)
         rows = slice(-1, None) if logits and last else slice(0, 0)
         out = model(torch.tensor(chunk, device=device), pos, pos,
-                    causal_mask(start + s, len(chunk)).to(device), logits_rows=rows)
+                    causal_mask(start + s, len(chunk)).to(device), logits_rows=rows, return_hidden=hidden is not None)
+        if hidden is not None:
+            out, h = out
+            hidden.append(h)
     return out[-1] if logits and out is not None else None

@@ -251,6 +251,7 @@ def load(ctx: Ctx) -> None:
     """Target ranks load their shard of the target; draft ranks build the drafter and its tree state."""
     from swiftspec.engine.cuda_graphs import GraphedModel
     from swiftspec.engine.decode import DraftState, TargetState
+    from swiftspec.engine.draft_head import HeadDrafter, is_head_dir, load_head
     from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter, check_vocab_compatible
     from swiftspec.engine.loader import eos_token_ids, load_model, load_tokenizer
 
@@ -279,6 +280,14 @@ def load(ctx: Ctx) -> None:
             drafter = SuffixDrafter(history_tokens=SuffixDrafter.HISTORY_TOKENS if args.draft_history else 0)
         elif args.draft == "int8":
             drafter = ModelDrafter(model_for(target_dir, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8=True))
+        elif is_head_dir(Path(args.draft)):
+            if ctx.tp_world > 1:
+                raise ConfigError("a draft head runs on one draft rank (draft TP is for draft models)")
+            # the head reads the target's embedding and lm_head: this rank loads the target once for them
+            target = load_model(target_dir, ctx.device, args.dtype, max_slots=1, batch_invariant=False)
+            head = load_head(Path(args.draft), target.args, ctx.device, target.tok_embeddings.weight.dtype)
+            head.attach_target(target.tok_embeddings.weight, target.output.weight)
+            drafter = HeadDrafter(head, slots + DRAFT_TREE_SLOTS)
         else:
             draft_dir = Path(args.draft)
             vocab = check_vocab_compatible(load_tokenizer(target_dir, args.trust_remote_code),
