@@ -13,7 +13,8 @@ Then, engine -> worker:
 worker -> engine:
   hello {pids: [[rank, pid], ...]}  (sent before loading, so the Engine can kill every worker's session)
   progress {text}; ready {info (EngineInfo.to_dict())}
-  event {id, event (StepEvent.to_dict())}; the last event of a request has finished = true
+  step {id, step (Step.to_dict())}: token ids and the target's figures; the Engine makes the text and
+  the StepEvent. The last step of a request has a finish reason.
   error {id, message}  (fatal: the worker group exits after sending it)
 """
 
@@ -179,6 +180,26 @@ def connect(addr: str, key: str, timeout: float = HANDSHAKE_TIMEOUT_S) -> Connec
         conn.close()
         raise
     return conn
+
+
+@dataclass
+class Step:
+    """One decoding step as the target leader reports it: token ids and figures, no text."""
+
+    tokens: list[int]  # new tokens, already cut by the finisher
+    finish: str | None = None  # "eos" | "length" | "context" | "cancelled" on the last step
+    accepted: int = 0  # draft tokens accepted (the bonus token not counted)
+    tree_size: int = 0  # nodes verified (0 for the prefill's token and in ar)
+    draft_ms: float = 0.0  # mean draft expansion time since the previous subtree
+    target_ms: float = 0.0  # the prefill, decode step or verification
+    prefill_tokens: int = 0  # on the first step: tokens prefilled after KV reuse
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Step:
+        return cls(**data)
 
 
 @dataclass
