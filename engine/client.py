@@ -26,9 +26,10 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from swiftspec.config import BUILTIN_DRAFTS, EngineConfig, SamplingParams, StepEvent, StepStats
+from swiftspec.config import BUILTIN_DRAFTS, EngineConfig, SamplingParams, StepEvent
 from swiftspec.engine import launcher, protocol
-from swiftspec.engine.protocol import EngineInfo
+from swiftspec.engine.answer import Answer
+from swiftspec.engine.protocol import EngineInfo, Step
 
 POLL_S = 0.25  # how often a blocked receive looks at the worker processes
 CLOSE_GRACE_S = 1.0  # for a clean exit after "shutdown", before signals
@@ -59,11 +60,6 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
     text = text[:-1] if continuing else text + "assistant:"
     return list(tokenizer(text)["input_ids"])
-
-
-def _event(data: dict) -> StepEvent:
-    return StepEvent(token_ids=list(data["token_ids"]), text=data["text"], stats=StepStats(**data["stats"]),
-                     finished=bool(data["finished"]), finish_reason=data["finish_reason"])
 
 
 def worker_log_path() -> Path:
@@ -261,6 +257,9 @@ class Engine:
         that do not stop within CANCEL_TIMEOUT_S of a Ctrl-C, or a second Ctrl-C, end the worker group.
         """
         params = (params or SamplingParams()).validate()
+        if params.mode != "ar" and self.info.draft == "none":
+            raise EngineError(f"mode {params.mode} needs a draft, but this engine was started without one "
+                              "(--mode ar): start it again with another --mode")
         ids = encode_chat(self.tokenizer, messages)
         if len(ids) >= self.info.context_length:
             raise EngineError(f"the conversation is {len(ids)} tokens, but the context length is "
@@ -277,13 +276,17 @@ class Engine:
         rid = next(self._ids)
         self._current = rid
         self._send("generate", id=rid, token_ids=ids, params=params.to_dict())
+        answer = Answer(self.tokenizer, params.stop, 0 if params.mode == "ar" else self.info.d)
         try:
             while True:
                 if self._current != rid:
                     raise EngineError("this answer was abandoned for a newer generate() call")
-                event = self._next_event(rid)
-                if event.finished:
+                step = self._next_step(rid)
+                event = answer.event(step)
+                if step.finish is not None:
                     self._current = None
+                elif event.finished:  # a stop string: the workers stop at their next step
+                    self.cancel()
                 yield event
                 if event.finished:
                     return
@@ -315,7 +318,7 @@ class Engine:
             return
         self.cancel()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self._next_event(rid, deadline).finished:
+        while self._next_step(rid, deadline).finish is None:
             pass
         self._current = None
 
@@ -325,7 +328,7 @@ class Engine:
         self._current = None
         self._end_processes(grace_s=0.5)
 
-    def _next_event(self, rid: int, deadline: float | None = None) -> StepEvent:
+    def _next_step(self, rid: int, deadline: float | None = None) -> Step:
         while True:
             try:
                 msg = self._conn.recv(POLL_S)
@@ -336,8 +339,8 @@ class Engine:
                 if deadline is not None and time.monotonic() > deadline:
                     self._fail("the workers did not stop after a cancel: they are hung and were ended")
                 continue
-            if msg["type"] == "event" and msg.get("id") == rid:
-                return _event(msg["event"])
+            if msg["type"] == "step" and msg.get("id") == rid:
+                return Step.from_dict(msg["step"])
             if msg["type"] == "error":
                 if msg.get("fatal", True):
                     self._fail(f"a worker failed: {msg.get('message')}")

@@ -6,6 +6,7 @@ stay instant.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from functools import partial
@@ -210,7 +211,8 @@ def chat(
     mode: Annotated[str, _opt(
         "--mode", panel=DECODING, metavar="MODE", autocompletion=_complete(*MODES),
         help="async: SwiftSpec (draft and target in parallel; the default, also on one GPU, where it measured "
-             "at least as fast as sync); sync: draft then verify; ar: target only.")
+             "at least as fast as sync); sync: draft then verify; ar: target only, and no draft is started "
+             "(so that session cannot switch to sync or async: start it again for those).")
     ] = "async",
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
@@ -259,6 +261,8 @@ def chat(
     try:
         config = engine_config(target, draft, target_devices, draft_devices, gpus, target_procs, draft_procs,
                                device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
+        if mode == "ar":  # nothing would ever ask the draft for a token
+            config = dataclasses.replace(config, draft="none")
         params = SamplingParams(mode=mode, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 max_new_tokens=max_new_tokens, stop=stop or []).validate()
     except ConfigError as e:

@@ -17,6 +17,7 @@ MODES = ("ar", "sync", "async")
 BUILTIN_DRAFTS = {
     "suffix": "the model-free suffix drafter",
     "int8": "an int8 copy of the target",
+    "none": "no draft (ar only)",
 }
 
 
@@ -113,8 +114,8 @@ class TreeParams:
 class EngineConfig:
     """What the Engine starts: models, device layout and tree policy.
 
-    target None means the embedded SmolLM2-135M-Instruct. draft is a model path or "suffix" (the
-    model-free suffix drafter). On CUDA, target_devices/draft_devices name GPU indices; on CPU,
+    target None means the embedded SmolLM2-135M-Instruct. draft is a model path, "suffix" (the
+    model-free suffix drafter), "int8", or "none" (no draft ranks: the engine answers in ``ar`` only). On CUDA, target_devices/draft_devices name GPU indices; on CPU,
     target_procs/draft_procs say how many worker processes each group gets.
     """
 
@@ -143,7 +144,7 @@ class EngineConfig:
         self.tree.validate()
         if self.target_procs < 1 or self.draft_procs < 1:
             raise ConfigError("each group needs at least one process")
-        if self.gpus is not None and self.gpus < 2:
+        if self.gpus is not None and self.gpus < 2 and self.draft != "none":
             raise ConfigError("gpus must be >= 2 (one group for the target, one for the draft)")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads must be >= 1")

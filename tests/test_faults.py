@@ -445,7 +445,7 @@ def test_fault_injection_leaves_no_process_and_the_next_start_works(target_dir, 
 # ------------------------------------------------------------------------------------- lower defects
 
 def test_a_model_directory_named_like_an_option_reaches_the_worker():
-    from swiftspec.engine.worker import parse_args
+    from swiftspec.engine.worker.setup import parse_args
 
     cfg = EngineConfig(target="-model")
     args = parse_args(launcher.worker_args(cfg, launcher.Layout(1, 1), Path("-model"), "-draft")

@@ -21,8 +21,9 @@ from tiny_models import tiny_model_dir
 
 from swiftspec.config import ConfigError, EngineConfig, SamplingParams, TreeParams
 from swiftspec.engine import launcher, protocol
+from swiftspec.engine.answer import StopMatcher
 from swiftspec.engine.client import Engine, EngineError, _accept_worker, _Tail, encode_chat
-from swiftspec.engine.worker import StopMatcher, choose_d
+from swiftspec.engine.worker.setup import choose_d
 
 PROMPTS = [
     [{"role": "user", "content": "What is 17 times 23?"}],

@@ -15,8 +15,8 @@ from tiny_models import single_thread, tiny_model_dir
 from swiftspec.config import ConfigError, SamplingParams, TreeParams
 from swiftspec.engine.decode import DraftState, TargetState, profile_verify_cost
 from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter
-from swiftspec.engine.loop import generate
 from swiftspec.engine.loader import load_model
+from swiftspec.engine.loop import generate
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.tree_cache import ContextFull, causal_mask
 
@@ -99,8 +99,9 @@ def test_self_draft_accepts_what_a_perfect_draft_could(tiny):
 
 
 def test_the_finisher_cuts_exactly(tiny):
-    """EOS kept and nothing after it, exactly max_new_tokens, exactly the context's room, a cancel at the
-    next step: in every mode, wherever the cut falls inside a step's tokens."""
+    """EOS kept and nothing after it, exactly max_new_tokens, exactly the context's room (ending with the
+    step that fills it, not one more), a cancel at the next step: in every mode, wherever the cut falls
+    inside a step's tokens."""
     target = TargetState(tiny["target"], 512)
     ar, _ = run(target, None, PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True))
     eos = ar[17]
@@ -113,14 +114,14 @@ def test_the_finisher_cuts_exactly(tiny):
         assert all(s.finish is None for s in steps[:-1])
         for n in (1, 2, 13):
             out, steps = run(target, draft(), PROMPTS[0], SamplingParams(max_new_tokens=n, ignore_eos=True), mode, 3)
-            assert out == ar[:n] and steps[-1].finish == "length", (mode, n)
+            assert out == ar[:n] and steps[-1].finish == "length" and steps[-1].tokens, (mode, n)
         room = 9
         out, steps = run(target, draft(), PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True), mode,
                          max_seq_len=len(PROMPTS[0]) + room)
-        assert out == ar[:room] and steps[-1].finish == "context", mode
+        assert out == ar[:room] and steps[-1].finish == "context" and steps[-1].tokens, mode
         asked = iter(range(100))
         out, steps = run(target, draft(), PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True), mode,
-                         cancelled=lambda: next(asked) >= 2)
+                         cancelled=lambda asked=asked: next(asked) >= 2)
         assert len(steps) == 3 and steps[-1].finish == "cancelled" and out == ar[:len(out)], mode
 
 
