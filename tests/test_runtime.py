@@ -314,14 +314,19 @@ def test_tp_logits_equal_tp1(world, tmp_path):
 # ------------------------------------------------------------------------------------ engines (slow)
 
 def reference(model_dir, messages, n: int) -> list[int]:
-    """Greedy target-only decoding in this process: what every mode must reproduce."""
-    from swiftspec.engine.decode import TargetState, generate_ar
+    """Greedy target-only decoding in this process, one token per forward and no loop code of the
+    engine's: what every mode must reproduce."""
+    from swiftspec.engine.decode import TargetState
     from swiftspec.engine.loader import load_model, load_tokenizer
+    from swiftspec.engine.sampling import Sampler
 
     ids = encode_chat(load_tokenizer(model_dir), messages)
     target = TargetState(load_model(model_dir, max_slots=len(ids) + n + 16), len(ids) + n + 16)
-    params = SamplingParams(mode="ar", max_new_tokens=n, ignore_eos=True)
-    return [t for step in generate_ar(target, ids, params) for t in step.tokens]
+    sampler = Sampler(SamplingParams())
+    tokens = [target.prefill(ids, sampler)]
+    while len(tokens) < n:
+        tokens.append(target.decode_step(tokens[-1], sampler))
+    return tokens
 
 
 def answer(engine: Engine, messages, **kw) -> tuple[list[int], str, list]:
