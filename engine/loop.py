@@ -8,9 +8,9 @@ loops this way). Only token ids and numbers leave the target loop (``emit``); th
 into text, stop strings and stats.
 
 One round, leader to leader: the draft sends a SUBTREE (tokens, parents); the target verifies it and
-answers CONT (the verdict: accepted tokens + bonus) or STOP. In ``async`` the draft expands its tree d
+answers CONT (the verdict: accepted tokens + bonus) or STOP (the last verdict). In ``async`` the draft expands its tree d
 times while the target verifies; in ``sync`` it expands d times, sends, and waits. A drafter that reads
-the target's hidden states gets them right after START (the prefill's) and after each CONT.
+the target's hidden states gets them right after START (the prefill's) and after each verdict.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finis
             v = target.verify(sub.tokens, sub.parents, sampler, hidden=features)
             tokens, reason = fin.cut(v.path)
             link.send(Message(Op.STOP if reason else Op.CONT, v.path))
-            if features and reason is None:
+            if features:
                 link.send_features(v.hidden)
             emit(Step(tokens, reason, v.accepted, v.tree_size, sub.b / 1e3 / sub.a if sub.a else 0.0, v.target_ms))
     tell(Op.END)
@@ -184,11 +184,11 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
                 exp_ms += ds.expand()
                 n_exp += 1
         msg = verdict()
+        tell(Op.REROOT, msg.tokens)  # after a STOP too: the draft then holds what the target committed
+        ds.reroot(msg.tokens, link.recv_features(len(msg.tokens), dim) if wants else None)
         if msg.kind == Op.STOP:
             tell(Op.END)
             return
-        tell(Op.REROOT, msg.tokens)
-        ds.reroot(msg.tokens, link.recv_features(len(msg.tokens), dim) if wants else None)
 
 
 class InProcessLink:

@@ -18,7 +18,8 @@ from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter
 from swiftspec.engine.loader import load_model
 from swiftspec.engine.loop import generate
 from swiftspec.engine.sampling import Sampler
-from swiftspec.engine.tree_cache import ContextFull, causal_mask
+from swiftspec.engine.tree_cache import ContextFull, causal_mask, prefill_forward
+from swiftspec.engine.worker.wire import features_from_wire, features_to_wire
 
 PROMPTS = [[5, 17, 300, 42, 8, 99], [1, 200, 201, 202, 203, 200, 201], [77] * 3 + [400, 12, 77, 77]]
 
@@ -201,3 +202,58 @@ def test_sync_greedy_equals_ar_embedded(embedded_dir, embedded_tokenizer):
         accepted += sum(s.accepted for s in steps)
         verifications += len(steps) - 1
     assert accepted / verifications > 0.3  # the suffix drafter does find repeats
+
+
+class FeatureReader(ModelDrafter):
+    """A drafter that reads the target's hidden states and keeps what it got, position by position."""
+
+    wants_features = True
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.seen: dict[int, tuple[int, torch.Tensor]] = {}  # position: (token, hidden state)
+        self.starts: list[int] = []
+
+    def prefill(self, tokens, reuse, features):
+        super().prefill(tokens, reuse, features)
+        assert features.hidden.shape[0] == len(tokens) - features.start
+        self.starts.append(features.start)
+        self.seen.update((p, (tokens[p], features.hidden[p - features.start])) for p in range(features.start, len(tokens)))
+        self.n = len(tokens)
+
+    def extend(self, tokens, features):
+        super().extend(tokens, features)
+        assert features.shape[0] == len(tokens)
+        self.seen.update((self.n + i, (t, features[i])) for i, t in enumerate(tokens))
+        self.n += len(tokens)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_feature_reading_drafter_gets_the_targets_hidden_states(tiny, mode, monkeypatch):
+    """Prefill features (across prefill chunks, from the target's reuse point on a second turn) and one
+    row per newly verified token, each equal to the target's hidden state at that position."""
+    monkeypatch.setattr("swiftspec.engine.tree_cache.PREFILL_CHUNK", 4)
+    target = TargetState(tiny["target"], 512)
+    reader = FeatureReader(load_model(tiny_model_dir(seed=1), max_slots=1024))  # the target's weights
+    draft = DraftState(reader, TreeParams(bs=6, w=3))
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    turn1, _ = run(target, draft, PROMPTS[2], params, mode)
+    prompt2 = PROMPTS[2] + turn1 + [9, 8, 7]
+    turn2, steps = run(target, draft, prompt2, params, mode)
+    assert reader.starts == [0, len(prompt2) - target.prefill_tokens] and target.prefill_tokens <= 4
+    assert sum(s.accepted for s in steps) > 0
+    seq = prompt2 + turn2
+    ref_model = load_model(tiny_model_dir(seed=1), max_slots=512)
+    _, ref = prefill_forward(ref_model, seq, 0, logits=False, hidden=True)
+    # every position the draft holds, except the last verified one, whose row comes with the next verdict
+    assert sorted(reader.seen) == list(range(reader.n)) and reader.n >= len(seq) - 1 - 8
+    for p, (token, hidden) in reader.seen.items():
+        assert token == seq[p]
+        torch.testing.assert_close(hidden, ref[p], atol=1e-4, rtol=1e-4)
+
+
+def test_features_cross_the_wire_as_float16():
+    hidden = torch.randn(5, 64) * 3
+    wire = features_to_wire(hidden)
+    assert wire.dtype == torch.int16 and wire.shape == (5, 64)
+    assert torch.equal(features_from_wire(wire), hidden.half().float())
