@@ -98,8 +98,8 @@ TargetOpt = Annotated[Path | None, _opt(
          "Default: the embedded SmolLM2-135M.")]
 DraftOpt = Annotated[str, _opt(
     "--draft", panel=MODEL, metavar="DRAFT", autocompletion=_complete_draft,
-    help="A draft model PATH sharing the target's tokenizer, 'suffix' for the model-free suffix drafter, or "
-         "'int8' for a dynamic-int8 copy of the target (CPU).")]
+    help="A draft model PATH sharing the target's tokenizer, 'suffix' for the model-free suffix drafter, "
+         "'int8' for a dynamic-int8 copy of the target (CPU), or 'none' (no draft processes: ar only).")]
 TargetDevicesOpt = Annotated[str | None, _opt(
     "--target-devices", panel=MODEL, metavar="GPUS",
     help="GPU indices of the target group, e.g. 0,1 (tensor parallel over them).")]

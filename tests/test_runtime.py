@@ -167,6 +167,9 @@ def test_plan_layout():
         launcher.plan_layout(EngineConfig(draft="/m", target_devices=[0, 5], draft_devices=[1]), 4)
     with pytest.raises(ConfigError, match="no CUDA"):
         launcher.plan_layout(EngineConfig(device="cuda"), 0)
+    # no draft (--mode ar): no draft ranks, every GPU asked for goes to the target
+    assert launcher.plan_layout(EngineConfig(draft="none", target_procs=2), 0) == launcher.Layout(2, 0)
+    assert launcher.plan_layout(EngineConfig(draft="none", gpus=1), 4) == launcher.Layout(1, 0, [0], [])
 
 
 @pytest.mark.parametrize("n_gpus", [1, 2, 4, 8])
@@ -384,14 +387,17 @@ def engine(request, target_dir):
 def test_every_mode_equals_target_greedy(engine, references):
     roles = [r.role for r in engine.info.ranks]
     assert roles[-1] == "draft" and set(roles[:-1]) == {"target"}
-    assert 1 <= engine.info.d <= 16
+    info = engine.info
+    assert info.d_auto and info.d == choose_d(info.t_verify_ms, info.t_expand_ms)
     for messages, ref in zip(PROMPTS, references, strict=True):
         for mode in ("async", "ar", "sync"):
             tokens, _, events = answer(engine, messages, mode=mode, max_new_tokens=N_TOKENS, ignore_eos=True)
             assert tokens == ref, (mode, messages)
             assert events[-1].finish_reason == "length"
             if mode != "ar":
-                assert events[-1].stats.d == engine.info.d and events[-1].stats.mean_accepted >= 1
+                verified = [e.stats for e in events if e.stats.tree_size]
+                assert events[-1].stats.d == engine.info.d and events[-1].stats.mean_accepted == pytest.approx(
+                    sum(s.accepted + 1 for s in verified) / len(verified))
 
 
 @pytest.mark.slow
@@ -483,6 +489,16 @@ def test_ctrl_c_cancels_and_the_engine_stays_usable(self_engine, references):
     assert self_engine.alive
     tokens, _, _ = answer(self_engine, PROMPTS[0], max_new_tokens=N_TOKENS, ignore_eos=True)
     assert tokens == references[0]
+
+
+@pytest.mark.slow
+def test_an_engine_without_draft_runs_the_target_alone(target_dir, references):
+    with start(target_dir, "none") as eng:
+        assert [r.role for r in eng.info.ranks] == ["target"] and eng.info.draft == "none"
+        assert answer(eng, PROMPTS[0], mode="ar", max_new_tokens=N_TOKENS, ignore_eos=True)[0] == references[0]
+        with pytest.raises(EngineError, match="without one"):
+            eng.generate(PROMPTS[0], SamplingParams(mode="sync"))
+    assert no_processes_left(eng)
 
 
 @pytest.mark.slow
