@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from torch import Tensor
 
+from swiftspec.engine.loader import load_tokenizer
 from swiftspec.engine.tree import TokenTree
 from swiftspec.engine.tree_cache import TreeKVCache, prefill_forward
 
@@ -188,3 +191,17 @@ class SuffixDrafter:
             best = sorted(counts.items(), key=lambda kv: -kv[1])[:k]
             out.append([(t, math.log(c * scale)) for t, c in best])
         return out
+
+
+def make_drafter(kind: str, target_dir: Path, trust_remote_code: bool, history: bool,
+                 load: Callable[[Path, bool], object]) -> Drafter:
+    """The one place a draft kind becomes a drafter: "suffix", "int8" (the target, dynamic int8) or a
+    model directory. ``load(path, int8)`` loads a draft model on this rank; ``history``: the suffix
+    drafter also drafts from earlier conversations."""
+    if kind == "suffix":
+        return SuffixDrafter(history_tokens=SuffixDrafter.HISTORY_TOKENS if history else 0)
+    if kind == "int8":
+        return ModelDrafter(load(target_dir, True))
+    vocab = check_vocab_compatible(load_tokenizer(target_dir, trust_remote_code),
+                                   load_tokenizer(Path(kind), trust_remote_code))
+    return ModelDrafter(load(Path(kind), False), vocab)

@@ -19,7 +19,7 @@ from swiftspec.config import ConfigError, SamplingParams, TreeParams
 from swiftspec.engine import launcher
 from swiftspec.engine.cuda_graphs import GraphedModel
 from swiftspec.engine.decode import DraftState, TargetState, profile_verify_cost
-from swiftspec.engine.drafters import Features, ModelDrafter, SuffixDrafter, check_vocab_compatible
+from swiftspec.engine.drafters import Features, make_drafter
 from swiftspec.engine.loader import eos_token_ids, load_model, load_tokenizer, read_args
 from swiftspec.engine.loop import Message, Op
 from swiftspec.engine.protocol import RankInfo
@@ -219,15 +219,8 @@ def load(ctx: Ctx) -> None:
             ctx.tokenizer = load_tokenizer(target_dir, args.trust_remote_code)
             ctx.eos = set(eos_token_ids(target_dir, ctx.tokenizer))
     else:
-        if args.draft == "suffix":
-            drafter = SuffixDrafter(history_tokens=SuffixDrafter.HISTORY_TOKENS if args.draft_history else 0)
-        elif args.draft == "int8":
-            drafter = ModelDrafter(model_for(target_dir, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8=True))
-        else:
-            draft_dir = Path(args.draft)
-            vocab = check_vocab_compatible(load_tokenizer(target_dir, args.trust_remote_code),
-                                           load_tokenizer(draft_dir, args.trust_remote_code))
-            drafter = ModelDrafter(model_for(draft_dir, slots + DRAFT_TREE_SLOTS, ctx.draft_group), vocab)
+        drafter = make_drafter(args.draft, target_dir, args.trust_remote_code, args.draft_history,
+                               lambda path, int8: model_for(path, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8))
         if drafter.wants_features and ctx.tp_world > 1:
             raise ConfigError("a draft that reads the target's hidden states runs on one draft rank only")
         ctx.draft = DraftState(drafter, TreeParams(args.bs, args.w, args.d))
