@@ -29,8 +29,12 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from swiftspec.config import SamplingParams, StepEvent
 
 VERSION = 1
 ENV_ADDR = "SWIFTSPEC_ENGINE_ADDR"  # host:port of the Engine's listening socket
@@ -239,3 +243,21 @@ class EngineInfo:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineInfo:
         return cls(**{**data, "ranks": [RankInfo(**r) for r in data["ranks"]]})
+
+
+@runtime_checkable
+class EngineAPI(Protocol):
+    """What the TUI, scripted mode and bench use of an engine: the Engine, or a test's fake."""
+
+    info: EngineInfo
+
+    def generate(self, messages: list[dict], params: SamplingParams | None = None) -> Iterator[StepEvent]: ...
+
+    def count_tokens(self, messages: list[dict]) -> int: ...
+
+    def cancel(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    @property
+    def alive(self) -> bool: ...
