@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = resolve_model_dir(None, quiet=True)
+    model_dir = resolve_model_dir(None)
     model = load_model(model_dir, max_slots=2048)
     tokenizer = load_tokenizer(model_dir)
 

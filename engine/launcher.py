@@ -168,6 +168,8 @@ def worker_args(config: EngineConfig, layout: Layout, target_dir: Path, draft: s
         args.append("--trust-remote-code")
     if not config.draft_history:
         args.append("--no-draft-history")
+    if config.verify_cost:
+        args.append("--verify-cost")
     if layout.cuda:
         args += ["--target-devices", ",".join(map(str, layout.target_devices or []))]
         args += ["--draft-devices", ",".join(map(str, layout.draft_devices or []))]

@@ -551,7 +551,7 @@ def hf_assist(config: EngineConfig) -> dict[str, Any]:
         return {"prompt_lookup_num_tokens": max(1, config.tree.bs - 1)}
     from swiftspec.engine.loader import resolve_model_dir
 
-    return {"assistant_model": str(resolve_model_dir(config.draft, quiet=True))}
+    return {"assistant_model": str(resolve_model_dir(config.draft))}
 
 
 def describe_decoding(params: SamplingParams) -> str:
@@ -705,7 +705,7 @@ def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompt
     with contextlib.ExitStack() as stack:
         info: EngineInfo | None = None
         runners: dict[str, Runner] = {}
-        model_dir = resolve_model_dir(config.target)
+        model_dir = resolve_model_dir(config.target, say)
         tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
         eos = eos_token_ids(model_dir, tokenizer)
         if any(m in HF_MODES for m in mode_list):

@@ -361,11 +361,11 @@ def _chat_scripted(config, params, system, context, prompt, each_line, jsonl, re
 
 def _prepare_models(config: EngineConfig) -> None:
     """Before the TUI takes the terminal: a missing or broken model is a usage error, and a GGUF file (the
-    embedded default included) is converted now, once, with its progress bar, rather than unseen."""
+    embedded default included) is converted now, once, its stages shown on stderr, rather than unseen."""
     from swiftspec.engine.loader import resolve_model_dir
 
     for spec in [config.target] + ([config.draft] if config.draft not in BUILTIN_DRAFTS else []):
-        resolve_model_dir(spec)
+        resolve_model_dir(spec, progress=lambda line: typer.echo(f"swiftspec: {line}", err=True))
 
 
 def _start_engine(config: EngineConfig, progress):

@@ -137,6 +137,9 @@ class EngineConfig:
     # The suffix drafter also drafts from earlier conversations of the session (a model reuses its own
     # phrasing). Off for benchmarks, where the same prompt runs once per mode.
     draft_history: bool = True
+    # Verify only as many of the bs best nodes as are worth their profiled target cost (DraftState.
+    # verify_cost). Off: with the suffix drafter on a CPU it did not measurably help.
+    verify_cost: bool = False
     startup_timeout_s: float = 600.0
     threads: int | None = None  # CPU threads in all; None = every core
 

@@ -44,7 +44,7 @@ def test_conversion_happens_once(embedded_dir, monkeypatch):
         raise AssertionError("converted again")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_gguf)
-    assert resolve_model_dir(None, quiet=True) == embedded_dir
+    assert resolve_model_dir(None) == embedded_dir
     load_model(embedded_dir, max_slots=256)
     load_tokenizer(embedded_dir)
 
@@ -71,7 +71,7 @@ def test_interrupted_conversion_leaves_no_cache_entry(tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", killed)
     with pytest.raises(KeyboardInterrupt):
-        embedded.ensure_converted(embedded.embedded_gguf_path(), quiet=True)
+        embedded.ensure_converted(embedded.embedded_gguf_path())
     assert list((tmp_path / "converted").iterdir()) == []
 
 

@@ -22,8 +22,9 @@ from tiny_models import tiny_model_dir
 from swiftspec.config import ConfigError, EngineConfig, SamplingParams, TreeParams
 from swiftspec.engine import launcher, protocol
 from swiftspec.engine.answer import StopMatcher
-from swiftspec.engine.client import Engine, EngineError, _accept_worker, _Tail, encode_chat
-from swiftspec.engine.worker.setup import choose_d
+from swiftspec.engine.client import Engine, EngineError, _accept_worker, encode_chat
+from swiftspec.engine.failures import WorkerOutput
+from swiftspec.engine.worker.setup import choose_d, parse_args
 
 PROMPTS = [
     [{"role": "user", "content": "What is 17 times 23?"}],
@@ -140,7 +141,7 @@ def test_engine_refuses_impostors_and_keeps_waiting_for_its_worker(tmp_path):
     worker = _run(lambda: (time.sleep(0.3), protocol.connect(addr, key))[1])
     r, w = os.pipe()
     os.close(w)
-    tail = _Tail(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=1)
+    tail = WorkerOutput(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=1)
     conn = _accept_worker(listener, key, _Running(), tail, time.monotonic() + 10)
     with pytest.raises(protocol.AuthError, match="refused"):
         impostor()
@@ -209,7 +210,7 @@ def test_process_groups_refuse_a_shared_gpu_inside_one_group():
 
 
 def test_build_command():
-    cfg = EngineConfig(tree=TreeParams(bs=6, w=4, d=3), threads=2, trust_remote_code=True)
+    cfg = EngineConfig(tree=TreeParams(bs=6, w=4, d=3), threads=2, trust_remote_code=True, verify_cost=True)
     worker = launcher.worker_args(cfg, launcher.Layout(2, 1), "/models/t", "suffix")
     cmd = launcher.build_command(worker, 3, Path("/run/x"))
     assert cmd[1:4] == ["-m", "swiftspec.engine.torchrun", "--nproc-per-node=3"]
@@ -218,6 +219,8 @@ def test_build_command():
     tail = cmd[cmd.index("swiftspec.engine.worker") + 1:]
     assert tail[:4] == ["--target=/models/t", "--draft=suffix", "--target-procs", "2"]
     assert {"--tree-bs", "6", "--tree-w", "4", "--tree-d", "3", "--threads", "2"} <= set(tail)
+    args = parse_args(worker)  # the worker reads them as meant
+    assert (args.bs, args.w, args.d, args.threads, args.verify_cost, args.draft_history) == (6, 4, 3, 2, True, True)
     from torch.distributed.run import get_args_parser
 
     parsed = get_args_parser().parse_args(cmd[3:])  # torchrun must hand every worker flag through
@@ -628,7 +631,7 @@ def test_failure_report_names_the_worker_and_the_log(tmp_path, output, n_target,
     r, w = os.pipe()
     os.write(w, output.encode())
     os.close(w)
-    tail = _Tail(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=n_target)
+    tail = WorkerOutput(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=n_target)
     message = tail.report("lost the connection to the workers", _Exited())
     assert message.startswith(said), message
     assert message.endswith(str(tmp_path / "workers.log")) and "exitcode" not in message
