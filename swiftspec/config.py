@@ -138,7 +138,7 @@ class EngineConfig:
     # phrasing). Off for benchmarks, where the same prompt runs once per mode.
     draft_history: bool = True
     # Verify only as many of the bs best nodes as are worth their profiled target cost (DraftState.
-    # verify_cost). Off: with the suffix drafter on a CPU it did not measurably help.
+    # verify_cost). Off until it is shown to help (benchmarks/sync_vs_ar.py --cost measures it).
     verify_cost: bool = False
     startup_timeout_s: float = 600.0
     threads: int | None = None  # CPU threads in all; None = every core
