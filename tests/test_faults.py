@@ -208,7 +208,7 @@ def test_bad_requests_leave_the_engine_usable(target_dir):
 
 # --------------------------------------------------------------------------- the embedded conversion
 
-def _fake_convert(gguf, out, console) -> None:
+def _fake_convert(gguf, out, say) -> None:
     """Stands in for the 25 s dequantisation: a small but well-formed converted directory."""
     import torch
     from safetensors.torch import save_file
