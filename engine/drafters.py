@@ -1,25 +1,32 @@
-"""Drafters: what proposes the children of tree leaves, behind one small interface.
-
-A drafter has a ``cache`` (a TreeKVCache; model-free drafters keep bookkeeping only) and three methods:
-
-* ``prefill(tokens, reuse)`` — the committed context is now ``tokens``; its first ``reuse`` tokens were
-  already committed before, so their KV is kept (a model-free drafter compares the context itself);
-* ``extend(tokens)`` — these verified tokens were appended to the committed context;
-* ``propose(expansion, k)`` — for each leaf of the expansion, up to k (token, log-prob) children, most
-  probable first. A model drafter computes the KV of the expansion's rows as a side effect.
-"""
+"""Drafters: what proposes the children of tree leaves, behind one small interface (``Drafter``), and
+``make_drafter``, the one place that turns a draft kind into a drafter."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
+from torch import Tensor
+
+from swiftspec.engine.loader import load_tokenizer
 from swiftspec.engine.tree import TokenTree
 from swiftspec.engine.tree_cache import TreeKVCache, prefill_forward
 
 
 class VocabMismatch(ValueError):
     """The draft does not share the target's vocabulary, so its proposals would be garbage."""
+
+
+@dataclass
+class Features:
+    """The target's final hidden states at positions start..start + len(hidden) - 1 of a prompt: the
+    positions its prefill recomputed (start = its own reuse point)."""
+
+    start: int
+    hidden: Tensor  # [n, target dim]
 
 
 @dataclass
@@ -34,6 +41,27 @@ class Expansion:
     def paths(self) -> list[list[int]]:
         """Per leaf, the tokens from the root to the leaf."""
         return [[self.tree.token[a] for a in self.tree.path_to(leaf)] for leaf in self.leaves]
+
+
+class Drafter(Protocol):
+    """A drafter has a ``cache`` (a TreeKVCache; model-free drafters keep bookkeeping only) and says
+    whether it reads the target's hidden states (``wants_features``: then the target computes them and
+    sends them along; otherwise the ``features`` arguments are None)."""
+
+    cache: TreeKVCache
+    wants_features: bool
+
+    def prefill(self, tokens: list[int], reuse: int, features: Features | None) -> None:
+        """The committed context is now ``tokens``; its first ``reuse`` tokens were already committed
+        before, so their KV is kept (a model-free drafter compares the context itself)."""
+
+    def extend(self, tokens: list[int], features: Tensor | None) -> None:
+        """These verified tokens were appended to the committed context; ``features`` [len(tokens), dim]
+        are the target's hidden states of exactly these tokens."""
+
+    def propose(self, exp: Expansion, k: int) -> list[list[tuple[int, float]]]:
+        """For each leaf of the expansion, up to k (token, log-prob) children, most probable first. A
+        model drafter computes the KV of the expansion's rows as a side effect."""
 
 
 def check_vocab_compatible(target_tokenizer, draft_tokenizer) -> int:
@@ -53,6 +81,8 @@ def check_vocab_compatible(target_tokenizer, draft_tokenizer) -> int:
 class ModelDrafter:
     """A Llama-family draft model with its own evolving tree cache."""
 
+    wants_features = False
+
     def __init__(self, model, vocab_size: int | None = None):
         """vocab_size: the shared vocabulary (see check_vocab_compatible); padded ids beyond it are never
         proposed."""
@@ -60,10 +90,10 @@ class ModelDrafter:
         self.cache = TreeKVCache(model)
         self.vocab_size = vocab_size or model.args.vocab_size
 
-    def prefill(self, tokens: list[int], reuse: int) -> None:
+    def prefill(self, tokens: list[int], reuse: int, features: Features | None = None) -> None:
         prefill_forward(self.model, tokens[reuse:], reuse, logits=False)
 
-    def extend(self, tokens: list[int]) -> None:
+    def extend(self, tokens: list[int], features: Tensor | None = None) -> None:
         pass  # the KV of verified tokens is moved by the cache commit
 
     def propose(self, exp: Expansion, k: int) -> list[list[tuple[int, float]]]:
@@ -118,6 +148,7 @@ class SuffixDrafter:
     """
 
     HISTORY_TOKENS = 200_000
+    wants_features = False
 
     def __init__(self, max_order: int = 16, confidence: float = 2.0, history_tokens: int = HISTORY_TOKENS):
         self.max_order = max_order
@@ -127,7 +158,7 @@ class SuffixDrafter:
         self.context = SuffixIndex(max_order)
         self.history = SuffixIndex(max_order)
 
-    def prefill(self, tokens: list[int], reuse: int) -> None:
+    def prefill(self, tokens: list[int], reuse: int, features: Features | None = None) -> None:
         old = self.context.tokens
         if tokens[:len(old)] != old:  # another conversation, or an edited one: index it afresh
             if len(self.history.tokens) + len(old) > self.history_tokens:
@@ -137,7 +168,7 @@ class SuffixDrafter:
             self.context = SuffixIndex(self.max_order)
         self.context.extend(tokens[len(self.context.tokens):])
 
-    def extend(self, tokens: list[int]) -> None:
+    def extend(self, tokens: list[int], features: Tensor | None = None) -> None:
         self.context.extend(tokens)
 
     def lookup(self, context: list[int]) -> tuple[dict[int, int], int]:
@@ -160,3 +191,17 @@ class SuffixDrafter:
             best = sorted(counts.items(), key=lambda kv: -kv[1])[:k]
             out.append([(t, math.log(c * scale)) for t, c in best])
         return out
+
+
+def make_drafter(kind: str, target_dir: Path, trust_remote_code: bool, history: bool,
+                 load: Callable[[Path, bool], object]) -> Drafter:
+    """The one place a draft kind becomes a drafter: "suffix", "int8" (the target, dynamic int8) or a
+    model directory. ``load(path, int8)`` loads a draft model on this rank; ``history``: the suffix
+    drafter also drafts from earlier conversations."""
+    if kind == "suffix":
+        return SuffixDrafter(history_tokens=SuffixDrafter.HISTORY_TOKENS if history else 0)
+    if kind == "int8":
+        return ModelDrafter(load(target_dir, True))
+    vocab = check_vocab_compatible(load_tokenizer(target_dir, trust_remote_code),
+                                   load_tokenizer(Path(kind), trust_remote_code))
+    return ModelDrafter(load(Path(kind), False), vocab)

@@ -7,6 +7,7 @@ path is ever resolved against a hub, and remote code is never trusted unless the
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,12 +21,13 @@ class LoadError(ValueError):
     """A model or tokenizer could not be loaded; the message names what is wrong."""
 
 
-def resolve_model_dir(spec: str | None, quiet: bool = False) -> Path:
-    """None → the embedded default; a .gguf file → its converted directory; a directory → itself."""
+def resolve_model_dir(spec: str | None, progress: Callable[[str], None] | None = None) -> Path:
+    """None → the embedded default; a .gguf file → its converted directory (converted once, stages
+    reported to ``progress``); a directory → itself."""
     from swiftspec import embedded
 
     if spec is None:
-        return embedded.ensure_converted(embedded.embedded_gguf_path(), quiet=quiet)
+        return embedded.ensure_converted(embedded.embedded_gguf_path(), progress=progress)
     path = Path(spec).expanduser()
     if path.is_symlink() and not path.exists():
         try:
@@ -37,7 +39,7 @@ def resolve_model_dir(spec: str | None, quiet: bool = False) -> Path:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise LoadError(f"{spec!r} is a file but not a .gguf file; pass a model directory or a GGUF file")
-        return embedded.ensure_converted(path, quiet=quiet)
+        return embedded.ensure_converted(path, progress=progress)
     if not (path / "config.json").is_file():
         raise LoadError(f"{spec!r} has no config.json: not a Hugging Face model directory")
     read_args(path)
