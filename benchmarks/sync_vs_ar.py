@@ -2,8 +2,8 @@
 ``ar`` — tokens/s per prompt from interleaved runs (median ratio), mean accepted tokens per verification
 and acceptance rate. Every sync output is checked against ar's, token for token.
 
-Times are given twice: wall clock, and this thread's CPU time (with one torch thread all the math runs on
-it), which is what to read when other processes share the cores.
+Times are given twice: wall clock, and this process's CPU time (with one torch thread all the math runs on
+one core at a time), which is what to read when other processes share the cores.
 
     .venv/bin/python benchmarks/sync_vs_ar.py [--threads 1] [--prompts 12] [--tokens 128] [--cost]
 """
@@ -14,14 +14,16 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from swiftspec.config import SamplingParams, TreeParams
-from swiftspec.engine.decode import DraftState, TargetState, generate_ar, generate_sync, profile_verify_cost
+from swiftspec.engine.decode import DraftState, TargetState, profile_verify_cost
 from swiftspec.engine.drafters import SuffixDrafter
 from swiftspec.engine.loader import load_model, load_tokenizer, resolve_model_dir
+from swiftspec.engine.loop import generate
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.tree import target_inputs
 
@@ -65,7 +67,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = resolve_model_dir(None, quiet=True)
+    model_dir = resolve_model_dir(None)
     model = load_model(model_dir, max_slots=2048)
     tokenizer = load_tokenizer(model_dir)
 
@@ -86,13 +88,11 @@ def main() -> None:
         runs = {}
         for mode in (("ar", "sync") if i % 2 == 0 else ("sync", "ar")):
             draft = DraftState(SuffixDrafter(), TreeParams(bs=args.bs), verify_cost=cost)
-            gen = generate_ar(target, prompt, params) if mode == "ar" else \
-                generate_sync(target, draft, prompt, params, args.d)
-            first = next(gen)  # the prefill (same work in both modes) is left out of the timing
-            t0, c0 = time.perf_counter(), time.thread_time()
-            steps = [first, *gen]
-            runs[mode] = ([t for s in steps for t in s.tokens], time.perf_counter() - t0,
-                          time.thread_time() - c0, steps)
+            t0, c0 = time.perf_counter(), time.process_time()
+            steps = generate(target, None if mode == "ar" else draft, prompt, replace(params, mode=mode), args.d)
+            prefill = steps[0].target_ms / 1e3  # the same work in both modes: left out of the timing
+            runs[mode] = ([t for s in steps for t in s.tokens], time.perf_counter() - t0 - prefill,
+                          time.process_time() - c0 - prefill, steps)
         ar, sync = runs["ar"], runs["sync"]
         same += ar[0] == sync[0]
         speed.append(ar[1] / sync[1])  # same token count: the tokens/s ratio is the time ratio

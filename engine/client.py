@@ -13,26 +13,23 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import itertools
-import os
 import queue
-import re
-import signal
 import socket
 import subprocess
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from swiftspec.config import BUILTIN_DRAFTS, EngineConfig, SamplingParams, StepEvent, StepStats
+from swiftspec.config import BUILTIN_DRAFTS, EngineConfig, SamplingParams, StepEvent
 from swiftspec.engine import launcher, protocol
-from swiftspec.engine.protocol import EngineInfo
+from swiftspec.engine.answer import Answer
+from swiftspec.engine.failures import WorkerOutput, worker_log_path
+from swiftspec.engine.protocol import EngineInfo, Step
 
 POLL_S = 0.25  # how often a blocked receive looks at the worker processes
 CLOSE_GRACE_S = 1.0  # for a clean exit after "shutdown", before signals
-TORCHRUN_REPORT_S = 3.0  # after a failure, for torchrun to find which worker failed and end the rest
 # After Ctrl-C, the workers stop at their next step; not stopped after this long, they are taken for hung
 # (only a long prefill of a big model on CPU takes longer, and Ctrl-C asked to stop anyway).
 CANCEL_TIMEOUT_S = 10.0
@@ -61,98 +58,6 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
-def _event(data: dict) -> StepEvent:
-    return StepEvent(token_ids=list(data["token_ids"]), text=data["text"], stats=StepStats(**data["stats"]),
-                     finished=bool(data["finished"]), finish_reason=data["finish_reason"])
-
-
-def worker_log_path() -> Path:
-    """Where this Engine's workers' whole output goes: named in every error, removed after a clean close."""
-    from swiftspec.embedded import cache_dir
-
-    return cache_dir() / "logs" / f"workers-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-class _Tail:
-    """Keeps the last lines the workers wrote (stdout and stderr together), read by a thread, and writes
-    every line to a log file for the full story."""
-
-    def __init__(self, stream, log_path: Path, n_target: int):
-        self.lines: deque[str] = deque(maxlen=400)
-        self.log_path, self.n_target = log_path, n_target
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log_path.open("w", encoding="utf-8")
-        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True, name="worker-output")
-        self.thread.start()
-
-    def _read(self, stream) -> None:
-        with self._log:
-            for raw in iter(stream.readline, b""):
-                line = raw.decode(errors="replace").rstrip("\n")
-                self.lines.append(line)
-                self._log.write(line + "\n")
-                self._log.flush()
-        stream.close()
-
-    def failed_worker(self) -> tuple[int, int] | None:
-        """(rank, exit code) of the worker that failed first, from torchrun's report. When one worker dies
-        its peers fail too, on a broken connection, so the likeliest cause is a worker killed by a signal
-        other than torchrun's own SIGTERM, then one that did not fail on a connection, then the one
-        torchrun names as the root cause."""
-        text = "\n".join(self.lines)
-        block = r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)"
-        root = [(int(r), int(c)) for r, c in re.findall(block, text.partition("Root Cause")[2])]
-        found = root + [(int(r), int(c)) for r, c in re.findall(block, text)]
-        found += [(int(r), int(c)) for c, r in re.findall(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", text)]
-
-        def unlikely(failure: tuple[int, int]) -> tuple[bool, bool]:
-            rank, code = failure
-            head = self.headline(rank) or ""
-            return not (code < 0 and code != -signal.SIGTERM), "gloo" in head or "Connection" in head
-
-        return min(found, key=unlikely) if found else None  # min keeps the first of equals: root first
-
-    def report(self, why: str, torchrun: subprocess.Popen) -> str:
-        """An error message: which worker failed and how (else what was noticed), its last exception line,
-        the log's path. First gives torchrun a moment to notice the failure itself and say which worker."""
-        try:
-            torchrun.wait(timeout=TORCHRUN_REPORT_S)
-        except subprocess.TimeoutExpired:
-            pass
-        self.thread.join(1.0)  # the workers' last words usually come right after a failure is noticed
-        failed = self.failed_worker()
-        if failed is None:
-            head = self.headline()
-            lines = [why] + ([head] if head and head not in why else [])
-        else:
-            rank, code = failed
-            role = "target" if rank < self.n_target else "draft"
-            when = " during start-up" if "start" in why else ""
-            head = self.headline(rank)
-            lines = [f"the {role} worker (rank {rank}) {describe_exit(code)}{when}"] + ([head] if head else [])
-        return "\n".join(lines + [f"the workers' full output: {self.log_path}"])
-
-    def headline(self, rank: int | None = None) -> str | None:
-        """An exception line, e.g. ``LoadError: ...``: of one rank (its lines start "[rank1]:") the last,
-        the outermost of a chain; of any rank the first, since the rank that failed first says why and the
-        others then only report their lost connections to it."""
-        prefix = "" if rank is None else f"[rank{rank}]:"
-        for line in (self.lines if rank is None else reversed(self.lines)):
-            m = re.search(r"\b(\w+(Error|Exception|Interrupt)): (.+)", line)
-            if m and line.startswith(prefix) and "ChildFailedError" not in m.group(1):
-                return f"{m.group(1)}: {m.group(3)}"
-        return None
-
-
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
@@ -170,7 +75,7 @@ class Engine:
     the profiled step times it came from, bs, w, context length, backend. ``tokenizer``: the target's.
     """
 
-    def __init__(self, config: EngineConfig, proc: subprocess.Popen, conn: protocol.Connection, tail: _Tail,
+    def __init__(self, config: EngineConfig, proc: subprocess.Popen, conn: protocol.Connection, tail: WorkerOutput,
                  pgids: set[int], run_dir: Path, info: EngineInfo, tokenizer):
         self.config, self.info, self.tokenizer = config, info, tokenizer
         self._proc, self._conn, self._tail, self._pgids, self._run_dir = proc, conn, tail, pgids, run_dir
@@ -200,8 +105,8 @@ class Engine:
         config = (config or EngineConfig()).validate()
         say = progress or (lambda _text: None)
         say("resolving the models")
-        target_dir = resolve_model_dir(config.target)
-        draft = resolve_draft(config.draft, target_dir)
+        target_dir = resolve_model_dir(config.target, say)
+        draft = resolve_draft(config.draft, target_dir, say)
         head = draft not in BUILTIN_DRAFTS and is_head_dir(Path(draft))
         models = [target_dir] + ([] if head or draft in BUILTIN_DRAFTS else [Path(draft)])
         limit = min(read_args(Path(d)).context_limit for d in models)
@@ -228,7 +133,7 @@ class Engine:
         except BaseException:
             launcher.remove_run_dir(run_dir)
             raise
-        tail = _Tail(proc.stdout, worker_log_path(), layout.n_target)
+        tail = WorkerOutput(proc.stdout, worker_log_path(), layout.n_target)
         pgids = {proc.pid}
         conn = None
         try:
@@ -264,6 +169,9 @@ class Engine:
         that do not stop within CANCEL_TIMEOUT_S of a Ctrl-C, or a second Ctrl-C, end the worker group.
         """
         params = (params or SamplingParams()).validate()
+        if params.mode != "ar" and self.info.draft == "none":
+            raise EngineError(f"mode {params.mode} needs a draft, but this engine was started without one "
+                              "(--mode ar): start it again with another --mode")
         ids = encode_chat(self.tokenizer, messages)
         if len(ids) >= self.info.context_length:
             raise EngineError(f"the conversation is {len(ids)} tokens, but the context length is "
@@ -280,13 +188,17 @@ class Engine:
         rid = next(self._ids)
         self._current = rid
         self._send("generate", id=rid, token_ids=ids, params=params.to_dict())
+        answer = Answer(self.tokenizer, params.stop, 0 if params.mode == "ar" else self.info.d)
         try:
             while True:
                 if self._current != rid:
                     raise EngineError("this answer was abandoned for a newer generate() call")
-                event = self._next_event(rid)
-                if event.finished:
+                step = self._next_step(rid)
+                event = answer.event(step)
+                if step.finish is not None:
                     self._current = None
+                elif event.finished:  # a stop string: the workers stop at their next step
+                    self.cancel()
                 yield event
                 if event.finished:
                     return
@@ -318,7 +230,7 @@ class Engine:
             return
         self.cancel()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self._next_event(rid, deadline).finished:
+        while self._next_step(rid, deadline).finish is None:
             pass
         self._current = None
 
@@ -328,7 +240,7 @@ class Engine:
         self._current = None
         self._end_processes(grace_s=0.5)
 
-    def _next_event(self, rid: int, deadline: float | None = None) -> StepEvent:
+    def _next_step(self, rid: int, deadline: float | None = None) -> Step:
         while True:
             try:
                 msg = self._conn.recv(POLL_S)
@@ -339,8 +251,8 @@ class Engine:
                 if deadline is not None and time.monotonic() > deadline:
                     self._fail("the workers did not stop after a cancel: they are hung and were ended")
                 continue
-            if msg["type"] == "event" and msg.get("id") == rid:
-                return _event(msg["event"])
+            if msg["type"] == "step" and msg.get("id") == rid:
+                return Step.from_dict(msg["step"])
             if msg["type"] == "error":
                 if msg.get("fatal", True):
                     self._fail(f"a worker failed: {msg.get('message')}")
@@ -435,7 +347,7 @@ def _target_name(config: EngineConfig, layout: launcher.Layout, target_dir: Path
 MAX_PENDING_HANDSHAKES = 32  # connections still proving themselves; more are closed at once
 
 
-def _accept_worker(listener: socket.socket, key: str, proc: subprocess.Popen, tail: _Tail,
+def _accept_worker(listener: socket.socket, key: str, proc: subprocess.Popen, tail: WorkerOutput,
                    deadline: float) -> protocol.Connection:
     """Waits for the leader to connect and authenticate. Every connection gets its handshake in a thread
     of its own, with its own deadline, so idle or slow peers cannot hold up the leader's; peers without
@@ -485,7 +397,7 @@ def _accept_worker(listener: socket.socket, key: str, proc: subprocess.Popen, ta
             winner.get_nowait().close()
 
 
-def _wait_ready(conn: protocol.Connection, proc: subprocess.Popen, tail: _Tail, deadline: float,
+def _wait_ready(conn: protocol.Connection, proc: subprocess.Popen, tail: WorkerOutput, deadline: float,
                 pgids: set[int], say: Callable[[str], None]) -> EngineInfo:
     while True:
         try:

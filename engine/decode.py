@@ -1,22 +1,18 @@
-"""Target and draft state for one rank, and the in-process decoding loops (``ar`` and ``sync``).
-
-The asynchronous mode drives the very same TargetState / DraftState from two processes: the draft loop
-expands d times, receives the verdict, re-roots, expands while the tree is smaller than bs and sends the
-next subtree; the target loop receives a subtree, verifies it and sends the verdict.
-"""
+"""Target and draft state for one rank: the model calls of every mode, without the loops (engine/loop.py
+drives them, in one process or across the two worker groups)."""
 
 from __future__ import annotations
 
 import math
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
-from swiftspec.config import ConfigError, SamplingParams, TreeParams
-from swiftspec.engine.drafters import Expansion, Features
+from swiftspec.config import TreeParams
+from swiftspec.engine.drafters import Drafter, Expansion, Features
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.tree import TokenTree, target_inputs
 from swiftspec.engine.tree_cache import ContextFull, TreeKVCache, prefill_forward
@@ -39,17 +35,7 @@ class Verdict:
     accepted: int  # number of accepted draft tokens (len(path) - 1)
     tree_size: int  # nodes verified
     target_ms: float  # this verification's forward + verify time
-    features: torch.Tensor | None = None  # with want_features: final hidden states of the root and accepted nodes
-
-
-@dataclass
-class Step:
-    tokens: list[int]  # tokens emitted by this step
-    accepted: int  # draft tokens accepted (the bonus token not counted)
-    tree_size: int  # nodes verified (0 for the prefill's token, 1 per ar step)
-    draft_ms: float  # mean draft forward time this step
-    target_ms: float  # target time this step (prefill, decode step or verification)
-    finish_reason: str | None = None  # on the last step: "eos" | "length" (max tokens or a full cache)
+    hidden: Tensor | None = None  # asked for: final hidden states of the old root and the accepted nodes
 
 
 class TargetState:
@@ -62,9 +48,8 @@ class TargetState:
         self.cache = TreeKVCache(model)
         self._committed: list[int] = []
         self.prefill_tokens = 0
+        self.features: Features | None = None  # of the last prefill, when it was asked for them
         self.device = model.k_cache.device
-        self.want_features = False  # a draft head reads the target's final hidden states
-        self.features: Features | None = None  # the last prefill's, with want_features
 
     @property
     def committed(self) -> list[int]:
@@ -76,18 +61,18 @@ class TargetState:
         """Free KV slots behind the prefix."""
         return self.cache.capacity - self.cache.prefix_len
 
-    def prefill(self, prompt_ids: list[int], sampler: Sampler) -> int:
+    def prefill(self, prompt_ids: list[int], sampler: Sampler, hidden: bool = False) -> int:
         """Prefills what is new since the committed prefix; returns the first new token (the first root,
-        whose KV is computed as the root of the next verification or decode step)."""
+        whose KV is computed as the root of the next verification or decode step). ``hidden``: keeps the
+        recomputed positions' final hidden states in ``features`` (for a drafter that reads them)."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         # The last prompt token is always recomputed: its logits give the first new token.
         reuse = min(common_prefix(self._committed, prompt_ids), len(prompt_ids) - 1)
         self._committed = self._committed[:reuse]
         self.cache.prefix_len = reuse
-        hidden = [] if self.want_features else None
-        logits = prefill_forward(self.model, prompt_ids[reuse:], reuse, hidden=hidden)
-        self.features = Features(reuse, torch.cat(hidden)) if hidden else None
+        logits, states = prefill_forward(self.model, prompt_ids[reuse:], reuse, hidden=hidden)
+        self.features = Features(reuse, states) if hidden else None
         self._committed = list(prompt_ids)
         self.cache.prefix_len = len(prompt_ids)
         self.prefill_tokens = len(prompt_ids) - reuse
@@ -97,9 +82,10 @@ class TargetState:
         """``ar`` mode: computes the KV of ``token``, commits it and returns the next token."""
         return self.verify([token], [-1], sampler).path[0]
 
-    def verify(self, tokens: list[int], parents: list[int], sampler: Sampler) -> Verdict:
+    def verify(self, tokens: list[int], parents: list[int], sampler: Sampler, hidden: bool = False) -> Verdict:
         """One target forward over the tree (tokens[0] = the current root) with the prefix; then the root
-        and the accepted nodes move into the prefix contiguously."""
+        and the accepted nodes move into the prefix contiguously. ``hidden``: the verdict carries their
+        final hidden states, one row per newly verified token."""
         t0 = time.perf_counter()
         n, p0 = len(tokens), self.cache.prefix_len
         if n > self.room:
@@ -107,13 +93,13 @@ class TargetState:
         positions, slots, mask = target_inputs(parents, p0)
         dev = self.device
         out = self.model(torch.tensor(tokens, device=dev), positions.to(dev), slots.to(dev), mask.to(dev),
-                         return_hidden=self.want_features)
-        logits, hidden = out if self.want_features else (out, None)
+                         return_hidden=hidden)
+        logits, states = out if hidden else (out, None)
         path, bonus = verify_tree(logits, tokens, parents, sampler)
         self.cache.commit([p0] + [p0 + i for i in path], 1 + len(path))
         self._committed += [tokens[0]] + [tokens[i] for i in path]
-        feats = None if hidden is None else hidden[[0, *path]]
-        return Verdict([tokens[i] for i in path] + [bonus], len(path), n, (time.perf_counter() - t0) * 1e3, feats)
+        rows = states[[0, *path]] if hidden else None
+        return Verdict([tokens[i] for i in path] + [bonus], len(path), n, (time.perf_counter() - t0) * 1e3, rows)
 
 
 class DraftState:
@@ -129,7 +115,7 @@ class DraftState:
     a step (a CPU), a node the draft gives 2 % is not worth verifying. None: always bs (the paper).
     """
 
-    def __init__(self, drafter, tree_params: TreeParams, verify_cost: list[float] | None = None):
+    def __init__(self, drafter: Drafter, tree_params: TreeParams, verify_cost: list[float] | None = None):
         self.drafter = drafter
         self.params = tree_params.validate()
         self.verify_cost = verify_cost
@@ -176,10 +162,10 @@ class DraftState:
         self.pending = []
         return (time.perf_counter() - t0) * 1e3
 
-    def reroot(self, path: list[int], features: torch.Tensor | None = None) -> None:
+    def reroot(self, path: list[int], features: Tensor | None = None) -> None:
         """Walks the tree along a verdict's path (the old root plus path[:-1] are now verified) and
         re-roots at path[-1], keeping its subtree and moving all surviving KV into place. ``features``:
-        the verdict's, for a drafter that wants them."""
+        the target's hidden states of those verified tokens (Verdict.hidden), for the drafter."""
         tree = self.tree
         nodes = tree.walk(path)
         verified = nodes[:len(path)]  # the old root and the accepted tokens: all in the tree
@@ -231,78 +217,3 @@ def profile_verify_cost(target: TargetState, bs: int, reps: int = 3) -> list[flo
             times[n].append(time.perf_counter() - t0)
     med = [statistics.median(times[n][1:]) for n in times]
     return [m / med[0] for m in med]
-
-
-def _finish(tokens: list[int], produced: int, params: SamplingParams, eos: set[int]
-            ) -> tuple[list[int], str | None]:
-    """Cuts a step's tokens at EOS or max_new_tokens (``produced`` = tokens emitted before them)."""
-    for j, t in enumerate(tokens):
-        if t in eos and not params.ignore_eos:
-            return tokens[:j + 1], "eos"
-        if produced + j + 1 >= params.max_new_tokens:
-            return tokens[:j + 1], "length"
-    return tokens, None
-
-
-def _first_step(target: TargetState, prompt_ids: list[int], params: SamplingParams, sampler: Sampler
-                ) -> tuple[int, Step]:
-    t0 = time.perf_counter()
-    root = target.prefill(prompt_ids, sampler)
-    ms = (time.perf_counter() - t0) * 1e3
-    tokens, reason = _finish([root], 0, params, set(target.model.args.eos_token_ids))
-    return root, Step(tokens, 0, 0, 0.0, ms, reason)
-
-
-def generate_ar(target: TargetState, prompt_ids: list[int], params: SamplingParams) -> Iterator[Step]:
-    """Target-only decoding, one token per step."""
-    sampler = Sampler(params, target.device)
-    eos = set(target.model.args.eos_token_ids)
-    token, step = _first_step(target, prompt_ids, params, sampler)
-    yield step
-    produced = 1
-    while step.finish_reason is None:
-        if target.room < 1:
-            step = Step([], 0, 0, 0.0, 0.0, "length")
-        else:
-            v = target.verify([token], [-1], sampler)
-            tokens, reason = _finish(v.path, produced, params, eos)
-            step = Step(tokens, 0, 1, 0.0, v.target_ms, reason)
-            token = v.path[-1]
-            produced += len(tokens)
-        yield step
-
-
-def generate_sync(target: TargetState, draft: DraftState, prompt_ids: list[int], params: SamplingParams,
-                  d: int) -> Iterator[Step]:
-    """Serial tree speculation: grow the tree (d expansions, then on while it has fewer than bs nodes),
-    verify its best bs-node subtree, re-root, repeat."""
-    if d < 1:
-        raise ConfigError("d (draft expansions per round) must be >= 1")
-    sampler = Sampler(params, target.device)
-    eos = set(target.model.args.eos_token_ids)
-    bs = draft.params.bs
-    target.want_features = draft.drafter.wants_features
-    root, step = _first_step(target, prompt_ids, params, sampler)
-    draft.prefill(prompt_ids, target.features)
-    draft.start(root)
-    yield step
-    produced = 1
-    while step.finish_reason is None:
-        if target.room < 1:
-            yield Step([], 0, 0, 0.0, 0.0, "length")
-            return
-        times = []
-        for _ in range(d):
-            if not draft.can_expand():
-                break
-            times.append(draft.expand())
-        while draft.size < bs and draft.can_expand():
-            times.append(draft.expand())
-        tokens, parents = draft.subtree()
-        keep = min(len(tokens), target.room)
-        v = target.verify(tokens[:keep], parents[:keep], sampler)
-        draft.reroot(v.path, v.features)
-        out, reason = _finish(v.path, produced, params, eos)
-        produced += len(out)
-        step = Step(out, v.accepted, v.tree_size, sum(times) / max(len(times), 1), v.target_ms, reason)
-        yield step

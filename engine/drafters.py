@@ -1,26 +1,18 @@
-"""Drafters: what proposes the children of tree leaves, behind one small interface.
-
-A drafter has a ``cache`` (a TreeKVCache; model-free drafters keep bookkeeping only) and three methods:
-
-* ``prefill(tokens, reuse, features)`` — the committed context is now ``tokens``; its first ``reuse``
-  tokens were already committed before, so their KV is kept (a model-free drafter compares the context
-  itself);
-* ``extend(tokens, features)`` — these verified tokens were appended to the committed context;
-* ``propose(expansion, k)`` — for each leaf of the expansion, up to k (token, log-prob) children, most
-  probable first. A model drafter computes the KV of the expansion's rows as a side effect.
-
-``wants_features``: the drafter reads the target's final hidden states (a draft head): ``prefill`` then
-gets a Features of the positions the target computed, ``extend`` a [len(tokens), dim] tensor aligned with
-the tokens; other drafters get None.
-"""
+"""Drafters: what proposes the children of tree leaves, behind one small interface (``Drafter``), and
+``make_drafter``, the one place that turns a draft kind into a drafter."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
+import torch
 from torch import Tensor
 
+from swiftspec.engine.loader import load_target_io, load_tokenizer, read_args
 from swiftspec.engine.tree import TokenTree
 from swiftspec.engine.tree_cache import TreeKVCache, prefill_forward
 
@@ -31,11 +23,11 @@ class VocabMismatch(ValueError):
 
 @dataclass
 class Features:
-    """The target's final hidden states at positions ``start..start + len(hidden) - 1``, for drafters
-    that read them (``wants_features``)."""
+    """The target's final hidden states at positions start..start + len(hidden) - 1 of a prompt: the
+    positions its prefill recomputed (start = its own reuse point)."""
 
     start: int
-    hidden: Tensor
+    hidden: Tensor  # [n, target dim]
 
 
 @dataclass
@@ -50,6 +42,27 @@ class Expansion:
     def paths(self) -> list[list[int]]:
         """Per leaf, the tokens from the root to the leaf."""
         return [[self.tree.token[a] for a in self.tree.path_to(leaf)] for leaf in self.leaves]
+
+
+class Drafter(Protocol):
+    """A drafter has a ``cache`` (a TreeKVCache; model-free drafters keep bookkeeping only) and says
+    whether it reads the target's hidden states (``wants_features``: then the target computes them and
+    sends them along; otherwise the ``features`` arguments are None)."""
+
+    cache: TreeKVCache
+    wants_features: bool
+
+    def prefill(self, tokens: list[int], reuse: int, features: Features | None) -> None:
+        """The committed context is now ``tokens``; its first ``reuse`` tokens were already committed
+        before, so their KV is kept (a model-free drafter compares the context itself)."""
+
+    def extend(self, tokens: list[int], features: Tensor | None) -> None:
+        """These verified tokens were appended to the committed context; ``features`` [len(tokens), dim]
+        are the target's hidden states of exactly these tokens."""
+
+    def propose(self, exp: Expansion, k: int) -> list[list[tuple[int, float]]]:
+        """For each leaf of the expansion, up to k (token, log-prob) children, most probable first. A
+        model drafter computes the KV of the expansion's rows as a side effect."""
 
 
 def check_vocab_compatible(target_tokenizer, draft_tokenizer) -> int:
@@ -78,10 +91,10 @@ class ModelDrafter:
         self.cache = TreeKVCache(model)
         self.vocab_size = vocab_size or model.args.vocab_size
 
-    def prefill(self, tokens: list[int], reuse: int, features=None) -> None:
+    def prefill(self, tokens: list[int], reuse: int, features: Features | None = None) -> None:
         prefill_forward(self.model, tokens[reuse:], reuse, logits=False)
 
-    def extend(self, tokens: list[int], features=None) -> None:
+    def extend(self, tokens: list[int], features: Tensor | None = None) -> None:
         pass  # the KV of verified tokens is moved by the cache commit
 
     def propose(self, exp: Expansion, k: int) -> list[list[tuple[int, float]]]:
@@ -146,7 +159,7 @@ class SuffixDrafter:
         self.context = SuffixIndex(max_order)
         self.history = SuffixIndex(max_order)
 
-    def prefill(self, tokens: list[int], reuse: int, features=None) -> None:
+    def prefill(self, tokens: list[int], reuse: int, features: Features | None = None) -> None:
         old = self.context.tokens
         if tokens[:len(old)] != old:  # another conversation, or an edited one: index it afresh
             if len(self.history.tokens) + len(old) > self.history_tokens:
@@ -156,7 +169,7 @@ class SuffixDrafter:
             self.context = SuffixIndex(self.max_order)
         self.context.extend(tokens[len(self.context.tokens):])
 
-    def extend(self, tokens: list[int], features=None) -> None:
+    def extend(self, tokens: list[int], features: Tensor | None = None) -> None:
         self.context.extend(tokens)
 
     def lookup(self, context: list[int]) -> tuple[dict[int, int], int]:
@@ -179,3 +192,25 @@ class SuffixDrafter:
             best = sorted(counts.items(), key=lambda kv: -kv[1])[:k]
             out.append([(t, math.log(c * scale)) for t, c in best])
         return out
+
+
+def make_drafter(kind: str, target_dir: Path, trust_remote_code: bool, history: bool,
+                 load: Callable[[Path, bool], object], device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, max_slots: int = 4096) -> Drafter:
+    """The one place a draft kind becomes a drafter: "suffix", "int8" (the target, dynamic int8), a draft
+    head directory (with the target's embedding and lm_head, on ``device`` in ``dtype``) or a model
+    directory. ``load(path, int8)`` loads a draft model on this rank; ``history``: the suffix drafter also
+    drafts from earlier conversations; ``max_slots``: a head's KV cache."""
+    from swiftspec.engine.draft_head import HeadDrafter, is_head_dir, load_head  # it imports this module
+
+    if kind == "suffix":
+        return SuffixDrafter(history_tokens=SuffixDrafter.HISTORY_TOKENS if history else 0)
+    if kind == "int8":
+        return ModelDrafter(load(target_dir, True))
+    if is_head_dir(Path(kind)):
+        head = load_head(Path(kind), read_args(target_dir), device, dtype)
+        head.attach_target(*load_target_io(target_dir, device, dtype))
+        return HeadDrafter(head, max_slots)
+    vocab = check_vocab_compatible(load_tokenizer(target_dir, trust_remote_code),
+                                   load_tokenizer(Path(kind), trust_remote_code))
+    return ModelDrafter(load(Path(kind), False), vocab)

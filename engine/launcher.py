@@ -61,7 +61,7 @@ def plan_layout(config: EngineConfig, n_gpus: int) -> Layout:
     """Turns the config's device flags into a process layout.
 
     The suffix drafter needs no accelerator: its single process runs on the CPU and every GPU goes to the
-    target. With a draft model and only ``--gpus N``, the draft group gets a quarter of the GPUs (at least
+    target; without a draft (``none``) there is no draft group. With a draft model and only ``--gpus N``, the draft group gets a quarter of the GPUs (at least
     one; with one GPU both groups share it).
     """
     suffix = config.draft == "suffix"
@@ -74,9 +74,15 @@ def plan_layout(config: EngineConfig, n_gpus: int) -> Layout:
     if not use_cuda:
         if config.target_devices or config.draft_devices or config.gpus:
             raise ConfigError("GPU devices were given, but the engine runs on the CPU (no CUDA visible)")
+        if config.draft == "none":
+            return Layout(config.target_procs, 0)
         if suffix and config.draft_procs != 1:
             raise ConfigError("the suffix drafter runs in one process: draft-procs must be 1")
         return Layout(config.target_procs, config.draft_procs)
+    if config.draft == "none":
+        target = list(config.target_devices or range(config.gpus or n_gpus))
+        _check_devices(target, n_gpus, "target devices")
+        return Layout(len(target), 0, target, [])
     if config.target_devices:
         target = list(config.target_devices)
         draft = [] if suffix else list(config.draft_devices or [])
@@ -162,6 +168,8 @@ def worker_args(config: EngineConfig, layout: Layout, target_dir: Path, draft: s
         args.append("--trust-remote-code")
     if not config.draft_history:
         args.append("--no-draft-history")
+    if config.verify_cost:
+        args.append("--verify-cost")
     if layout.cuda:
         args += ["--target-devices", ",".join(map(str, layout.target_devices or []))]
         args += ["--draft-devices", ",".join(map(str, layout.draft_devices or []))]

@@ -13,7 +13,8 @@ Then, engine -> worker:
 worker -> engine:
   hello {pids: [[rank, pid], ...]}  (sent before loading, so the Engine can kill every worker's session)
   progress {text}; ready {info (EngineInfo.to_dict())}
-  event {id, event (StepEvent.to_dict())}; the last event of a request has finished = true
+  step {id, step (Step.to_dict())}: token ids and the target's figures; the Engine makes the text and
+  the StepEvent. The last step of a request has a finish reason.
   error {id, message}  (fatal: the worker group exits after sending it)
 """
 
@@ -28,8 +29,12 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from swiftspec.config import SamplingParams, StepEvent
 
 VERSION = 1
 ENV_ADDR = "SWIFTSPEC_ENGINE_ADDR"  # host:port of the Engine's listening socket
@@ -182,6 +187,26 @@ def connect(addr: str, key: str, timeout: float = HANDSHAKE_TIMEOUT_S) -> Connec
 
 
 @dataclass
+class Step:
+    """One decoding step as the target leader reports it: token ids and figures, no text."""
+
+    tokens: list[int]  # new tokens, already cut by the finisher
+    finish: str | None = None  # "eos" | "length" | "context" | "cancelled" on the last step
+    accepted: int = 0  # draft tokens accepted (the bonus token not counted)
+    tree_size: int = 0  # nodes verified (0 for the prefill's token and in ar)
+    draft_ms: float = 0.0  # mean draft expansion time since the previous subtree
+    target_ms: float = 0.0  # the prefill, decode step or verification
+    prefill_tokens: int = 0  # on the first step: tokens prefilled after KV reuse
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Step:
+        return cls(**data)
+
+
+@dataclass
 class RankInfo:
     """One worker process: its role, device and share of the machine."""
 
@@ -218,3 +243,21 @@ class EngineInfo:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineInfo:
         return cls(**{**data, "ranks": [RankInfo(**r) for r in data["ranks"]]})
+
+
+@runtime_checkable
+class EngineAPI(Protocol):
+    """What the TUI, scripted mode and bench use of an engine: the Engine, or a test's fake."""
+
+    info: EngineInfo
+
+    def generate(self, messages: list[dict], params: SamplingParams | None = None) -> Iterator[StepEvent]: ...
+
+    def count_tokens(self, messages: list[dict]) -> int: ...
+
+    def cancel(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    @property
+    def alive(self) -> bool: ...

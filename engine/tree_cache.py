@@ -51,24 +51,24 @@ def causal_mask(start: int, n: int) -> Tensor:
     return torch.ones(n, start + n, dtype=torch.bool).tril(start)
 
 
-def prefill_forward(model, tokens: list[int], start: int, logits: bool = True, hidden: list[Tensor] | None = None
-                    ) -> Tensor | None:
+def prefill_forward(model, tokens: list[int], start: int, logits: bool = True, hidden: bool = False
+                    ) -> tuple[Tensor | None, Tensor | None]:
     """Computes the KV of ``tokens`` at positions and slots ``start..`` in chunks (bounded activation
-    memory); returns the last token's logits [vocab] when asked, and appends every chunk's final hidden
-    states to ``hidden`` when given."""
+    memory); returns the last token's logits [vocab] and the final hidden states of all the tokens
+    [len(tokens), dim], each when asked (else None)."""
     if start + len(tokens) > model.max_slots:
         raise ContextFull(f"the prompt needs {start + len(tokens)} KV slots but the cache has "
                           f"{model.max_slots}; raise max-seq-len or shorten the conversation")
     device = model.k_cache.device
-    out = None
+    out, states = None, []
     for s in range(0, len(tokens), PREFILL_CHUNK):
         chunk = tokens[s:s + PREFILL_CHUNK]
         last = s + PREFILL_CHUNK >= len(tokens)
         pos = torch.arange(start + s, start + s + len(chunk), device=device)
         rows = slice(-1, None) if logits and last else slice(0, 0)
         out = model(torch.tensor(chunk, device=device), pos, pos,
-                    causal_mask(start + s, len(chunk)).to(device), logits_rows=rows, return_hidden=hidden is not None)
-        if hidden is not None:
+                    causal_mask(start + s, len(chunk)).to(device), logits_rows=rows, return_hidden=hidden)
+        if hidden:
             out, h = out
-            hidden.append(h)
-    return out[-1] if logits and out is not None else None
+            states.append(h)
+    return (out[-1] if logits and out is not None else None), (torch.cat(states) if hidden else None)

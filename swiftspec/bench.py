@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from swiftspec.config import ConfigError, EngineConfig, SamplingParams
+from swiftspec.engine.protocol import EngineAPI, EngineInfo
 
 HF_MODES = ("hf", "hf-assisted")
 ENGINE_MODES = ("ar", "sync", "async")
@@ -298,7 +299,7 @@ class EngineRunner:
     later one a verification (or, in ``ar``, one decode step) with its own accepted count and timings.
     A final EOS is streamed too, and stripped here as in ``hf``."""
 
-    engine: Any
+    engine: EngineAPI
     mode: str
     eos: list[int]
 
@@ -550,7 +551,7 @@ def hf_assist(config: EngineConfig) -> dict[str, Any]:
         return {"prompt_lookup_num_tokens": max(1, config.tree.bs - 1)}
     from swiftspec.engine.loader import resolve_model_dir
 
-    return {"assistant_model": str(resolve_model_dir(config.draft, quiet=True))}
+    return {"assistant_model": str(resolve_model_dir(config.draft))}
 
 
 def describe_decoding(params: SamplingParams) -> str:
@@ -559,21 +560,21 @@ def describe_decoding(params: SamplingParams) -> str:
     return f"{how}; every mode stops at EOS, which is not counted"
 
 
-def report_config(config: EngineConfig, info: dict[str, Any], modes: list[str], prompts: list[Prompt],
+def report_config(config: EngineConfig, info: EngineInfo | None, modes: list[str], prompts: list[Prompt],
                   params: SamplingParams, assist: dict[str, Any] | None) -> dict[str, Any]:
     import torch
     import transformers
 
     sets = list(dict.fromkeys(p.source for p in prompts))
     return {
-        "target": info.get("target") or config.target or "embedded SmolLM2-135M-Instruct",
-        "draft": info.get("draft") or config.draft,
-        "layout": info.get("layout", info.get("ranks")),
-        "bs": info.get("bs", config.tree.bs),
-        "w": info.get("w", config.tree.w),
-        "d": info.get("d", config.tree.d),
-        "max_seq_len": info.get("max_seq_len", info.get("context_length", config.max_seq_len)),
-        "engine": info or None,
+        "target": info.target if info else config.target or "embedded SmolLM2-135M-Instruct",
+        "draft": info.draft if info else config.draft,
+        "layout": [dataclasses.asdict(r) for r in info.ranks] if info else None,
+        "bs": info.bs if info else config.tree.bs,
+        "w": info.w if info else config.tree.w,
+        "d": info.d if info else config.tree.d,
+        "max_seq_len": info.context_length if info else config.max_seq_len,
+        "engine": info.to_dict() if info else None,
         "modes": modes,
         "prompt_sets": sets,
         "prompts": len(prompts),
@@ -702,9 +703,9 @@ def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompt
     samples: dict[str, list[Sample]] = {}
     interrupted = False
     with contextlib.ExitStack() as stack:
-        info: dict[str, Any] = {}
+        info: EngineInfo | None = None
         runners: dict[str, Runner] = {}
-        model_dir = resolve_model_dir(config.target)
+        model_dir = resolve_model_dir(config.target, say)
         tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
         eos = eos_token_ids(model_dir, tokenizer)
         if any(m in HF_MODES for m in mode_list):
@@ -715,7 +716,7 @@ def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompt
             say("starting the engine")
             engine = _start_engine(config, err)
             stack.callback(engine.close)
-            info = engine.info.to_dict()
+            info = engine.info
             for mode in (m for m in mode_list if m in ENGINE_MODES):
                 runners[mode] = EngineRunner(engine, mode, eos)
         runners = {m: runners[m] for m in mode_list}

@@ -6,6 +6,7 @@ stay instant.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from functools import partial
@@ -97,8 +98,8 @@ TargetOpt = Annotated[Path | None, _opt(
          "Default: the embedded SmolLM2-135M.")]
 DraftOpt = Annotated[str, _opt(
     "--draft", panel=MODEL, metavar="DRAFT", autocompletion=_complete_draft,
-    help="A draft model PATH sharing the target's tokenizer, 'suffix' for the model-free suffix drafter, or "
-         "'int8' for a dynamic-int8 copy of the target (CPU).")]
+    help="A draft model PATH sharing the target's tokenizer, 'suffix' for the model-free suffix drafter, "
+         "'int8' for a dynamic-int8 copy of the target (CPU), or 'none' (no draft processes: ar only).")]
 TargetDevicesOpt = Annotated[str | None, _opt(
     "--target-devices", panel=MODEL, metavar="GPUS",
     help="GPU indices of the target group, e.g. 0,1 (tensor parallel over them).")]
@@ -210,7 +211,8 @@ def chat(
     mode: Annotated[str, _opt(
         "--mode", panel=DECODING, metavar="MODE", autocompletion=_complete(*MODES),
         help="async: SwiftSpec (draft and target in parallel; the default, also on one GPU, where it measured "
-             "at least as fast as sync); sync: draft then verify; ar: target only.")
+             "at least as fast as sync); sync: draft then verify; ar: target only, and no draft is started "
+             "(so that session cannot switch to sync or async: start it again for those).")
     ] = "async",
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
@@ -259,6 +261,8 @@ def chat(
     try:
         config = engine_config(target, draft, target_devices, draft_devices, gpus, target_procs, draft_procs,
                                device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
+        if mode == "ar":  # nothing would ever ask the draft for a token
+            config = dataclasses.replace(config, draft="none")
         params = SamplingParams(mode=mode, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 max_new_tokens=max_new_tokens, stop=stop or []).validate()
     except ConfigError as e:
@@ -357,10 +361,11 @@ def _chat_scripted(config, params, system, context, prompt, each_line, jsonl, re
 
 def _prepare_models(config: EngineConfig) -> None:
     """Before the TUI takes the terminal: a missing or broken model is a usage error, and a GGUF file (the
-    embedded default included) is converted now, once, with its progress bar, rather than unseen."""
+    embedded default included) is converted now, once, its stages shown on stderr, rather than unseen."""
     from swiftspec.engine.loader import resolve_draft, resolve_model_dir
 
-    resolve_draft(config.draft, resolve_model_dir(config.target))
+    say = lambda line: typer.echo(f"swiftspec: {line}", err=True)
+    resolve_draft(config.draft, resolve_model_dir(config.target, progress=say), say)
 
 
 def _start_engine(config: EngineConfig, progress):

@@ -17,6 +17,7 @@ MODES = ("ar", "sync", "async")
 BUILTIN_DRAFTS = {
     "suffix": "the model-free suffix drafter",
     "int8": "an int8 copy of the target",
+    "none": "no draft (ar only)",
 }
 
 
@@ -113,8 +114,8 @@ class TreeParams:
 class EngineConfig:
     """What the Engine starts: models, device layout and tree policy.
 
-    target None means the embedded SmolLM2-135M-Instruct. draft is a model path or "suffix" (the
-    model-free suffix drafter). On CUDA, target_devices/draft_devices name GPU indices; on CPU,
+    target None means the embedded SmolLM2-135M-Instruct. draft is a model path, "suffix" (the
+    model-free suffix drafter), "int8", or "none" (no draft ranks: the engine answers in ``ar`` only). On CUDA, target_devices/draft_devices name GPU indices; on CPU,
     target_procs/draft_procs say how many worker processes each group gets.
     """
 
@@ -136,6 +137,9 @@ class EngineConfig:
     # The suffix drafter also drafts from earlier conversations of the session (a model reuses its own
     # phrasing). Off for benchmarks, where the same prompt runs once per mode.
     draft_history: bool = True
+    # Verify only as many of the bs best nodes as are worth their profiled target cost (DraftState.
+    # verify_cost). Off until it is shown to help (benchmarks/sync_vs_ar.py --cost measures it).
+    verify_cost: bool = False
     startup_timeout_s: float = 600.0
     threads: int | None = None  # CPU threads in all; None = every core
 
@@ -143,7 +147,7 @@ class EngineConfig:
         self.tree.validate()
         if self.target_procs < 1 or self.draft_procs < 1:
             raise ConfigError("each group needs at least one process")
-        if self.gpus is not None and self.gpus < 2:
+        if self.gpus is not None and self.gpus < 2 and self.draft != "none":
             raise ConfigError("gpus must be >= 2 (one group for the target, one for the draft)")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads must be >= 1")

@@ -18,6 +18,7 @@ import shutil
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import platformdirs
@@ -206,51 +207,42 @@ def _remove_stale_temp_dirs(parent: Path) -> None:
             continue
 
 
-def _convert(gguf: Path, out: Path, console) -> None:
+def _convert(gguf: Path, out: Path, say: Callable[[str], None]) -> None:
     """Dequantises ``gguf`` through transformers into ``out``: safetensors, config and tokenizer."""
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    steps = ["reading and dequantising the GGUF", "reading the tokenizer", "writing safetensors"]
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                  console=console, transient=True, disable=not console.is_terminal) as progress:
-        task = progress.add_task(f"Converting {gguf.name} (once): {steps[0]}", total=len(steps))
-        import torch
-        import transformers
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        transformers.utils.logging.disable_progress_bar()
-
-        try:
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            progress.update(task, advance=1, description=f"Converting {gguf.name} (once): {steps[1]}")
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        except Exception as e:  # the gguf reader fails with struct, value and index errors alike
-            raise GGUFError(f"cannot convert {gguf}: {_gguf_problem(gguf, e)}") from None
-        progress.update(task, advance=1, description=f"Converting {gguf.name} (once): {steps[2]}")
-        _save_weights(model, gguf, out)
-        tokenizer.save_pretrained(out)
-        progress.update(task, advance=1)
+    transformers.utils.logging.disable_progress_bar()
+    say(f"converting {gguf.name} (once, step 1/3): reading and dequantising the GGUF")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        say(f"converting {gguf.name} (once, step 2/3): reading the tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:  # the gguf reader fails with struct, value and index errors alike
+        raise GGUFError(f"cannot convert {gguf}: {_gguf_problem(gguf, e)}") from None
+    say(f"converting {gguf.name} (once, step 3/3): writing safetensors")
+    _save_weights(model, gguf, out)
+    tokenizer.save_pretrained(out)
 
 
-def ensure_converted(gguf: Path, quiet: bool = False) -> Path:
+def ensure_converted(gguf: Path, progress: Callable[[str], None] | None = None) -> Path:
     """Returns a Hugging Face directory for ``gguf``, converting it first if needed.
 
     The conversion writes into a locked temporary directory beside the target and renames it into place,
     so a conversion killed half-way leaves no broken cache entry, and the next start removes its leftovers.
     A converted copy that was damaged since (truncated, a file deleted) is converted again; one in an older
-    format (another key) is converted again and then removed.
+    format (another key) is converted again and then removed. ``progress`` gets one line per stage (the CLI
+    shows them; the library prints nothing).
     """
-    from rich.console import Console
-
-    console = Console(stderr=True, quiet=quiet)
+    say = progress or (lambda _text: None)
     out = converted_dir(gguf)
     _remove_stale_temp_dirs(out.parent)
     if out.exists():
         why = damage(out)
         if why is None:
             return out
-        console.print(f"[yellow]the converted copy {out} is damaged ({why}): converting {gguf.name} again[/yellow]")
+        say(f"the converted copy {out} is damaged ({why}): converting {gguf.name} again")
         aside = Path(tempfile.mkdtemp(prefix=".tmp-damaged-", dir=out.parent))
         try:
             out.rename(aside / out.name)
@@ -262,19 +254,19 @@ def ensure_converted(gguf: Path, quiet: bool = False) -> Path:
     try:
         with (tmp / LOCK_FILE).open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            _convert(gguf, tmp, console)
+            _convert(gguf, tmp, say)
             (tmp / LOCK_FILE).unlink()
             try:
                 tmp.rename(out)
             except OSError:  # another process finished first
                 if damage(out) is not None:
                     raise
-        console.print(f"[dim]converted {gguf.name} -> {out}[/dim]")
+        say(f"converted {gguf.name} -> {out}")
         for older in range(1, CONVERSION_FORMAT):  # what older versions converted the same file into
             stale = converted_dir(gguf, older)
             if stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
-                console.print(f"[dim]removed {stale}, its conversion in an older format[/dim]")
+                say(f"removed {stale}, its conversion in an older format")
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

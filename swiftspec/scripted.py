@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TextIO
+from typing import TextIO
 
 from swiftspec import window
 from swiftspec.config import SamplingParams, StepEvent
+from swiftspec.engine.protocol import EngineAPI
 from swiftspec.history import TurnRecorder, stats_line
 
 EXIT_OK, EXIT_ENGINE, EXIT_USAGE = 0, 1, 2
@@ -21,18 +22,6 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a reader that went a
 class InputError(ValueError):
     """Stdin cannot be used as prompts: not UTF-8, or nothing in it."""
 
-
-class EngineLike(Protocol):
-    info: Any  # EngineInfo: context_length
-
-    def generate(self, messages: list[dict], params: SamplingParams) -> Any: ...
-
-    def count_tokens(self, messages: list[dict]) -> int: ...
-
-    def cancel(self) -> None: ...
-
-    @property
-    def alive(self) -> bool: ...
 
 
 def read_prompts(data: bytes, each_line: bool = False, prompt: str | None = None) -> list[str]:
@@ -64,7 +53,7 @@ def read_prompts(data: bytes, each_line: bool = False, prompt: str | None = None
 
 
 def run(
-    engine: EngineLike,
+    engine: EngineAPI,
     prompts: Sequence[str],
     params: SamplingParams,
     *,
@@ -86,7 +75,7 @@ def run(
         return EXIT_BROKEN_PIPE
 
 
-def _answer_each(engine: EngineLike, prompts: Sequence[str], params: SamplingParams, system: str | None,
+def _answer_each(engine: EngineAPI, prompts: Sequence[str], params: SamplingParams, system: str | None,
                  context: Sequence[dict], jsonl: bool, out: TextIO, err: TextIO,
                  record: Callable[[str, str, dict | None], None] | None) -> int:
     failed = False

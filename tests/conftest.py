@@ -19,7 +19,7 @@ def embedded_dir():
     """The embedded SmolLM2 as a Hugging Face directory (converted once into the user cache)."""
     from swiftspec.engine.loader import resolve_model_dir
 
-    return resolve_model_dir(None, quiet=True)
+    return resolve_model_dir(None)
 
 
 @pytest.fixture(scope="session")

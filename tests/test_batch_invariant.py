@@ -2,14 +2,17 @@
 bit for bit, what the one-token step that would have produced it computes, so that speculation is exact.
 On the CPU through the one-row forwards, on CUDA (marked gpu) through the invariant Triton kernels."""
 
+import dataclasses
+
 import pytest
 import torch
 from tiny_models import single_thread, tiny_model_dir
 
 from swiftspec.config import EngineConfig, SamplingParams, TreeParams
-from swiftspec.engine.decode import DraftState, TargetState, generate_ar, generate_sync
+from swiftspec.engine.decode import DraftState, TargetState
 from swiftspec.engine.drafters import ModelDrafter
 from swiftspec.engine.loader import batch_invariant_default, load_model
+from swiftspec.engine.loop import generate
 from swiftspec.engine.tree import target_inputs
 from swiftspec.engine.tree_cache import prefill_forward
 from swiftspec.kernels import reference
@@ -108,11 +111,12 @@ def test_default_is_on_except_for_fp32_on_the_cpu():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bf16_sync_equals_ar(device):
+def test_bf16_speculation_equals_ar(device):
     target = TargetState(load_model(model_dir(), device, "bfloat16", max_slots=256), 256)
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    ar = [t for s in generate_ar(target, PROMPT, params) for t in s.tokens]
+    params = SamplingParams(mode="ar", max_new_tokens=40, ignore_eos=True)
+    ar = [t for s in generate(target, None, PROMPT, params) for t in s.tokens]
     draft = DraftState(ModelDrafter(load_model(model_dir(), device, "bfloat16", max_slots=512, batch_invariant=False)),
                        TreeParams(bs=8, w=4))
-    sync = [t for s in generate_sync(target, draft, PROMPT, params, 2) for t in s.tokens]
-    assert sync == ar and len(ar) == 40
+    for mode in ("sync", "async"):
+        spec = [t for s in generate(target, draft, PROMPT, dataclasses.replace(params, mode=mode), 2) for t in s.tokens]
+        assert spec == ar and len(ar) == 40, mode

@@ -9,6 +9,7 @@ import types
 from pathlib import Path
 
 import pytest
+from fake_engine import INFO
 
 from swiftspec import bench
 from swiftspec.bench import BenchError, Prompt, Sample
@@ -169,7 +170,7 @@ def test_reference_is_ar_else_hf_else_none():
 
 def report_of(samples, prompts) -> dict:
     results, speedup = bench.summarise(samples, prompts)
-    config = bench.report_config(EngineConfig(), {"target": "t", "draft": "suffix", "layout": ["x"]},
+    config = bench.report_config(EngineConfig(), INFO,
                                  list(samples), prompts, SamplingParams(max_new_tokens=4), None)
     return {"config": config, "results": results, "speedup": speedup}
 

@@ -35,7 +35,7 @@ def converted(tmp_path_factory):
     gguf = make_tiny_gguf(root / "tiny.Q4_1.gguf")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SWIFTSPEC_CACHE", str(root / "cache"))
-        out = embedded.ensure_converted(gguf, quiet=True)
+        out = embedded.ensure_converted(gguf)
     reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     return gguf, out, reference.state_dict()
 
@@ -125,6 +125,6 @@ def test_older_formats_are_converted_again_and_removed(tmp_path, monkeypatch):
         (out / "model.safetensors").write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")
 
     monkeypatch.setattr(embedded, "_convert", fake)
-    out = embedded.ensure_converted(gguf, quiet=True)
+    out = embedded.ensure_converted(gguf)
     assert len(calls) == 1 and out not in old and out.is_dir()
     assert not any(d.exists() for d in old)

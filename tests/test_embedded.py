@@ -7,8 +7,9 @@ from transformers import AutoModelForCausalLM
 from swiftspec import embedded
 from swiftspec.config import SamplingParams
 from swiftspec.engine.client import encode_chat
-from swiftspec.engine.decode import TargetState, generate_ar
-from swiftspec.engine.loader import load_model, load_tokenizer, resolve_model_dir
+from swiftspec.engine.decode import TargetState
+from swiftspec.engine.loader import eos_token_ids, load_model, load_tokenizer, resolve_model_dir
+from swiftspec.engine.loop import generate
 
 CHATS = [
     "What is the capital of France? Answer in one sentence.",
@@ -43,7 +44,7 @@ def test_conversion_happens_once(embedded_dir, monkeypatch):
         raise AssertionError("converted again")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_gguf)
-    assert resolve_model_dir(None, quiet=True) == embedded_dir
+    assert resolve_model_dir(None) == embedded_dir
     load_model(embedded_dir, max_slots=256)
     load_tokenizer(embedded_dir)
 
@@ -70,7 +71,7 @@ def test_interrupted_conversion_leaves_no_cache_entry(tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", killed)
     with pytest.raises(KeyboardInterrupt):
-        embedded.ensure_converted(embedded.embedded_gguf_path(), quiet=True)
+        embedded.ensure_converted(embedded.embedded_gguf_path())
     assert list((tmp_path / "converted").iterdir()) == []
 
 
@@ -100,9 +101,10 @@ def test_greedy_equals_transformers_generate(embedded_dir, embedded_tokenizer, h
     hf = hf_from_gguf
     target = TargetState(load_model(embedded_dir, max_slots=512), 512)
     params = SamplingParams(mode="ar", max_new_tokens=64)  # both stop at EOS (if it comes first)
+    eos = set(eos_token_ids(embedded_dir, embedded_tokenizer))
     for prompt in CHATS:
         ids = encode_chat(embedded_tokenizer, [{"role": "user", "content": prompt}])
-        ours = [t for step in generate_ar(target, ids, params) for t in step.tokens]
+        ours = [t for step in generate(target, None, ids, params, eos=eos) for t in step.tokens]
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
         theirs = out[0, len(ids):].tolist()

@@ -22,7 +22,8 @@ from tiny_models import tiny_model_dir
 
 from swiftspec.config import ConfigError, EngineConfig, SamplingParams
 from swiftspec.engine import launcher, protocol
-from swiftspec.engine.client import Engine, EngineError, _accept_worker, _Tail, encode_chat
+from swiftspec.engine.client import Engine, EngineError, _accept_worker, encode_chat
+from swiftspec.engine.failures import WorkerOutput
 
 PROMPT = [{"role": "user", "content": "What is 17 times 23?"}]
 
@@ -120,10 +121,10 @@ class _Running:
         return None
 
 
-def _closed_tail(log_dir: Path) -> _Tail:
+def _closed_tail(log_dir: Path) -> WorkerOutput:
     r, w = os.pipe()
     os.close(w)
-    return _Tail(os.fdopen(r, "rb"), log_dir / "workers.log", n_target=1)
+    return WorkerOutput(os.fdopen(r, "rb"), log_dir / "workers.log", n_target=1)
 
 
 def test_idle_connections_do_not_hold_up_the_workers_handshake(tmp_path):
@@ -207,7 +208,7 @@ def test_bad_requests_leave_the_engine_usable(target_dir):
 
 # --------------------------------------------------------------------------- the embedded conversion
 
-def _fake_convert(gguf, out, console) -> None:
+def _fake_convert(gguf, out, say) -> None:
     """Stands in for the 25 s dequantisation: a small but well-formed converted directory."""
     import torch
     from safetensors.torch import save_file
@@ -235,7 +236,7 @@ def test_conversion_killed_half_way_is_cleaned_up_by_the_next_start(fake_gguf, m
     hang = ("import sys, time\nfrom swiftspec import embedded\n"
             "def hang(gguf, out, console):\n    (out / 'model.safetensors').write_bytes(b'x' * 4096)\n"
             "    time.sleep(60)\n"
-            "embedded._convert = hang\nembedded.ensure_converted(embedded.Path(sys.argv[1]), quiet=True)\n")
+            "embedded._convert = hang\nembedded.ensure_converted(embedded.Path(sys.argv[1]))\n")
     proc = subprocess.Popen([sys.executable, "-c", hang, str(fake_gguf)])
     try:
         deadline = time.monotonic() + 30
@@ -250,7 +251,7 @@ def test_conversion_killed_half_way_is_cleaned_up_by_the_next_start(fake_gguf, m
         proc.wait()
     assert running[0].is_dir()  # what a SIGKILL leaves behind
     monkeypatch.setattr(embedded, "_convert", _fake_convert)
-    out = embedded.ensure_converted(fake_gguf, quiet=True)
+    out = embedded.ensure_converted(fake_gguf)
     assert embedded.damage(out) is None
     assert sorted(p.name for p in converted.iterdir()) == [out.name]
 
@@ -260,7 +261,7 @@ def test_conversion_killed_half_way_is_cleaned_up_by_the_next_start(fake_gguf, m
     (lambda out: (out / "model.safetensors").unlink(), "model.safetensors is missing"),
     (lambda out: (out / "model.safetensors").write_bytes(b"\xff" * 16), "no readable header"),
 ])
-def test_damaged_conversion_is_detected_and_converted_again(harm, why, fake_gguf, monkeypatch, capsys):
+def test_damaged_conversion_is_detected_and_converted_again(harm, why, fake_gguf, monkeypatch):
     from swiftspec import embedded
 
     calls = []
@@ -269,9 +270,10 @@ def test_damaged_conversion_is_detected_and_converted_again(harm, why, fake_gguf
     assert embedded.ensure_converted(fake_gguf) == out and len(calls) == 1  # intact: used as it is
     harm(out)
     assert why in embedded.damage(out)
-    assert embedded.ensure_converted(fake_gguf) == out and len(calls) == 2
+    said = []
+    assert embedded.ensure_converted(fake_gguf, said.append) == out and len(calls) == 2
     assert embedded.damage(out) is None
-    assert "damaged" in capsys.readouterr().err
+    assert any("damaged" in line for line in said)  # through the caller's progress callback
 
 
 # ------------------------------------------------------------------------------------ process faults
@@ -445,7 +447,7 @@ def test_fault_injection_leaves_no_process_and_the_next_start_works(target_dir, 
 # ------------------------------------------------------------------------------------- lower defects
 
 def test_a_model_directory_named_like_an_option_reaches_the_worker():
-    from swiftspec.engine.worker import parse_args
+    from swiftspec.engine.worker.setup import parse_args
 
     cfg = EngineConfig(target="-model")
     args = parse_args(launcher.worker_args(cfg, launcher.Layout(1, 1), Path("-model"), "-draft")

@@ -37,7 +37,7 @@ def test_conversations_round_trip(tmp_path):
     assert md.startswith("# How do I sort a list?\n") and "**System:** Be brief." in md
     assert "## Assistant\n\nUse `sorted(xs)`." in md and "9.5 tok/s" in md
     store.clear(first)
-    assert store.messages(first) == [] and store.get(first)
+    assert store.messages(first) == [] and store.get(first).title == "How do I sort a list?"
     with pytest.raises(HistoryError):
         store.get(999)
     store.close()

@@ -21,8 +21,10 @@ from tiny_models import tiny_model_dir
 
 from swiftspec.config import ConfigError, EngineConfig, SamplingParams, TreeParams
 from swiftspec.engine import launcher, protocol
-from swiftspec.engine.client import Engine, EngineError, _accept_worker, _Tail, encode_chat
-from swiftspec.engine.worker import StopMatcher, choose_d
+from swiftspec.engine.answer import StopMatcher
+from swiftspec.engine.client import Engine, EngineError, _accept_worker, encode_chat
+from swiftspec.engine.failures import WorkerOutput
+from swiftspec.engine.worker.setup import choose_d, parse_args
 
 PROMPTS = [
     [{"role": "user", "content": "What is 17 times 23?"}],
@@ -139,7 +141,7 @@ def test_engine_refuses_impostors_and_keeps_waiting_for_its_worker(tmp_path):
     worker = _run(lambda: (time.sleep(0.3), protocol.connect(addr, key))[1])
     r, w = os.pipe()
     os.close(w)
-    tail = _Tail(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=1)
+    tail = WorkerOutput(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=1)
     conn = _accept_worker(listener, key, _Running(), tail, time.monotonic() + 10)
     with pytest.raises(protocol.AuthError, match="refused"):
         impostor()
@@ -166,6 +168,9 @@ def test_plan_layout():
         launcher.plan_layout(EngineConfig(draft="/m", target_devices=[0, 5], draft_devices=[1]), 4)
     with pytest.raises(ConfigError, match="no CUDA"):
         launcher.plan_layout(EngineConfig(device="cuda"), 0)
+    # no draft (--mode ar): no draft ranks, every GPU asked for goes to the target
+    assert launcher.plan_layout(EngineConfig(draft="none", target_procs=2), 0) == launcher.Layout(2, 0)
+    assert launcher.plan_layout(EngineConfig(draft="none", gpus=1), 4) == launcher.Layout(1, 0, [0], [])
 
 
 @pytest.mark.parametrize("n_gpus", [1, 2, 4, 8])
@@ -205,7 +210,7 @@ def test_process_groups_refuse_a_shared_gpu_inside_one_group():
 
 
 def test_build_command():
-    cfg = EngineConfig(tree=TreeParams(bs=6, w=4, d=3), threads=2, trust_remote_code=True)
+    cfg = EngineConfig(tree=TreeParams(bs=6, w=4, d=3), threads=2, trust_remote_code=True, verify_cost=True)
     worker = launcher.worker_args(cfg, launcher.Layout(2, 1), "/models/t", "suffix")
     cmd = launcher.build_command(worker, 3, Path("/run/x"))
     assert cmd[1:4] == ["-m", "swiftspec.engine.torchrun", "--nproc-per-node=3"]
@@ -214,6 +219,8 @@ def test_build_command():
     tail = cmd[cmd.index("swiftspec.engine.worker") + 1:]
     assert tail[:4] == ["--target=/models/t", "--draft=suffix", "--target-procs", "2"]
     assert {"--tree-bs", "6", "--tree-w", "4", "--tree-d", "3", "--threads", "2"} <= set(tail)
+    args = parse_args(worker)  # the worker reads them as meant
+    assert (args.bs, args.w, args.d, args.threads, args.verify_cost, args.draft_history) == (6, 4, 3, 2, True, True)
     from torch.distributed.run import get_args_parser
 
     parsed = get_args_parser().parse_args(cmd[3:])  # torchrun must hand every worker flag through
@@ -313,14 +320,19 @@ def test_tp_logits_equal_tp1(world, tmp_path):
 # ------------------------------------------------------------------------------------ engines (slow)
 
 def reference(model_dir, messages, n: int) -> list[int]:
-    """Greedy target-only decoding in this process: what every mode must reproduce."""
-    from swiftspec.engine.decode import TargetState, generate_ar
+    """Greedy target-only decoding in this process, one token per forward and no loop code of the
+    engine's: what every mode must reproduce."""
+    from swiftspec.engine.decode import TargetState
     from swiftspec.engine.loader import load_model, load_tokenizer
+    from swiftspec.engine.sampling import Sampler
 
     ids = encode_chat(load_tokenizer(model_dir), messages)
     target = TargetState(load_model(model_dir, max_slots=len(ids) + n + 16), len(ids) + n + 16)
-    params = SamplingParams(mode="ar", max_new_tokens=n, ignore_eos=True)
-    return [t for step in generate_ar(target, ids, params) for t in step.tokens]
+    sampler = Sampler(SamplingParams())
+    tokens = [target.prefill(ids, sampler)]
+    while len(tokens) < n:
+        tokens.append(target.decode_step(tokens[-1], sampler))
+    return tokens
 
 
 def answer(engine: Engine, messages, **kw) -> tuple[list[int], str, list]:
@@ -378,14 +390,17 @@ def engine(request, target_dir):
 def test_every_mode_equals_target_greedy(engine, references):
     roles = [r.role for r in engine.info.ranks]
     assert roles[-1] == "draft" and set(roles[:-1]) == {"target"}
-    assert 1 <= engine.info.d <= 16
+    info = engine.info
+    assert info.d_auto and info.d == choose_d(info.t_verify_ms, info.t_expand_ms)
     for messages, ref in zip(PROMPTS, references, strict=True):
         for mode in ("async", "ar", "sync"):
             tokens, _, events = answer(engine, messages, mode=mode, max_new_tokens=N_TOKENS, ignore_eos=True)
             assert tokens == ref, (mode, messages)
             assert events[-1].finish_reason == "length"
             if mode != "ar":
-                assert events[-1].stats.d == engine.info.d and events[-1].stats.mean_accepted >= 1
+                verified = [e.stats for e in events if e.stats.tree_size]
+                assert events[-1].stats.d == engine.info.d and events[-1].stats.mean_accepted == pytest.approx(
+                    sum(s.accepted + 1 for s in verified) / len(verified))
 
 
 @pytest.mark.slow
@@ -477,6 +492,16 @@ def test_ctrl_c_cancels_and_the_engine_stays_usable(self_engine, references):
     assert self_engine.alive
     tokens, _, _ = answer(self_engine, PROMPTS[0], max_new_tokens=N_TOKENS, ignore_eos=True)
     assert tokens == references[0]
+
+
+@pytest.mark.slow
+def test_an_engine_without_draft_runs_the_target_alone(target_dir, references):
+    with start(target_dir, "none") as eng:
+        assert [r.role for r in eng.info.ranks] == ["target"] and eng.info.draft == "none"
+        assert answer(eng, PROMPTS[0], mode="ar", max_new_tokens=N_TOKENS, ignore_eos=True)[0] == references[0]
+        with pytest.raises(EngineError, match="without one"):
+            eng.generate(PROMPTS[0], SamplingParams(mode="sync"))
+    assert no_processes_left(eng)
 
 
 @pytest.mark.slow
@@ -606,7 +631,7 @@ def test_failure_report_names_the_worker_and_the_log(tmp_path, output, n_target,
     r, w = os.pipe()
     os.write(w, output.encode())
     os.close(w)
-    tail = _Tail(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=n_target)
+    tail = WorkerOutput(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=n_target)
     message = tail.report("lost the connection to the workers", _Exited())
     assert message.startswith(said), message
     assert message.endswith(str(tmp_path / "workers.log")) and "exitcode" not in message

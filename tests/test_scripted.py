@@ -11,12 +11,20 @@ from fake_engine import ANSWER, FakeEngine, chunks
 
 from swiftspec import scripted
 from swiftspec.config import SamplingParams
+from swiftspec.engine.client import Engine
+from swiftspec.engine.protocol import EngineAPI
 
 
 def run(prompts, engine=None, **kw):
     out, err = io.StringIO(), io.StringIO()
     code = scripted.run(engine or FakeEngine(), prompts, kw.pop("params", SamplingParams()), out=out, err=err, **kw)
     return code, out.getvalue(), err.getvalue()
+
+
+def test_the_fake_engine_offers_the_engine_api():
+    """What the TUI, scripted mode and bench may call, checked on the fake they are tested with."""
+    assert isinstance(FakeEngine(), EngineAPI) and not isinstance(object(), EngineAPI)
+    assert all(callable(getattr(Engine, name)) for name in ("generate", "count_tokens", "cancel", "close"))
 
 
 def test_answer_alone_on_stdout_stats_on_stderr():

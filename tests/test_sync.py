@@ -1,8 +1,11 @@
-"""``sync`` (serial tree speculation) against ``ar``: identical greedy output on tiny random models with a
-different draft model, with the target as its own draft and with the suffix drafter, and on the embedded
-model with the suffix drafter; stopping rules, multi-turn KV reuse and validation."""
+"""The shipped loops (engine/loop.py) in one process: ``sync`` and ``async`` against ``ar``, identical
+greedy output on tiny random models with a different draft model, with the target as its own draft and
+with the suffix drafter, and on the embedded model with the suffix drafter; the finisher's stopping
+rules, multi-turn KV reuse, validation, and the target's hidden states reaching a drafter that reads
+them."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,11 +13,13 @@ import torch
 from tiny_models import single_thread, tiny_model_dir
 
 from swiftspec.config import ConfigError, SamplingParams, TreeParams
-from swiftspec.engine.decode import DraftState, TargetState, generate_ar, generate_sync, profile_verify_cost
+from swiftspec.engine.decode import DraftState, TargetState, profile_verify_cost
 from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter
 from swiftspec.engine.loader import load_model
+from swiftspec.engine.loop import generate
 from swiftspec.engine.sampling import Sampler
-from swiftspec.engine.tree_cache import ContextFull, causal_mask
+from swiftspec.engine.tree_cache import ContextFull, causal_mask, prefill_forward
+from swiftspec.engine.worker.wire import features_from_wire, features_to_wire
 
 PROMPTS = [[5, 17, 300, 42, 8, 99], [1, 200, 201, 202, 203, 200, 201], [77] * 3 + [400, 12, 77, 77]]
 
@@ -25,8 +30,8 @@ def _one_thread():
         yield
 
 
-def run(gen) -> tuple[list[int], list]:
-    steps = list(gen)
+def run(target, draft, prompt, params, mode="ar", d=2, **kw) -> tuple[list[int], list]:
+    steps = generate(target, draft, prompt, replace(params, mode=mode), d, **kw)
     return [t for s in steps for t in s.tokens], steps
 
 
@@ -45,15 +50,15 @@ def tiny():
 
 
 @pytest.mark.parametrize("draft", ["other", "self", "suffix"])
-@pytest.mark.parametrize("bs,w,d", [(8, 8, 2), (4, 2, 1), (16, 4, 3)])
-def test_sync_greedy_equals_ar_tiny(tiny, draft, bs, w, d):
+@pytest.mark.parametrize("bs,w,d,mode", [(8, 8, 2, "sync"), (4, 2, 1, "async"), (16, 4, 3, "sync")])
+def test_speculation_greedy_equals_ar_tiny(tiny, draft, bs, w, d, mode):
     target = TargetState(tiny["target"], 512)
     state = DraftState(tiny[draft](), TreeParams(bs=bs, w=w))
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     for prompt in PROMPTS:
-        ar, _ = run(generate_ar(target, prompt, params))
-        sync, steps = run(generate_sync(target, state, prompt, params, d))
-        assert sync == ar and len(ar) == 48
+        ar, _ = run(target, None, prompt, params)
+        spec, steps = run(target, state, prompt, params, mode, d)
+        assert spec == ar and len(ar) == 48
         assert all(s.tree_size <= bs for s in steps)
 
 
@@ -61,12 +66,12 @@ def test_cost_aware_subtrees_keep_the_output(tiny):
     target = TargetState(tiny["target"], 512)
     target.prefill(PROMPTS[0], Sampler(SamplingParams()))
     cost = profile_verify_cost(target, 8)
-    assert len(cost) == 8 and cost[0] == 1.0 and min(cost) > 0
+    assert len(cost) == 8 and min(cost) > 0
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for prompt in PROMPTS:
-        ar, _ = run(generate_ar(target, prompt, params))
+        ar, _ = run(target, None, prompt, params)
         draft = DraftState(tiny["self"](), TreeParams(), verify_cost=[1.0 + 0.3 * i for i in range(8)])
-        sync, steps = run(generate_sync(target, draft, prompt, params, 2))
+        sync, steps = run(target, draft, prompt, params, "sync")
         assert sync == ar and max(s.tree_size for s in steps) < 8
 
 
@@ -94,27 +99,31 @@ def test_self_draft_accepts_what_a_perfect_draft_could(tiny):
     assert accepted >= 0.95 * perfect and accepted >= 2 * rounds
 
 
-def test_stops_at_eos_and_max_tokens(tiny):
-    model = tiny["target"]
-    target = TargetState(model, 512)
-    params = SamplingParams(max_new_tokens=40)
-    ar, _ = run(generate_ar(target, PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True)))
+def test_the_finisher_cuts_exactly(tiny):
+    """EOS kept and nothing after it, exactly max_new_tokens, exactly the context's room (ending with the
+    step that fills it, not one more), a cancel at the next step: in every mode, wherever the cut falls
+    inside a step's tokens."""
+    target = TargetState(tiny["target"], 512)
+    ar, _ = run(target, None, PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True))
     eos = ar[17]
     stop = ar.index(eos)
-    saved = model.args.eos_token_ids
-    model.args.eos_token_ids = (eos,)
-    try:
-        for gen in (generate_ar(target, PROMPTS[0], params),
-                    generate_sync(target, DraftState(SuffixDrafter(), TreeParams()), PROMPTS[0], params, 2),
-                    generate_sync(target, DraftState(tiny["self"](), TreeParams()), PROMPTS[0], params, 2)):
-            out, steps = run(gen)
-            assert out == ar[:stop + 1] and steps[-1].finish_reason == "eos"
-            assert all(s.finish_reason is None for s in steps[:-1])
-    finally:
-        model.args.eos_token_ids = saved
-    short = SamplingParams(max_new_tokens=13, ignore_eos=True)
-    out, steps = run(generate_sync(target, DraftState(tiny["self"](), TreeParams()), PROMPTS[0], short, 3))
-    assert out == ar[:13] and steps[-1].finish_reason == "length"
+    drafts = {"ar": lambda: None, "sync": lambda: DraftState(SuffixDrafter(), TreeParams()),
+              "async": lambda: DraftState(tiny["self"](), TreeParams())}
+    for mode, draft in drafts.items():
+        out, steps = run(target, draft(), PROMPTS[0], SamplingParams(max_new_tokens=40), mode, eos={eos})
+        assert out == ar[:stop + 1] and steps[-1].finish == "eos", mode
+        assert all(s.finish is None for s in steps[:-1])
+        for n in (1, 2, 13):
+            out, steps = run(target, draft(), PROMPTS[0], SamplingParams(max_new_tokens=n, ignore_eos=True), mode, 3)
+            assert out == ar[:n] and steps[-1].finish == "length" and steps[-1].tokens, (mode, n)
+        room = 9
+        out, steps = run(target, draft(), PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True), mode,
+                         max_seq_len=len(PROMPTS[0]) + room)
+        assert out == ar[:room] and steps[-1].finish == "context" and steps[-1].tokens, mode
+        asked = iter(range(100))
+        out, steps = run(target, draft(), PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True), mode,
+                         cancelled=lambda asked=asked: next(asked) >= 2)
+        assert len(steps) == 3 and steps[-1].finish == "cancelled" and out == ar[:len(out)], mode
 
 
 def scratch_kv(ref, tokens):
@@ -128,12 +137,11 @@ def test_multi_turn_reuses_the_prefix(tiny):
     drafter = tiny["self"]()
     draft = DraftState(drafter, TreeParams(bs=6, w=3))
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    turn1, _ = run(generate_sync(target, draft, PROMPTS[0], params, 2))
+    turn1, _ = run(target, draft, PROMPTS[0], params, "sync")
     prompt2 = PROMPTS[0] + turn1 + [9, 8, 7]
-    turn2, _ = run(generate_sync(target, draft, prompt2, params, 2))
+    turn2, _ = run(target, draft, prompt2, params, "async")
     assert target.prefill_tokens <= 3 + 1  # the new tokens and at most the last answer token
-    fresh, _ = run(generate_ar(TargetState(load_model(tiny_model_dir(seed=1), max_slots=512), 512),
-                               prompt2, params))
+    fresh, _ = run(TargetState(load_model(tiny_model_dir(seed=1), max_slots=512), 512), None, prompt2, params)
     assert turn2 == fresh
     ref = load_model(tiny_model_dir(seed=1), max_slots=512)
     p = draft.cache.prefix_len
@@ -145,19 +153,20 @@ def test_multi_turn_reuses_the_prefix(tiny):
 def test_seeded_sampling_is_reproducible(tiny):
     target = TargetState(tiny["target"], 512)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_new_tokens=24, ignore_eos=True)
-    outs = [run(generate_sync(target, DraftState(tiny["self"](), TreeParams()), PROMPTS[1], params, 2))[0]
+    outs = [run(target, DraftState(tiny["self"](), TreeParams()), PROMPTS[1], params, "sync")[0]
             for _ in range(2)]
     assert outs[0] == outs[1] and len(outs[0]) == 24
-    ars = [run(generate_ar(target, PROMPTS[1], params))[0] for _ in range(2)]
+    ars = [run(target, None, PROMPTS[1], params)[0] for _ in range(2)]
     assert ars[0] == ars[1]
 
 
 def test_context_limits(tiny):
     small = load_model(tiny_model_dir(seed=1), max_slots=40)
     target = TargetState(small, 40)
-    out, steps = run(generate_sync(target, DraftState(SuffixDrafter(), TreeParams()), PROMPTS[0],
-                                   SamplingParams(max_new_tokens=100, ignore_eos=True), 2))
-    assert len(out) == 40 - len(PROMPTS[0]) + 1 and steps[-1].finish_reason == "length"
+    out, steps = run(target, DraftState(SuffixDrafter(), TreeParams()), PROMPTS[0],
+                     SamplingParams(max_new_tokens=100, ignore_eos=True), "sync")
+    # the context is what the cache holds besides one tree of bs + 1 nodes
+    assert len(out) == 40 - 9 - len(PROMPTS[0]) and steps[-1].finish == "context"
     with pytest.raises(ContextFull):
         target.prefill(list(range(3, 50)), Sampler(SamplingParams()))
 
@@ -169,7 +178,7 @@ def test_tree_parameters_are_validated(tiny):
         DraftState(SuffixDrafter(), TreeParams(w=99))
     target = TargetState(tiny["target"], 512)
     with pytest.raises(ConfigError, match="d "):
-        next(generate_sync(target, DraftState(SuffixDrafter(), TreeParams()), PROMPTS[0], SamplingParams(), 0))
+        run(target, DraftState(SuffixDrafter(), TreeParams()), PROMPTS[0], SamplingParams(), "sync", 0)
 
 
 def embedded_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -187,9 +196,64 @@ def test_sync_greedy_equals_ar_embedded(embedded_dir, embedded_tokenizer):
     params = SamplingParams(max_new_tokens=128, ignore_eos=True)
     accepted = verifications = 0
     for prompt in embedded_prompts(embedded_tokenizer, 5):
-        ar, _ = run(generate_ar(target, prompt, params))
-        sync, steps = run(generate_sync(target, draft, prompt, params, 4))
+        ar, _ = run(target, None, prompt, params)
+        sync, steps = run(target, draft, prompt, params, "sync", 4)
         assert sync == ar and len(ar) == 128
         accepted += sum(s.accepted for s in steps)
         verifications += len(steps) - 1
     assert accepted / verifications > 0.3  # the suffix drafter does find repeats
+
+
+class FeatureReader(ModelDrafter):
+    """A drafter that reads the target's hidden states and keeps what it got, position by position."""
+
+    wants_features = True
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.seen: dict[int, tuple[int, torch.Tensor]] = {}  # position: (token, hidden state)
+        self.starts: list[int] = []
+
+    def prefill(self, tokens, reuse, features):
+        super().prefill(tokens, reuse, features)
+        assert features.hidden.shape[0] == len(tokens) - features.start
+        self.starts.append(features.start)
+        self.seen.update((p, (tokens[p], features.hidden[p - features.start])) for p in range(features.start, len(tokens)))
+        self.n = len(tokens)
+
+    def extend(self, tokens, features):
+        super().extend(tokens, features)
+        assert features.shape[0] == len(tokens)
+        self.seen.update((self.n + i, (t, features[i])) for i, t in enumerate(tokens))
+        self.n += len(tokens)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_feature_reading_drafter_gets_the_targets_hidden_states(tiny, mode, monkeypatch):
+    """Prefill features (across prefill chunks, from the target's reuse point on a second turn) and one
+    row per newly verified token, each equal to the target's hidden state at that position."""
+    monkeypatch.setattr("swiftspec.engine.tree_cache.PREFILL_CHUNK", 4)
+    target = TargetState(tiny["target"], 512)
+    reader = FeatureReader(load_model(tiny_model_dir(seed=1), max_slots=1024))  # the target's weights
+    draft = DraftState(reader, TreeParams(bs=6, w=3))
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    turn1, _ = run(target, draft, PROMPTS[2], params, mode)
+    prompt2 = PROMPTS[2] + turn1 + [9, 8, 7]
+    turn2, steps = run(target, draft, prompt2, params, mode)
+    assert reader.starts == [0, len(prompt2) - target.prefill_tokens] and target.prefill_tokens <= 4
+    assert sum(s.accepted for s in steps) > 0
+    seq = prompt2 + turn2
+    ref_model = load_model(tiny_model_dir(seed=1), max_slots=512)
+    _, ref = prefill_forward(ref_model, seq, 0, logits=False, hidden=True)
+    # every position the draft holds, except the last verified one, whose row comes with the next verdict
+    assert sorted(reader.seen) == list(range(reader.n)) and reader.n >= len(seq) - 1 - 8
+    for p, (token, hidden) in reader.seen.items():
+        assert token == seq[p]
+        torch.testing.assert_close(hidden, ref[p], atol=1e-4, rtol=1e-4)
+
+
+def test_features_cross_the_wire_as_float16():
+    hidden = torch.randn(5, 64) * 3
+    wire = features_to_wire(hidden)
+    assert wire.dtype == torch.int16 and wire.shape == (5, 64)
+    assert torch.equal(features_from_wire(wire), hidden.half().float())

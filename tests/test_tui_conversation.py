@@ -207,7 +207,7 @@ async def test_history_screen_open_rename_delete(store):
         await pilot.press("up", "d")
         assert isinstance(app.screen, ConfirmScreen) and "another chat" in app.screen.question
         await pilot.press("escape")  # not confirmed: kept
-        assert table.row_count == 2 and store.get(other)
+        assert table.row_count == 2 and store.get(other).title == "another chat"
         await pilot.press("d")
         await pilot.click("#confirm")
         await pilot.pause()

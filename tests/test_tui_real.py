@@ -146,12 +146,13 @@ async def test_worker_killed_shows_error_and_restart(store):
     started = []
 
     def start(progress):
-        eng = Engine.start(EngineConfig(target=str(tiny_model_dir(seed=0, layers=2)), max_seq_len=512),
+        eng = Engine.start(EngineConfig(target=str(tiny_model_dir(seed=0, layers=2)), max_seq_len=4096),
                            progress=progress)
         started.append(eng)
         return eng
 
-    app = SwiftSpecApp(start, SamplingParams(max_new_tokens=400, ignore_eos=True), store=store)
+    # long enough that the kill lands mid-answer, even at 300+ tok/s under load
+    app = SwiftSpecApp(start, SamplingParams(max_new_tokens=3500, ignore_eos=True), store=store)
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot, STARTUP_S)
         await type_and_send(pilot, "a long answer please")

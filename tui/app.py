@@ -26,6 +26,7 @@ from textual.widgets import Footer, Header
 
 from swiftspec import window
 from swiftspec.config import MODES, ConfigError, SamplingParams
+from swiftspec.engine.protocol import EngineAPI
 from swiftspec.history import (
     HistoryError,
     HistoryStore,
@@ -48,7 +49,7 @@ from swiftspec.tui.widgets.notice import Notice
 from swiftspec.tui.widgets.prompt_input import PromptInput
 from swiftspec.tui.widgets.stats_panel import StatsPanel
 
-EngineFactory = Callable[[Callable[[str], None]], Any]
+EngineFactory = Callable[[Callable[[str], None]], EngineAPI]
 
 
 def describe(error: BaseException) -> str:
@@ -120,7 +121,7 @@ class SwiftSpecApp(App[int]):
         self.system = system
         self.store = store or HistoryStore()
         self.model_line = model_line
-        self.engine: Any = None
+        self.engine: EngineAPI | None = None
         self.messages: list[dict] = []  # the conversation as shown (system prompt excluded)
         self.message_ids: list[int | None] = []  # each message's id in the store (None: not saved)
         self.window_start = 0  # the first of `messages` that the model still sees (see swiftspec.window)
@@ -165,12 +166,12 @@ class SwiftSpecApp(App[int]):
 
     # --- engine lifecycle -------------------------------------------------------------------------
 
-    def _start_engine(self, old: Any) -> None:
+    def _start_engine(self, old: EngineAPI | None) -> None:
         self.push_screen(LoadingScreen(self.model_line))
         self._run_start(old)
 
     @work(thread=True, exclusive=True, group="engine")
-    def _run_start(self, old: Any) -> None:
+    def _run_start(self, old: EngineAPI | None) -> None:
         if old is not None:
             try:
                 old.close()
@@ -202,8 +203,8 @@ class SwiftSpecApp(App[int]):
     def on_engine_ready(self) -> None:
         if isinstance(self.screen, LoadingScreen):
             self.pop_screen()
-        info = self.engine.info.to_dict()
-        self.model_line = f"{info['target']} ← {info['draft']}"
+        info = self.engine.info
+        self.model_line = f"{info.target} ← {info.draft}"
         self.query_one(StatsPanel).set_info(info)
         self._update_subtitle()
         self.query_one(PromptInput).focus()
@@ -289,7 +290,7 @@ class SwiftSpecApp(App[int]):
         return head + [dict(m) for m in self.messages[self.window_start:]]
 
     @work(thread=True, group="generate")
-    def _generate(self, engine: Any, messages: list[dict], params: SamplingParams, turn: Turn) -> None:
+    def _generate(self, engine: EngineAPI, messages: list[dict], params: SamplingParams, turn: Turn) -> None:
         try:
             for ev in engine.generate(messages, params):
                 turn.buffer.push(ev)

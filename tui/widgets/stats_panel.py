@@ -13,6 +13,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Label, Sparkline, Static
 
 from swiftspec.config import StepStats
+from swiftspec.engine.protocol import EngineInfo
 
 SPARK_STEPS = 60  # recent steps drawn in the latency sparkline
 
@@ -26,22 +27,22 @@ def _grid(rows: list[tuple[str, str]]) -> Table:
     return grid
 
 
-def _layout_text(info: dict) -> Group:
+def _layout_text(info: EngineInfo) -> Group:
     """One line per group (wrapping when there are many ranks), e.g. 'target r0 cuda:0, r1 cuda:1', then
     the model names, cut to the panel's width."""
     ranks = Text()
     for role in ("target", "draft"):
-        members = [r for r in info.get("ranks", []) if r.get("role") == role]
+        members = [r for r in info.ranks if r.role == role]
         if members:
-            where = ", ".join(f"r{r['rank']} {r['device']}" + (f" {r['threads']}t" if r["device"] == "cpu" else "")
+            where = ", ".join(f"r{r.rank} {r.device}" + (f" {r.threads}t" if r.device == "cpu" else "")
                               for r in members)
             ranks.append(f"{role:<7}", style=f"bold {'green' if role == 'target' else 'cyan'}")
             ranks.append(f"{where}\n")
     models = Text(no_wrap=True, overflow="ellipsis")
     models.append("model  ", style="dim")
-    models.append(f"{info.get('target', '?')}\n")
+    models.append(f"{info.target}\n")
     models.append("draft  ", style="dim")
-    models.append(str(info.get("draft", "?")))
+    models.append(info.draft)
     ranks.rstrip()
     return Group(ranks, models)
 
@@ -68,9 +69,9 @@ class StatsPanel(VerticalScroll, can_focus=False):
     def on_mount(self) -> None:
         self._refresh_figures()
 
-    def set_info(self, info: dict) -> None:
-        """Takes EngineInfo as a dict: models, ranks, tree policy."""
-        self._d_configured = f"{info['d']} auto" if info.get("d_auto") else str(info.get("d", ""))
+    def set_info(self, info: EngineInfo) -> None:
+        """Models, ranks, tree policy."""
+        self._d_configured = f"{info.d} auto" if info.d_auto else str(info.d)
         self.query_one("#layout", Static).update(_layout_text(info))
         self._refresh_figures()
 

@@ -1,0 +1,261 @@
+"""The decoding loops of every mode, written once: the target leader's loop (``ar``: one token per step;
+``sync`` / ``async``: verify each subtree the draft sends), the draft leader's loop, and the one
+finisher that decides where an answer ends.
+
+The loops talk over a Link: ``worker/wire.py``'s between the two worker groups (torch.distributed), or
+``InProcessLink`` between two threads of one process (``generate``: tests and benchmarks run the shipped
+loops this way). Only token ids and numbers leave the target loop (``emit``); the Engine turns them
+into text, stop strings and stats.
+
+One round, leader to leader: the draft sends a SUBTREE (tokens, parents); the target verifies it and
+answers CONT (the verdict: accepted tokens + bonus) or STOP (the last verdict). In ``async`` the draft expands its tree d
+times while the target verifies; in ``sync`` it expands d times, sends, and waits. A drafter that reads
+the target's hidden states gets them right after START (the prefill's) and after each verdict.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import NamedTuple, Protocol
+
+from torch import Tensor
+
+from swiftspec.config import ConfigError, SamplingParams
+from swiftspec.engine.decode import DraftState, TargetState
+from swiftspec.engine.drafters import Features
+from swiftspec.engine.protocol import Step
+from swiftspec.engine.sampling import Sampler
+
+
+class Op(IntEnum):
+    """Message kinds: between the leaders (START .. SUBTREE) and from a leader to its TP followers."""
+
+    START = 1  # target -> draft: the first root (a: the prefill's reuse point, b: the feature size)
+    CONT = 2  # target -> draft: the verdict, go on
+    STOP = 3  # target -> draft: the answer is over
+    SUBTREE = 4  # draft -> target: tokens, parents (a: expansions since the last one, b: their µs)
+    END = 10
+    VERIFY = 11
+    DECODE = 12
+    EXPAND = 14
+    REROOT = 15
+    DRAFT = 16  # the followers' share of DraftState.subtree
+
+
+class Message(NamedTuple):
+    kind: Op
+    tokens: list[int] = []
+    parents: list[int] = []
+    a: int = 0
+    b: int = 0
+
+
+class Link(Protocol):
+    """One leader's end of the channel to the other group's leader."""
+
+    def send(self, msg: Message) -> None: ...
+
+    def recv(self) -> Message: ...
+
+    def post_recv(self) -> Callable[[], Message]:
+        """Starts receiving the next message; the returned call waits for it."""
+
+    def send_features(self, hidden: Tensor) -> None: ...
+
+    def recv_features(self, rows: int, dim: int) -> Tensor: ...
+
+
+def nobody(op: Op, tokens: list[int] = (), parents: list[int] = ()) -> None:
+    """``tell`` for a group without TP followers."""
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+
+
+class Finisher:
+    """Where an answer ends: after an EOS token (kept), at max_new_tokens ("length") or at the context's
+    end ("context"), or at the first step after a cancel. The Engine matches stop strings and cancels."""
+
+    def __init__(self, req: Request, max_seq_len: int, eos: set[int], cancelled: Callable[[], bool]):
+        p = req.params
+        self.eos = set() if p.ignore_eos else eos
+        self.budget = min(p.max_new_tokens, max_seq_len - len(req.prompt))
+        self.cut_reason = "context" if self.budget < p.max_new_tokens else "length"
+        self.cancelled = cancelled
+        self.generated = 0
+
+    def cut(self, tokens: list[int]) -> tuple[list[int], str | None]:
+        """A step's tokens trimmed after EOS and at the budget, and the finish reason if any."""
+        reason = None
+        for i, t in enumerate(tokens):
+            if t in self.eos:
+                tokens, reason = tokens[:i + 1], "eos"
+                break
+        room = self.budget - self.generated
+        if len(tokens) >= room:
+            tokens = tokens[:room]
+            reason = "eos" if tokens and tokens[-1] in self.eos else self.cut_reason
+        if reason is None and self.cancelled():
+            reason = "cancelled"
+        self.generated += len(tokens)
+        return tokens, reason
+
+
+def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finisher,
+                emit: Callable[[Step], None], tell=nobody, features: bool = False) -> None:
+    """The target leader's loop for one answer; ``link`` None in ``ar``. ``features``: the drafter reads
+    the target's hidden states."""
+    sampler = Sampler(req.params, target.device)
+    t0 = time.perf_counter()
+    root = target.prefill(req.prompt, sampler, hidden=features)
+    tokens, reason = fin.cut([root])
+    first = Step(tokens, reason, target_ms=(time.perf_counter() - t0) * 1e3, prefill_tokens=target.prefill_tokens)
+    if req.params.mode == "ar":
+        emit(first)
+        while reason is None:
+            tell(Op.DECODE, [root])
+            v = target.verify([root], [-1], sampler)
+            root = v.path[0]
+            tokens, reason = fin.cut(v.path)
+            emit(Step(tokens, reason, target_ms=v.target_ms))
+    else:
+        f = target.features
+        link.send(Message(Op.STOP if reason else Op.START, [root], a=f.start if f else 0,
+                          b=f.hidden.shape[-1] if f else 0))
+        if features and reason is None:
+            link.send_features(f.hidden)
+        emit(first)
+        while reason is None:
+            sub = link.recv()
+            tell(Op.VERIFY, sub.tokens, sub.parents)
+            v = target.verify(sub.tokens, sub.parents, sampler, hidden=features)
+            tokens, reason = fin.cut(v.path)
+            link.send(Message(Op.STOP if reason else Op.CONT, v.path))
+            if features:
+                link.send_features(v.hidden)
+            emit(Step(tokens, reason, v.accepted, v.tree_size, sub.b / 1e3 / sub.a if sub.a else 0.0, v.target_ms))
+    tell(Op.END)
+
+
+def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) -> None:
+    """The draft leader's loop for one answer. async: send the subtree, expand d times while the target
+    verifies it, then take the verdict (d is sized to fill a verification, as in the paper); sync: take
+    the verdict, expand d times, send. Either way the tree is topped up to bs nodes. A drafter that reads
+    the target's features prefills once it has them; others prefill while the target does."""
+    wants = ds.drafter.wants_features
+    if not wants:
+        ds.prefill(req.prompt)
+    msg = link.recv()
+    if msg.kind == Op.STOP:
+        tell(Op.END)
+        return
+    dim = msg.b
+    if wants:
+        ds.prefill(req.prompt, Features(msg.a, link.recv_features(len(req.prompt) - msg.a, dim)))
+    tell(Op.START, msg.tokens)
+    ds.start(msg.tokens[0])
+    asynchronous, bs = req.params.mode == "async", ds.params.bs
+    n_exp, exp_ms = 0, 0.0
+    while True:
+        todo = 0 if asynchronous else d
+        while (todo > 0 or ds.size < bs) and ds.can_expand():
+            tell(Op.EXPAND)
+            exp_ms += ds.expand()
+            n_exp, todo = n_exp + 1, todo - 1
+        tell(Op.DRAFT)
+        toks, parents = ds.subtree()
+        link.send(Message(Op.SUBTREE, toks, parents, n_exp, round(exp_ms * 1e3)))
+        n_exp, exp_ms = 0, 0.0
+        verdict = link.post_recv()
+        if asynchronous:  # grow the tree for the next round while the target verifies this one
+            for _ in range(d):
+                if not ds.can_expand():
+                    break
+                tell(Op.EXPAND)
+                exp_ms += ds.expand()
+                n_exp += 1
+        msg = verdict()
+        tell(Op.REROOT, msg.tokens)  # after a STOP too: the draft then holds what the target committed
+        ds.reroot(msg.tokens, link.recv_features(len(msg.tokens), dim) if wants else None)
+        if msg.kind == Op.STOP:
+            tell(Op.END)
+            return
+
+
+class InProcessLink:
+    """Both ends of a leader-to-leader channel inside one process (queues); features pass as they are.
+    A failure on one end reaches the other as the exception itself."""
+
+    def __init__(self):
+        self.queues = (queue.Queue(), queue.Queue())  # to the draft, to the target
+
+    def end(self, side: int) -> _End:
+        return _End(self.queues[side], self.queues[1 - side])
+
+
+class _End:
+    def __init__(self, inbox: queue.Queue, outbox: queue.Queue):
+        self.inbox, self.outbox = inbox, outbox
+
+    def send(self, msg) -> None:
+        self.outbox.put(msg)
+
+    def recv(self):
+        msg = self.inbox.get()
+        if isinstance(msg, BaseException):
+            raise RuntimeError("the other end of the link failed") from msg
+        return msg
+
+    def post_recv(self) -> Callable[[], Message]:
+        return self.recv
+
+    send_features = send
+
+    def recv_features(self, rows: int, dim: int) -> Tensor:
+        hidden = self.recv()
+        assert hidden.shape == (rows, dim), (hidden.shape, rows, dim)
+        return hidden
+
+
+def generate(target: TargetState, draft: DraftState | None, prompt: list[int], params: SamplingParams,
+             d: int = 1, max_seq_len: int | None = None, eos: set[int] = frozenset(),
+             cancelled: Callable[[], bool] = lambda: False) -> list[Step]:
+    """One answer through the shipped loops in this process, the draft leader's in a thread (``ar``:
+    no draft). max_seq_len defaults to what the target's cache holds besides one tree of bs nodes."""
+    if d < 1:
+        raise ConfigError("d (draft expansions per round) must be >= 1")
+    req = Request(0, prompt, params.validate())
+    if max_seq_len is None:
+        max_seq_len = target.cache.capacity - (draft.params.bs + 1 if draft else 1)
+    steps: list[Step] = []
+    fin = Finisher(req, max_seq_len, eos, cancelled)
+    if params.mode == "ar":
+        lead_target(target, None, req, fin, steps.append)
+        return steps
+    link = InProcessLink()
+    draft_end = link.end(0)
+
+    def run_draft() -> None:
+        try:
+            lead_draft(draft, draft_end, req, d)
+        except BaseException as e:  # noqa: BLE001 - handed to the target's end
+            draft_end.send(e)
+
+    thread = threading.Thread(target=run_draft, daemon=True, name="draft-leader")
+    thread.start()
+    try:
+        lead_target(target, link.end(1), req, fin, steps.append, features=draft.drafter.wants_features)
+    finally:
+        if thread.is_alive():  # the target failed: end the draft's loop too
+            link.end(1).send(Message(Op.STOP))
+        thread.join()
+    return steps

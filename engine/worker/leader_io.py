@@ -1,0 +1,152 @@
+"""The target leader's two ends towards a user: the Engine's socket (``SocketIO``), or stdout for a
+``--prompt`` run without an Engine (``ScriptIO``). Either gets token ids and figures only (``step``);
+text is the Engine's work, off the decoding loop's critical path."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+
+from swiftspec.config import ConfigError, SamplingParams
+from swiftspec.engine import protocol
+from swiftspec.engine.loop import Request
+from swiftspec.engine.protocol import Step
+
+
+class SocketIO:
+    """The leader's side of the Engine socket. A reader thread queues incoming messages, so the decode
+    loop only ever does a non-blocking check for a cancel between steps; a writer thread sends, so the
+    loop only queues a step."""
+
+    def __init__(self, conn: protocol.Connection, speculative: bool):
+        self.conn, self.speculative = conn, speculative
+        self.inbox: queue.Queue[dict] = queue.Queue()
+        self.outbox: queue.Queue[tuple[str, dict] | None] = queue.Queue()
+        self.pending: deque[dict] = deque()
+        self.cancel_ids: set[int] = set()
+        self.shutdown = False
+        threading.Thread(target=self._read, daemon=True, name="engine-socket-in").start()
+        self.writer = threading.Thread(target=self._write, daemon=True, name="engine-socket-out")
+        self.writer.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                self.inbox.put(self.conn.recv())
+        except (OSError, protocol.ProtocolError):  # the Engine went away: finish and exit
+            self.inbox.put({"type": "shutdown"})
+
+    def _write(self) -> None:
+        while (item := self.outbox.get()) is not None:
+            try:
+                self.conn.send(item[0], **item[1])
+            except OSError:
+                self.inbox.put({"type": "shutdown"})
+
+    def _note(self, msg: dict) -> None:
+        kind = msg["type"]
+        if kind == "generate":
+            self.pending.append(msg)
+        elif kind == "cancel" and isinstance(msg.get("id"), int):
+            self.cancel_ids.add(msg["id"])
+        elif kind == "shutdown":
+            self.shutdown = True
+
+    def next_request(self) -> Request | None:
+        while True:
+            while not self.pending and not self.shutdown:
+                self._note(self.inbox.get())
+            if self.shutdown:
+                return None
+            msg = self.pending.popleft()
+            rid = msg.get("id")
+            try:
+                if not isinstance(rid, int):
+                    raise ConfigError("request without an integer id")
+                ids = msg.get("token_ids")
+                if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+                    raise ConfigError("token_ids must be a non-empty list of integers")
+                params = SamplingParams.from_dict(msg.get("params") or {})
+                if params.mode != "ar" and not self.speculative:
+                    raise ConfigError(f"mode {params.mode} needs a draft, and these workers have none")
+            except (ConfigError, TypeError) as e:
+                self.send("error", id=rid, message=f"invalid request: {e}", fatal=False)
+                continue
+            if rid in self.cancel_ids:
+                self.cancel_ids.discard(rid)
+                self.step(rid, Step([], "cancelled"))
+                continue
+            return Request(rid, ids, params)
+
+    def cancelled(self, rid: int) -> bool:
+        while True:
+            try:
+                self._note(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        return self.shutdown or rid in self.cancel_ids
+
+    def step(self, rid: int, step: Step) -> None:
+        if step.finish is not None:
+            self.cancel_ids.discard(rid)
+        self.send("step", id=rid, step=step.to_dict())
+
+    def progress(self, text: str) -> None:
+        self.send("progress", text=text)
+
+    def send(self, type_: str, **fields) -> None:
+        self.outbox.put((type_, fields))
+
+    def flush(self) -> None:
+        """Sends everything queued, then stops the writer."""
+        self.outbox.put(None)
+        self.writer.join()
+
+
+class ScriptIO:
+    """``--prompt`` without an Engine: one request per mode; prints each answer and compares them."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], modes: list[str], max_new_tokens: int):
+        self.tokenizer = tokenizer
+        self.todo = deque(Request(i, prompt_ids, SamplingParams(mode=m, max_new_tokens=max_new_tokens))
+                          for i, m in enumerate(modes))
+        self.results: list[tuple[str, list[int]]] = []
+        self.steps: list[Step] = []
+
+    def next_request(self) -> Request | None:
+        if not self.todo:
+            return None
+        self.mode, self.steps = self.todo[0].params.mode, []
+        return self.todo.popleft()
+
+    def cancelled(self, rid: int) -> bool:
+        return False
+
+    def step(self, rid: int, step: Step) -> None:
+        self.steps.append(step)
+        if step.finish is None:
+            return
+        tokens = [t for s in self.steps for t in s.tokens]
+        self.results.append((self.mode, tokens))
+        verified = [s for s in self.steps if s.tree_size]
+        mean = sum(s.accepted + 1 for s in verified) / len(verified) if verified else 0.0
+        print(f"[{self.mode}] {len(tokens)} tokens, {len(self.steps) - 1} steps after the prefill, mean "
+              f"accepted {mean:.2f}, finish={step.finish}\n{self.tokenizer.decode(tokens)}\n", flush=True)
+
+    def progress(self, text: str) -> None:
+        print(f"-- {text}", flush=True)
+
+    def send(self, type_: str, **fields) -> None:
+        if type_ == "ready":
+            info = fields["info"]
+            print(f"-- ready: d={info['d']} (t_verify {info['t_verify_ms']:.1f} ms, "
+                  f"t_expand {info['t_expand_ms']:.2f} ms)", flush=True)
+            for r in info["ranks"]:
+                print(f"   rank {r['rank']}: {r['role']} tp {r['tp_rank']}/{r['tp_world']} on "
+                      f"{r['host']} {r['device']} ({r['threads']} threads)", flush=True)
+
+    def flush(self) -> None:
+        first = self.results[0]
+        for mode, tokens in self.results[1:]:
+            print(f"{mode} == {first[0]}: {tokens == first[1]}", flush=True)

@@ -1,0 +1,167 @@
+"""What every rank does once set up: wait for the leader's next request, run its part of the answer
+(engine/loop.py's loops on the group leaders, the follower loops below on TP followers), repeat."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from swiftspec.config import BUILTIN_DRAFTS, MODES, SamplingParams
+from swiftspec.engine import protocol
+from swiftspec.engine.loader import load_tokenizer
+from swiftspec.engine.loop import Finisher, Op, Request, lead_draft, lead_target
+from swiftspec.engine.protocol import EngineInfo
+from swiftspec.engine.sampling import Sampler
+from swiftspec.engine.worker.leader_io import ScriptIO, SocketIO
+from swiftspec.engine.worker.setup import (
+    Ctx,
+    barrier,
+    choose_d,
+    gather_ranks,
+    load,
+    parse_args,
+    profile,
+    setup,
+)
+from swiftspec.engine.worker.wire import DistLink
+
+# Request header, broadcast by the leader to every rank: int64[4] = cmd, mode, prompt length, params length.
+CMD_SHUTDOWN, CMD_GENERATE = 0, 1
+
+
+def follow_target(ctx: Ctx, req: Request) -> None:
+    sampler = Sampler(req.params, ctx.device)
+    ctx.target.prefill(req.prompt, sampler)
+    buf = ctx.wire.buffer()
+    while True:
+        dist.broadcast(buf, src=0, group=ctx.target_group)
+        op, toks, parents, _, _ = ctx.wire.unpack(buf)
+        if op == Op.END:
+            return
+        if op == Op.DECODE:
+            ctx.target.decode_step(toks[0], sampler)
+        else:
+            ctx.target.verify(toks, parents, sampler)
+
+
+def follow_draft(ctx: Ctx, req: Request) -> None:
+    ds = ctx.draft
+    ds.prefill(req.prompt)
+    buf = ctx.wire.buffer()
+    while True:
+        dist.broadcast(buf, src=ctx.n_target, group=ctx.draft_group)
+        op, toks, _, _, _ = ctx.wire.unpack(buf)
+        if op == Op.END:
+            return
+        if op == Op.EXPAND:
+            ds.expand()
+        elif op == Op.START:
+            ds.start(toks[0])
+        elif op == Op.REROOT:
+            ds.reroot(toks)
+        else:
+            ds.subtree()
+
+
+def _request(ctx: Ctx, io) -> Request | None:
+    """The leader's next request, on every rank (None: shut down)."""
+    hdr = torch.zeros(4, dtype=torch.int64)
+    req = None
+    if ctx.rank == 0:
+        req = io.next_request()
+        if req is not None:
+            if req.params.seed is None:  # TP peers must draw the same random numbers
+                req.params.seed = secrets.randbits(31)
+            blob = torch.frombuffer(bytearray(json.dumps(req.params.to_dict()).encode()), dtype=torch.uint8)
+            hdr = torch.tensor([CMD_GENERATE, MODES.index(req.params.mode), len(req.prompt), len(blob)])
+    dist.broadcast(hdr, src=0)
+    cmd, _, n_prompt, n_blob = hdr.tolist()
+    if cmd == CMD_SHUTDOWN:
+        return None
+    if ctx.rank == 0:
+        prompt = torch.tensor(req.prompt, dtype=torch.int64)
+    else:
+        prompt, blob = torch.zeros(n_prompt, dtype=torch.int64), torch.zeros(n_blob, dtype=torch.uint8)
+    dist.broadcast(prompt, src=0)
+    dist.broadcast(blob, src=0)
+    if ctx.rank != 0:
+        req = Request(-1, prompt.tolist(), SamplingParams.from_dict(json.loads(bytes(blob.tolist()))))
+    return req
+
+
+def serve(ctx: Ctx, io) -> None:
+    draft_leader = ctx.n_target
+    link = DistLink(ctx.wire, draft_leader if ctx.rank == 0 else 0)
+    while (req := _request(ctx, io)) is not None:
+        if ctx.rank == 0:
+            fin = Finisher(req, ctx.args.max_seq_len, ctx.eos, lambda rid=req.id: io.cancelled(rid))
+            lead_target(ctx.target, link, req, fin, lambda step, rid=req.id: io.step(rid, step), ctx.tell,
+                        ctx.features and req.params.mode != "ar")
+        elif ctx.role == "target":
+            follow_target(ctx, req)
+        elif req.params.mode == "ar":
+            continue
+        elif ctx.rank == draft_leader:
+            lead_draft(ctx.draft, link, req, ctx.d, ctx.tell)
+        else:
+            follow_draft(ctx, req)
+
+
+def _io(ctx: Ctx) -> SocketIO | ScriptIO | None:
+    args = ctx.args
+    if ctx.rank != 0:
+        return None
+    if args.prompt is not None:
+        tok = load_tokenizer(Path(args.target), args.trust_remote_code)
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                      return_dict=True)["input_ids"]
+        return ScriptIO(tok, list(ids), args.modes.split(","), args.max_new_tokens)
+    addr, key = os.environ.get(protocol.ENV_ADDR), os.environ.get(protocol.ENV_KEY)
+    if not addr or not key:
+        raise SystemExit(f"{protocol.ENV_ADDR} / {protocol.ENV_KEY} are not set: start the workers "
+                         "through swiftspec's Engine, or pass --prompt")
+    return SocketIO(protocol.connect(addr, key), speculative=ctx.world > ctx.n_target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ctx = setup(args)
+    io = _io(ctx)
+    try:
+        ranks = gather_ranks(ctx)
+        if io is not None:
+            io.send("hello", pids=[[r.rank, r.pid] for r in ranks])
+            draft = BUILTIN_DRAFTS.get(args.draft) or f"draft {Path(args.draft).name}"
+            io.progress(f"loading target {args.target_name or Path(args.target).name} on {ctx.n_target} "
+                        f"rank(s)" + (f" and {draft} on {ctx.world - ctx.n_target} rank(s)" if args.draft != "none"
+                                      else ", no draft"))
+        load(ctx)
+        barrier()
+        if io is not None:
+            io.progress("profiling the draft expansion and target verification times")
+        t_verify, t_expand = profile(ctx)
+        ctx.d = 0 if args.draft == "none" else args.d or choose_d(t_verify, t_expand)
+        if io is not None:
+            info = EngineInfo(
+                target=args.target_name or Path(args.target).name,
+                draft=args.draft if args.draft in BUILTIN_DRAFTS else Path(args.draft).name,
+                ranks=ranks, context_length=args.max_seq_len, backend=ctx.backend, bs=args.bs, w=args.w,
+                d=ctx.d, d_auto=args.d is None, t_verify_ms=t_verify, t_expand_ms=t_expand,
+                eos_token_ids=sorted(ctx.eos))
+            io.send("ready", info=info.to_dict())
+        serve(ctx, io)
+    except BaseException as e:
+        if isinstance(io, SocketIO):
+            io.send("error", id=None, message=f"{type(e).__name__}: {e}", fatal=True)
+            io.flush()
+        raise
+    if io is not None:
+        io.flush()
+    barrier()
+    dist.destroy_process_group()
+    return 0
