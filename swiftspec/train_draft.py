@@ -354,6 +354,8 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, prompts: list[str], dev
                 torch.nn.utils.clip_grad_norm_(params, 0.5)
                 opt.step()
                 progress.update(task, advance=1, loss=loss.item())
+                if not console.is_terminal and (k + 1) % max(1, steps_per_epoch // 10) == 0:
+                    console.print(f"epoch {epoch + 1}: step {k + 1}/{steps_per_epoch}, loss {loss.item():.3f}")
         agree = agreement(head, held, held_labels, t2d, cfg.steps, max_len)
         curve.append(agree)
         console.print(f"epoch {epoch + 1}: held-out top-1 agreement by depth "

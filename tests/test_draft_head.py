@@ -2,13 +2,14 @@
 features it receives, checkpoints (ours and EAGLE's layout) and their errors."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from tiny_models import single_thread, tiny_model_dir
 
 from swiftspec.config import SamplingParams, TreeParams
-from swiftspec.engine.decode import DraftState, TargetState, generate_ar, generate_sync
+from swiftspec.engine.decode import DraftState, TargetState
 from swiftspec.engine.draft_head import (
     DraftHead,
     HeadArgs,
@@ -19,6 +20,7 @@ from swiftspec.engine.draft_head import (
     save_head,
 )
 from swiftspec.engine.loader import load_model, resolve_draft
+from swiftspec.engine.loop import generate
 from swiftspec.engine.tree_cache import causal_mask
 
 PROMPTS = [[5, 17, 300, 42, 8, 99], [1, 200, 201, 202, 203, 200, 201]]
@@ -87,28 +89,30 @@ def _drafter(target, head, bs=8, w=4):
     return DraftState(HeadDrafter(head, 1024), TreeParams(bs=bs, w=w))
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("bs,w,d", [(8, 4, 2), (4, 2, 1)])
-def test_sync_with_a_head_equals_ar(target, bs, w, d):
+def test_speculation_with_a_head_equals_ar(target, mode, bs, w, d):
     t = TargetState(target, 512)
     state = _drafter(target, random_head(target), bs, w)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for prompt in PROMPTS:
-        ar = [tok for s in generate_ar(t, prompt, params) for tok in s.tokens]
-        steps = list(generate_sync(t, state, prompt, params, d))
+        ar = [tok for s in generate(t, None, prompt, replace(params, mode="ar")) for tok in s.tokens]
+        steps = generate(t, state, prompt, replace(params, mode=mode), d)
         assert [tok for s in steps for tok in s.tokens] == ar and len(ar) == 40
         assert all(s.tree_size <= bs for s in steps)
 
 
-def test_the_head_receives_the_targets_features(target):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_head_receives_the_targets_features(target, mode):
     """After a conversation and a follow-up turn (KV reuse), the drafter's feature of every committed
     position equals the target's own final hidden state there, computed afresh."""
     t = TargetState(target, 512)
     drafter = HeadDrafter(random_head(target), 1024)
     state = DraftState(drafter, TreeParams(bs=8, w=4))
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    first = [tok for s in generate_sync(t, state, PROMPTS[0], params, 2) for tok in s.tokens]
+    first = [tok for s in generate(t, state, PROMPTS[0], replace(params, mode=mode), 2) for tok in s.tokens]
     follow = PROMPTS[0] + first + [7, 8, 9]
-    list(generate_sync(t, state, follow, params, 2))
+    list(generate(t, state, follow, replace(params, mode=mode), 2))
     n = drafter.n_committed
     assert n == len(state.committed) > len(follow)
     fresh = load_model(tiny_model_dir(seed=1), max_slots=512)
@@ -130,10 +134,10 @@ def test_a_head_that_echoes_the_feature_gets_accepted(target):
         head.fc.weight[:, target.args.dim:] = torch.eye(target.args.dim)
     t = TargetState(target, 512)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    ar = [tok for s in generate_ar(t, [77] * 4, params) for tok in s.tokens]
+    ar = [tok for s in generate(t, None, [77] * 4, replace(params, mode="ar")) for tok in s.tokens]
     repeats = sum(a == b for a, b in zip(ar, ar[1:], strict=False))
     assert repeats >= 3
-    steps = list(generate_sync(t, _drafter(target, head), [77] * 4, params, 2))
+    steps = generate(t, _drafter(target, head), [77] * 4, replace(params, mode="sync"), 2)
     assert [tok for s in steps for tok in s.tokens] == ar
     assert sum(s.accepted for s in steps) >= repeats
 

@@ -2,6 +2,7 @@
 and decodes exactly, resuming and determinism."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,9 +10,10 @@ from rich.console import Console
 from tiny_models import single_thread, tiny_model_dir
 
 from swiftspec.config import SamplingParams, TreeParams
-from swiftspec.engine.decode import DraftState, TargetState, generate_ar, generate_sync
+from swiftspec.engine.decode import DraftState, TargetState
 from swiftspec.engine.draft_head import HeadDrafter, load_head
 from swiftspec.engine.loader import load_model
+from swiftspec.engine.loop import generate
 from swiftspec.train_draft import (
     TrainConfig,
     _batch,
@@ -67,9 +69,10 @@ def test_training_lowers_the_loss_and_the_head_decodes_exactly(trained):
     state = DraftState(HeadDrafter(head, 1024), TreeParams(bs=8, w=4))
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     prompt = seqs[0].tokens[:seqs[0].prompt_len].tolist()
-    ar = [tok for s in generate_ar(t, prompt, params) for tok in s.tokens]
-    steps = list(generate_sync(t, state, prompt, params, 2))
-    assert [tok for s in steps for tok in s.tokens] == ar
+    ar = [tok for s in generate(t, None, prompt, replace(params, mode="ar")) for tok in s.tokens]
+    for mode in ("sync", "async"):
+        steps = generate(t, state, prompt, replace(params, mode=mode), 2)
+        assert [tok for s in steps for tok in s.tokens] == ar
 
 
 def test_rerun_resumes_and_the_same_seed_gives_the_same_head(trained, tmp_path):
