@@ -1,11 +1,12 @@
-"""Issue 3 figures on the embedded model: t_verify(n) / t_step(1), and ``sync`` (suffix drafter) against
-``ar`` — tokens/s per prompt from interleaved runs (median ratio), mean accepted tokens per verification
-and acceptance rate. Every sync output is checked against ar's, token for token.
+"""In-process figures on the embedded model: t_verify(n) / t_step(1), and ``sync`` (the suffix drafter or
+a draft head) against ``ar`` — tokens/s per prompt from interleaved runs (median ratio), mean accepted
+tokens per verification and acceptance rate. Every sync output is checked against ar's, token for token.
 
 Times are given twice: wall clock, and this process's CPU time (with one torch thread all the math runs on
 one core at a time), which is what to read when other processes share the cores.
 
     .venv/bin/python benchmarks/sync_vs_ar.py [--threads 1] [--prompts 12] [--tokens 128] [--cost]
+        [--draft suffix|HEAD_DIR] [--set fresh] [--w 8]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from swiftspec.config import SamplingParams, TreeParams
 from swiftspec.engine.decode import DraftState, TargetState, profile_verify_cost
-from swiftspec.engine.drafters import SuffixDrafter
+from swiftspec.engine.drafters import make_drafter
 from swiftspec.engine.loader import load_model, load_tokenizer, resolve_model_dir
 from swiftspec.engine.loop import generate
 from swiftspec.engine.sampling import Sampler
@@ -30,10 +31,11 @@ from swiftspec.engine.tree import target_inputs
 CATEGORIES = ["chat", "code", "math", "qa", "summarisation", "extraction"]
 
 
-def prompts(tokenizer, n: int) -> list[list[int]]:
+def prompts(tokenizer, n: int, sets: list[str] = CATEGORIES) -> list[list[int]]:
     root = Path(__file__).resolve().parents[1] / "swiftspec" / "prompts"
-    lines = {c: (root / f"{c}.jsonl").read_text().splitlines() for c in CATEGORIES}
-    texts = [json.loads(lines[c][i])["prompt"] for i in range(12) for c in CATEGORIES][:n]
+    lines = {c: (root / f"{c}.jsonl").read_text().splitlines() for c in sets}
+    texts = [json.loads(lines[c][i])["prompt"] for i in range(max(map(len, lines.values())))
+             for c in sets if i < len(lines[c])][:n]
     return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                           return_dict=True)["input_ids"] for t in texts]
 
@@ -65,11 +67,17 @@ def main() -> None:
     ap.add_argument("--bs", type=int, default=8)
     ap.add_argument("--cost", action="store_true", help="cost-aware subtree size (profile_verify_cost)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--w", type=int, default=8)
+    ap.add_argument("--draft", default="suffix", help="suffix or a draft head directory")
+    ap.add_argument("--set", default=",".join(CATEGORIES), help="built-in prompt sets, e.g. fresh")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(None)
     model = load_model(model_dir, max_slots=2048)
     tokenizer = load_tokenizer(model_dir)
+
+    def drafter():
+        return make_drafter(args.draft, model_dir, False, False, None, max_slots=4096)
 
     ratios = verify_ratios(model, 300, [1, 2, 4, 8, 16], args.reps)
     for clock in ("wall", "cpu"):
@@ -84,10 +92,10 @@ def main() -> None:
         cost = profile_verify_cost(target, args.bs)
         print("verify cost profile:", [round(c, 2) for c in cost], flush=True)
     speed, cpu_speed, accepted, verified, verifications, same = [], [], 0, 0, 0, 0
-    for i, prompt in enumerate(prompts(tokenizer, args.prompts)):
+    for i, prompt in enumerate(prompts(tokenizer, args.prompts, args.set.split(","))):
         runs = {}
         for mode in (("ar", "sync") if i % 2 == 0 else ("sync", "ar")):
-            draft = DraftState(SuffixDrafter(), TreeParams(bs=args.bs), verify_cost=cost)
+            draft = DraftState(drafter(), TreeParams(bs=args.bs, w=args.w), verify_cost=cost)
             t0, c0 = time.perf_counter(), time.process_time()
             steps = generate(target, None if mode == "ar" else draft, prompt, replace(params, mode=mode), args.d)
             prefill = steps[0].target_ms / 1e3  # the same work in both modes: left out of the timing

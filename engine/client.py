@@ -98,20 +98,23 @@ class Engine:
         """
         import torch
 
+        from swiftspec.engine.draft_head import is_head_dir
         from swiftspec.engine.drafters import check_vocab_compatible
-        from swiftspec.engine.loader import load_tokenizer, read_args, resolve_model_dir
+        from swiftspec.engine.loader import load_tokenizer, read_args, resolve_draft, resolve_model_dir
 
         config = (config or EngineConfig()).validate()
         say = progress or (lambda _text: None)
         say("resolving the models")
         target_dir = resolve_model_dir(config.target, say)
-        draft = config.draft if config.draft in BUILTIN_DRAFTS else str(resolve_model_dir(config.draft, say))
-        limit = min(read_args(Path(d)).context_limit for d in (target_dir, draft) if d not in BUILTIN_DRAFTS)
+        draft = resolve_draft(config.draft, target_dir, say)
+        head = draft not in BUILTIN_DRAFTS and is_head_dir(Path(draft))
+        models = [target_dir] + ([] if head or draft in BUILTIN_DRAFTS else [Path(draft)])
+        limit = min(read_args(Path(d)).context_limit for d in models)
         if config.max_seq_len > limit:  # the KV cache is allocated for max_seq_len: never beyond the model
             say(f"max-seq-len {config.max_seq_len} is beyond the models' {limit} positions: using {limit}")
             config = dataclasses.replace(config, max_seq_len=limit)
         tokenizer = load_tokenizer(target_dir, config.trust_remote_code)
-        if draft not in BUILTIN_DRAFTS:  # a clear error now rather than garbage proposals later
+        if draft not in BUILTIN_DRAFTS and not head:  # a clear error now rather than garbage proposals later
             check_vocab_compatible(tokenizer, load_tokenizer(Path(draft), config.trust_remote_code))
         n_gpus = torch.cuda.device_count() if config.device != "cpu" and torch.cuda.is_available() else 0
         layout = launcher.plan_layout(config, n_gpus)

@@ -200,7 +200,7 @@ class DraftState:
         return [self.tree.token[i] for i in nodes], [index.get(self.tree.parent[i], -1) for i in nodes]
 
 
-def profile_verify_cost(target: TargetState, bs: int, reps: int = 3) -> list[float]:
+def profile_verify_cost(target: TargetState, bs: int, reps: int = 2) -> list[float]:
     """Target forward time for chains of 1..bs nodes behind the prefix, relative to one node (medians of
     interleaved runs; not forced monotone, as a GEMM kernel may favour one row count). Nothing is
     committed: the slots are tree slots."""

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
-from swiftspec.engine.loader import load_tokenizer
+from swiftspec.engine.loader import load_target_io, load_tokenizer, read_args
 from swiftspec.engine.tree import TokenTree
 from swiftspec.engine.tree_cache import TreeKVCache, prefill_forward
 
@@ -194,14 +195,22 @@ class SuffixDrafter:
 
 
 def make_drafter(kind: str, target_dir: Path, trust_remote_code: bool, history: bool,
-                 load: Callable[[Path, bool], object]) -> Drafter:
-    """The one place a draft kind becomes a drafter: "suffix", "int8" (the target, dynamic int8) or a
-    model directory. ``load(path, int8)`` loads a draft model on this rank; ``history``: the suffix
-    drafter also drafts from earlier conversations."""
+                 load: Callable[[Path, bool], object], device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, max_slots: int = 4096) -> Drafter:
+    """The one place a draft kind becomes a drafter: "suffix", "int8" (the target, dynamic int8), a draft
+    head directory (with the target's embedding and lm_head, on ``device`` in ``dtype``) or a model
+    directory. ``load(path, int8)`` loads a draft model on this rank; ``history``: the suffix drafter also
+    drafts from earlier conversations; ``max_slots``: a head's KV cache."""
+    from swiftspec.engine.draft_head import HeadDrafter, is_head_dir, load_head  # it imports this module
+
     if kind == "suffix":
         return SuffixDrafter(history_tokens=SuffixDrafter.HISTORY_TOKENS if history else 0)
     if kind == "int8":
         return ModelDrafter(load(target_dir, True))
+    if is_head_dir(Path(kind)):
+        head = load_head(Path(kind), read_args(target_dir), device, dtype)
+        head.attach_target(*load_target_io(target_dir, device, dtype))
+        return HeadDrafter(head, max_slots)
     vocab = check_vocab_compatible(load_tokenizer(target_dir, trust_remote_code),
                                    load_tokenizer(Path(kind), trust_remote_code))
     return ModelDrafter(load(Path(kind), False), vocab)

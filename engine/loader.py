@@ -48,6 +48,21 @@ def resolve_model_dir(spec: str | None, progress: Callable[[str], None] | None =
     return path
 
 
+def resolve_draft(spec: str, target_dir: Path, progress: Callable[[str], None] | None = None) -> str:
+    """A built-in draft kind as is; a draft head directory checked against the target (hidden size,
+    vocabulary, readable weights); otherwise a draft model, resolved like a target."""
+    from swiftspec.config import BUILTIN_DRAFTS
+    from swiftspec.engine.draft_head import is_head_dir, load_head
+
+    if spec in BUILTIN_DRAFTS:
+        return spec
+    path = Path(spec).expanduser()
+    if path.is_dir() and is_head_dir(path):
+        load_head(path, read_args(target_dir), "meta")
+        return str(path)
+    return str(resolve_model_dir(spec, progress))
+
+
 def check_safetensors(path: Path) -> None:
     """A LoadError naming the file when it is not safetensors or is cut short: found here, before any
     worker starts, rather than as a worker's traceback. Reads the header only."""
@@ -123,9 +138,9 @@ def dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     return y.mul_(d).add_(b[:, 2:4].contiguous().view(torch.float16).float()).reshape(blocks.shape[0], -1)
 
 
-def read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Every tensor in the directory's safetensors, and the block type of those a GGUF conversion kept as
-    GGUF blocks (``dequantize`` them)."""
+def read_weights(model_dir: Path, names: set[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor in the directory's safetensors (or only ``names``), and the block type of those a GGUF
+    conversion kept as GGUF blocks (``dequantize`` them)."""
     state: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
     for f in _weight_files(model_dir):
@@ -133,7 +148,8 @@ def read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
             with safe_open(str(f), framework="pt") as fh:
                 kinds.update(json.loads((fh.metadata() or {}).get(GGUF_METADATA, "{}")))
                 for k in fh.keys():
-                    state[k] = fh.get_tensor(k)
+                    if names is None or k in names:
+                        state[k] = fh.get_tensor(k)
         except Exception as e:  # safetensors raises several types for corrupt files
             raise LoadError(f"cannot read weights from {f}: {e}") from None
     return state, kinds
@@ -143,6 +159,18 @@ def read_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor in the directory's safetensors, GGUF blocks dequantised."""
     state, kinds = read_weights(model_dir)
     return {k: dequantize(v, kinds[k]) if k in kinds else v for k, v in state.items()}
+
+
+def load_target_io(model_dir: Path, device: torch.device | str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and lm_head weights and nothing else: what a draft head reads."""
+    args = read_args(model_dir)
+    names = {"model.embed_tokens.weight"} | (set() if args.tie_embeddings else {"lm_head.weight"})
+    state, kinds = read_weights(model_dir, names)
+    if set(state) != names:
+        raise LoadError(f"{model_dir}: {', '.join(sorted(names - set(state)))} missing from the checkpoint")
+    state = {k: (dequantize(v, kinds[k]) if k in kinds else v).to(device=device, dtype=dtype) for k, v in state.items()}
+    embed = state["model.embed_tokens.weight"]
+    return embed, embed if args.tie_embeddings else state["lm_head.weight"]
 
 
 def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):

@@ -40,6 +40,9 @@ class TreeKVCache:
             dst_t = torch.arange(first + skip, first + len(src), device=src_t.device)
             for cache in (self.model.k_cache, self.model.v_cache):
                 cache.index_copy_(2, dst_t, cache.index_select(2, src_t))
+            feats = getattr(self.model, "slot_features", None)  # a draft head's predictions, by slot
+            if feats is not None:
+                feats.index_copy_(0, dst_t, feats.index_select(0, src_t))
         self.prefix_len += n_verified
 
 

@@ -31,7 +31,7 @@ from swiftspec.engine.protocol import EngineAPI, EngineInfo
 HF_MODES = ("hf", "hf-assisted")
 ENGINE_MODES = ("ar", "sync", "async")
 ALL_MODES = HF_MODES + ENGINE_MODES
-BUILTIN_SETS = ("chat", "code", "math", "qa", "summarisation", "extraction")
+BUILTIN_SETS = ("chat", "code", "math", "qa", "summarisation", "extraction", "fresh")
 HUMANEVAL = "humaneval"
 SPEEDUP_BASELINES = ("hf", "ar")
 WARMUP_TOKENS = 8

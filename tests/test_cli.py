@@ -336,3 +336,25 @@ def test_bench_interrupted_exits_130(monkeypatch):
     monkeypatch.setattr(swiftspec.bench, "bench_command", interrupted)
     result = invoke(["bench"])
     assert result.exit_code == 130 and "nothing to report" in result.stderr
+
+
+def test_a_head_for_another_target_is_a_usage_error(monkeypatch, tmp_path):
+    """--draft HEAD whose hidden size is not the target's: exit 2 before the TUI, naming both sizes."""
+    from tiny_models import tiny_model_dir
+
+    from swiftspec.engine.draft_head import DraftHead, HeadArgs, save_head
+    from swiftspec.engine.loader import read_args
+
+    target = tiny_model_dir(seed=1)
+    args = HeadArgs.for_target(read_args(target))
+    args.dim *= 2
+    save_head(DraftHead(args), tmp_path / "head")
+    monkeypatch.setattr(cli, "_interactive", lambda: True)
+    result = invoke(["chat", "--target", str(target), "--draft", str(tmp_path / "head")])
+    assert result.exit_code == 2, result.output
+    assert f"hidden size {args.dim}" in result.stderr and f"hidden size {args.dim // 2}" in result.stderr
+
+
+def test_train_draft_checks_its_values():
+    result = invoke(["train-draft", "--out", "x", "--steps", "0"])
+    assert result.exit_code == 2 and "steps" in result.stderr

@@ -356,6 +356,7 @@ ENGINES = {
     "1+1-int8": (1, "int8"),
     "2+1-other": (2, "other"),
     "2+1-suffix": (2, "suffix"),
+    "1+1-head": (1, "head"),
 }
 N_TOKENS = 48
 
@@ -370,9 +371,31 @@ def references(target_dir):
     return [reference(target_dir, m, N_TOKENS) for m in PROMPTS]
 
 
+def echo_head_dir(target_dir) -> Path:
+    """A draft head for the tiny target that outputs its input feature (fc passes the feature through, the
+    layer is zero): it proposes the target's own prediction from the position before the root, which only
+    the target's features, sent over the workers' 16-bit wire, can give it."""
+    from swiftspec.engine.draft_head import DraftHead, HeadArgs, save_head
+    from swiftspec.engine.loader import read_args
+
+    out = Path(target_dir) / "echo-head"
+    if not out.is_dir():
+        args = HeadArgs.for_target(read_args(Path(target_dir)))
+        args.final_norm = False
+        head = DraftHead(args)
+        with torch.no_grad():
+            for p in head.parameters():
+                p.zero_()
+            head.fc.weight[:, args.dim:] = torch.eye(args.dim)
+        save_head(head, out)
+    return out
+
+
 def start(target_dir, draft: str = "suffix", target_procs: int = 1, **kw) -> Engine:
-    """An engine on the tiny target; draft "self" is the target itself, "other" a different tiny model."""
-    draft = {"self": str(target_dir), "other": str(tiny_model_dir(seed=1, layers=1))}.get(draft, draft)
+    """An engine on the tiny target; draft "self" is the target itself, "other" a different tiny model,
+    "head" the echo draft head."""
+    draft = {"self": str(target_dir), "other": str(tiny_model_dir(seed=1, layers=1)),
+             "head": str(echo_head_dir(target_dir))}.get(draft, draft)
     return Engine.start(EngineConfig(target=str(target_dir), draft=draft, target_procs=target_procs,
                                      max_seq_len=kw.pop("max_seq_len", 512), **kw))
 

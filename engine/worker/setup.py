@@ -19,8 +19,9 @@ from swiftspec.config import ConfigError, SamplingParams, TreeParams
 from swiftspec.engine import launcher
 from swiftspec.engine.cuda_graphs import GraphedModel
 from swiftspec.engine.decode import DraftState, TargetState, profile_verify_cost
+from swiftspec.engine.draft_head import is_head_dir
 from swiftspec.engine.drafters import Features, make_drafter
-from swiftspec.engine.loader import eos_token_ids, load_model, load_tokenizer, read_args
+from swiftspec.engine.loader import default_dtype, eos_token_ids, load_model, load_tokenizer, read_args
 from swiftspec.engine.loop import Message, Op
 from swiftspec.engine.protocol import RankInfo
 from swiftspec.engine.sampling import Sampler
@@ -119,13 +120,14 @@ def _devices(spec: str | None) -> list[int]:
 
 
 def _cpu_threads(args: argparse.Namespace, rank: int, n_target: int) -> int:
-    """Divides this node's cores between its local ranks. The suffix drafter is light Python, so with it
-    the draft rank takes one thread and the target ranks share all the cores."""
+    """Divides this node's cores between its local ranks. The suffix drafter (light Python) and a draft
+    head (one layer) are light, so with them the draft rank takes one thread and the target ranks share
+    all the cores."""
     total = args.threads or len(os.sched_getaffinity(0))
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     local = range(rank - local_rank, rank - local_rank + local_world)
     is_target = rank < n_target
-    if args.draft != "suffix":
+    if args.draft != "suffix" and not is_head_dir(Path(args.draft)):
         return max(1, total // local_world)
     if not is_target:
         return 1
@@ -220,7 +222,8 @@ def load(ctx: Ctx) -> None:
             ctx.eos = set(eos_token_ids(target_dir, ctx.tokenizer))
     else:
         drafter = make_drafter(args.draft, target_dir, args.trust_remote_code, args.draft_history,
-                               lambda path, int8: model_for(path, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8))
+                               lambda path, int8: model_for(path, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8),
+                               ctx.device, default_dtype(ctx.device, args.dtype), slots + DRAFT_TREE_SLOTS)
         if drafter.wants_features and ctx.tp_world > 1:
             raise ConfigError("a draft that reads the target's hidden states runs on one draft rank only")
         ctx.draft = DraftState(drafter, TreeParams(args.bs, args.w, args.d))

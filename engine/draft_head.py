@@ -1,0 +1,422 @@
+"""An EAGLE-style draft head: one decoder layer that reads the target's own final hidden states.
+
+A row of the head at position j takes the embedding of token x_j and the feature of position j - 1 (the
+target's final, normed hidden state there, or the head's own prediction of it deeper in the draft tree),
+fuses them with ``fc``, runs one Llama decoder layer (no input norm, as in EAGLE) and a final RMSNorm (as
+EAGLE-3; it puts the prediction on the target features' scale at once) and outputs a predicted feature
+for position j; the target's own lm_head turns it into the distribution of x_{j+1}. The lm_head
+may be restricted to a sub-vocabulary (``d2t``: draft index -> target id): on a small model the lm_head is
+most of the head's cost, and the tokens it drops are simply never proposed.
+
+Checkpoints: our format is a directory with ``config.json`` (``"swiftspec_draft_head": 1`` plus the
+fields of HeadArgs) and ``model.safetensors`` holding
+
+    fc.weight [dim, 2 dim], fc.bias [dim]                 input fusion of [embedding ; feature]
+    attention.wqkv.weight [(H + 2 Hkv) hd, dim]           q, k, v rows (Hugging Face RoPE layout)
+    attention.wo.weight [dim, H hd]
+    ffn_norm.weight [dim]                                 the layer's post-attention RMSNorm
+    feed_forward.w13.weight [2 inter, dim]                gate rows, then up rows
+    feed_forward.w2.weight [dim, inter]
+    norm.weight [dim]                                     the final RMSNorm (absent if final_norm is false)
+    d2t [draft_vocab] int64                               optional: the sub-vocabulary's target ids
+
+The public EAGLE (v1/v2) layout is read too: a Llama ``config.json`` and ``model.safetensors`` or
+``pytorch_model.bin`` (loaded with ``weights_only``) with ``fc.{weight,bias}``,
+``layers.0.self_attn.{q,k,v,o}_proj.weight``, ``layers.0.post_attention_layernorm.weight`` and
+``layers.0.mlp.{gate,up,down}_proj.weight`` (an ``embed_tokens.weight`` there is ignored: the target's
+embedding is used); such a head has no final norm.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from swiftspec import kernels
+from swiftspec.engine.drafters import Expansion
+from swiftspec.engine.model import Attention, FeedForward, ModelArgs, RMSNorm, rope_inv_freq
+from swiftspec.engine.tree_cache import PREFILL_CHUNK, TreeKVCache, causal_mask
+
+HEAD_FORMAT = 1
+CONFIG_KEY = "swiftspec_draft_head"
+
+
+class HeadError(ValueError):
+    """A head that cannot be used: unreadable, corrupt, or not made for this target."""
+
+
+@dataclass
+class HeadArgs:
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary (the embedding the head reads)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    fc_bias: bool = True
+    final_norm: bool = True  # an RMSNorm on the output (ours); EAGLE v1/v2 heads have none
+
+    @classmethod
+    def for_target(cls, t: ModelArgs) -> HeadArgs:
+        """A head shaped like one layer of the target (EAGLE's choice)."""
+        return cls(t.dim, t.n_heads, t.n_kv_heads, t.head_dim, t.intermediate_size, t.vocab_size,
+                   t.norm_eps, t.rope_theta, t.rope_scaling)
+
+    def model_args(self) -> ModelArgs:
+        return ModelArgs(self.vocab_size, self.dim, 1, self.n_heads, self.n_kv_heads, self.head_dim,
+                         self.intermediate_size, self.norm_eps, self.rope_theta, self.rope_scaling)
+
+    def check_target(self, t: ModelArgs, where: str) -> None:
+        if (self.dim, self.vocab_size) != (t.dim, t.vocab_size):
+            raise HeadError(f"the draft head {where} has hidden size {self.dim} and vocabulary {self.vocab_size}, "
+                            f"but the target has hidden size {t.dim} and vocabulary {t.vocab_size}: a head "
+                            "only drafts for the target it was trained on")
+
+
+class DraftHead(nn.Module):
+    """The head's own weights, plus the target's embedding and (sub-vocabulary) lm_head, frozen."""
+
+    def __init__(self, args: HeadArgs, d2t: Tensor | None = None):
+        super().__init__()
+        self.args = args
+        margs = args.model_args()
+        self.fc = nn.Linear(2 * args.dim, args.dim, bias=args.fc_bias)
+        self.attention = Attention(margs, args.n_heads, args.n_kv_heads)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(margs, args.intermediate_size)
+        self.norm = RMSNorm(args.dim, args.norm_eps) if args.final_norm else None
+        self.d2t = None if d2t is None else d2t.long()
+        self.embed_weight: Tensor | None = None  # the target's, [vocab, dim]
+        self.lm_head_weight: Tensor | None = None  # the target's rows of the draft vocabulary, [draft_vocab, dim]
+        self.inv_freq: Tensor | None = None
+        self.k_cache: Tensor | None = None
+        self.v_cache: Tensor | None = None
+        self.slot_features: Tensor | None = None  # the head's predicted feature of each slot's row
+
+    @property
+    def max_slots(self) -> int:
+        return 0 if self.k_cache is None else self.k_cache.shape[2]
+
+    def own_state_dict(self) -> dict[str, Tensor]:
+        """What a checkpoint holds: the head's weights (and d2t), not the target's."""
+        state = {k: v for k, v in self.state_dict().items()}
+        if self.d2t is not None:
+            state["d2t"] = self.d2t
+        return state
+
+    def attach_target(self, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
+        """Reads the target's embedding and lm_head (not copied, except the sub-vocabulary's rows)."""
+        self.embed_weight = embed_weight.detach()
+        out = lm_head_weight.detach()
+        self.lm_head_weight = out if self.d2t is None else out[self.d2t.to(out.device)].contiguous()
+        if self.d2t is not None:
+            self.d2t = self.d2t.to(out.device)
+
+    def setup_cache(self, max_slots: int) -> None:
+        p = self.fc.weight
+        self.inv_freq = rope_inv_freq(self.args.model_args()).to(p.device)
+        shape = (1, self.args.n_kv_heads, max_slots, self.args.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.slot_features = torch.zeros(max_slots, self.args.dim, dtype=p.dtype, device=p.device)
+
+    def fuse(self, tokens: Tensor, features: Tensor) -> Tensor:
+        return self.fc(torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
+
+    def finish(self, h: Tensor) -> Tensor:
+        """The MLP half of the layer after the attention's residual h, then the final norm: the predicted
+        feature, in the space of the target's (normed) final hidden states."""
+        out = h + self.feed_forward(self.ffn_norm(h)[0])
+        return out if self.norm is None else self.norm(out)[0]
+
+    def logits(self, features: Tensor) -> Tensor:
+        """Logits over the draft vocabulary (fp32)."""
+        return F.linear(features, self.lm_head_weight).float()
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, features: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+        """One tree forward over the cache (as Transformer.forward): tokens, positions, slots [T]; features
+        [T, dim] (each row's input feature); mask [T, kv_len]. Returns the predicted features [T, dim];
+        each row's is also kept at its slot in ``slot_features``."""
+        freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        rope = partial(kernels.rope_rotate_half, cos=emb.cos(), sin=emb.sin())
+        attn = self.attention
+        attn_mask = kernels.prepare_mask(mask, attn.n_heads // attn.n_kv_heads, self.fc.weight.dtype)
+        x = self.fuse(tokens, features)
+        h = x + attn(x, rope, slots, attn_mask, self.k_cache[0], self.v_cache[0])
+        out = self.finish(h)
+        self.slot_features.index_copy_(0, slots, out)
+        return out
+
+    def forward_train(self, tokens: Tensor, features: list[Tensor], positions: Tensor) -> list[Tensor]:
+        """Training-time unrolling over whole sequences (B x L), as the tree forward computes it.
+
+        ``features[0]`` [B, L, dim]: row j's input feature (the target's at j - 1). Step s >= 2 feeds
+        row j the prediction of row j - 1 at step s - 1: the row of a tree node at depth s - 1 whose
+        root sits at j - s + 1. Its keys are then what the draft tree gives it: the step-1 rows at
+        positions <= j - s + 1 (the prefix and the root) and the step-t row at j - s + t for t = 2..s (its
+        ancestors and itself). Returns the predicted features of each step ([B, L, dim] each).
+        """
+        a = self.attention
+        B, L, _ = features[0].shape
+        nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq_for(features[0].device)[None, None]
+        emb = torch.cat((freqs, freqs), dim=-1).reshape(B * L, -1)
+        cos, sin = emb.cos(), emb.sin()
+        idx = torch.arange(L, device=tokens.device)
+        keys, values, outs = [], [], []
+        feats = features[0]
+        steps = len(features)
+        for s in range(1, steps + 1):
+            x = self.fuse(tokens, feats)
+            qk, v = a.wqkv(x).split_with_sizes([(nh + nkv) * hd, nkv * hd], dim=-1)
+            qk = kernels.rope_rotate_half(qk.reshape(B * L, nh + nkv, hd), cos, sin).reshape(B, L, nh + nkv, hd)
+            q, k = qk.split_with_sizes([nh, nkv], dim=2)
+            rep = nh // nkv
+            k = k.repeat_interleave(rep, dim=2).transpose(1, 2)  # [B, H, L, hd]
+            v = v.reshape(B, L, nkv, hd).repeat_interleave(rep, dim=2).transpose(1, 2)
+            q = q.transpose(1, 2)
+            keys.append(k)
+            values.append(v)
+            # step-1 keys at positions <= j - s + 1
+            scores = [torch.matmul(q, keys[0].transpose(-1, -2)) * a.scale]
+            allowed = idx[None, :] <= (idx[:, None] - s + 1)
+            scores[0] = scores[0].masked_fill(~allowed, float("-inf"))
+            # the step-t key at j - s + t, t = 2..s: one key per row, shifted by s - t
+            for t in range(2, s + 1):
+                shift = s - t
+                kt = F.pad(keys[t - 1], (0, 0, shift, 0))[:, :, :L]  # row j reads key j - shift
+                scores.append((q * kt).sum(-1, keepdim=True) * a.scale)
+            probs = torch.cat(scores, dim=-1).float().softmax(-1).to(q.dtype)
+            probs = torch.nan_to_num(probs)  # rows j < s - 1 have no root: no key at all
+            attn_out = torch.matmul(probs[..., :L], values[0])
+            for t in range(2, s + 1):
+                shift = s - t
+                vt = F.pad(values[t - 1], (0, 0, shift, 0))[:, :, :L]
+                attn_out = attn_out + probs[..., L + t - 2:L + t - 1] * vt
+            out = self.finish(x + a.wo(attn_out.transpose(1, 2).reshape(B, L, nh * hd)))
+            outs.append(out)
+            feats = F.pad(out, (0, 0, 1, 0))[:, :L]  # row j's next input: row j - 1's prediction
+        return outs
+
+    def inv_freq_for(self, device: torch.device) -> Tensor:
+        if self.inv_freq is None or self.inv_freq.device != device:
+            self.inv_freq = rope_inv_freq(self.args.model_args()).to(device)
+        return self.inv_freq
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+def is_head_dir(path: Path) -> bool:
+    """A draft head directory (ours or EAGLE's), as opposed to a draft model."""
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        data = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return False
+    return CONFIG_KEY in data or _is_eagle(path, data)
+
+
+def _is_eagle(path: Path, cfg: dict) -> bool:
+    """EAGLE heads ship a Llama config of one layer whose weights start with ``fc.``."""
+    if cfg.get("num_hidden_layers") != 1:
+        return False
+    names = _weight_names(path)
+    return names is not None and "fc.weight" in names
+
+
+def _weight_names(path: Path) -> set[str] | None:
+    st = path / "model.safetensors"
+    if st.is_file():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(st), framework="pt") as fh:
+                return set(fh.keys())
+        except Exception:
+            return None
+    return set(_read_bin(path)) if (path / "pytorch_model.bin").is_file() else None
+
+
+def _read_bin(path: Path) -> dict[str, Tensor]:
+    try:
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise HeadError(f"cannot read the draft head {path / 'pytorch_model.bin'}: {e}") from None
+
+
+def _read_weights(path: Path) -> dict[str, Tensor]:
+    st = path / "model.safetensors"
+    if st.is_file():
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(st))
+        except Exception as e:  # safetensors raises several types for corrupt files
+            raise HeadError(f"cannot read the draft head {st}: {e}") from None
+    if (path / "pytorch_model.bin").is_file():
+        return _read_bin(path)
+    raise HeadError(f"the draft head {path} has no model.safetensors (or pytorch_model.bin)")
+
+
+def _eagle_to_ours(cfg: dict, w: dict[str, Tensor]) -> tuple[HeadArgs, dict[str, Tensor]]:
+    """EAGLE v1/v2 names onto ours: q/k/v fused into wqkv, gate/up into w13."""
+    n_heads = cfg["num_attention_heads"]
+    args = HeadArgs(dim=cfg["hidden_size"], n_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+                    head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+                    intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+                    norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                    rope_scaling=_rope(cfg.get("rope_scaling")), fc_bias="fc.bias" in w, final_norm=False)
+    p = "layers.0."
+    out = {"fc.weight": w["fc.weight"],
+           "attention.wqkv.weight": torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+           "attention.wo.weight": w[p + "self_attn.o_proj.weight"],
+           "ffn_norm.weight": w[p + "post_attention_layernorm.weight"],
+           "feed_forward.w13.weight": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+           "feed_forward.w2.weight": w[p + "mlp.down_proj.weight"]}
+    if "fc.bias" in w:
+        out["fc.bias"] = w["fc.bias"]
+    return args, out
+
+
+def _rope(scaling: dict | None) -> dict | None:
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    return None if kind == "default" else {**scaling, "rope_type": kind}
+
+
+def load_head(path: Path, target_args: ModelArgs, device: torch.device | str = "cpu",
+              dtype: torch.dtype = torch.float32) -> DraftHead:
+    """Reads a head directory (ours or EAGLE's) and checks it against the target; the caller attaches
+    the target's embedding and lm_head."""
+    path = Path(path)
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise HeadError(f"cannot read the draft head's config {path / 'config.json'}: {e}") from None
+    if CONFIG_KEY in cfg and cfg[CONFIG_KEY] != HEAD_FORMAT:
+        raise HeadError(f"the draft head {path} has format {cfg[CONFIG_KEY]}; this version reads {HEAD_FORMAT}")
+    weights = _read_weights(path)
+    try:
+        if CONFIG_KEY in cfg:
+            names = {f.name for f in fields(HeadArgs)}
+            args = HeadArgs(**{k: v for k, v in cfg.items() if k in names})
+            state = weights
+        else:
+            args, state = _eagle_to_ours(cfg, weights)
+    except (KeyError, TypeError) as e:
+        raise HeadError(f"the draft head {path} is incomplete or not a draft head: missing {e}") from None
+    args.check_target(target_args, str(path))
+    d2t = state.pop("d2t", None)
+    if d2t is not None and (d2t.ndim != 1 or d2t.numel() == 0 or int(d2t.min()) < 0
+                            or int(d2t.max()) >= target_args.vocab_size):
+        raise HeadError(f"the draft head {path}: its d2t map is not a list of target token ids")
+    with torch.device("meta"):
+        head = DraftHead(args, None)
+    try:
+        head.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise HeadError(f"the draft head {path}: weights do not match its config: {e}") from None
+    head.d2t = d2t
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def save_head(head: DraftHead, out: Path, extra: dict | None = None) -> None:
+    """Writes our format (config.json + model.safetensors), atomically per file."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in head.own_state_dict().items()}
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp))
+    tmp.replace(out / "model.safetensors")
+    cfg = {CONFIG_KEY: HEAD_FORMAT, **asdict(head.args), **(extra or {})}
+    (out / "config.json.tmp").write_text(json.dumps(cfg, indent=1) + "\n")
+    (out / "config.json.tmp").replace(out / "config.json")
+
+
+# ------------------------------------------------------------------------------------------ the drafter
+
+class HeadDrafter:
+    """Drafts with a DraftHead over the token tree (see drafters.py for the interface).
+
+    It wants the target's features: ``prefill`` and ``extend`` receive the target's final hidden states
+    of the committed positions, kept in ``features`` by position. A row's input feature is the target's
+    at the position before it (pending tokens, and the root of a fresh tree), or the head's own
+    prediction at its parent (deeper nodes); predictions live by slot in ``head.slot_features`` and move
+    with the KV when a subtree survives a re-root (no recompute).
+    """
+
+    wants_features = True
+
+    def __init__(self, head: DraftHead, max_slots: int):
+        self.head = head
+        head.setup_cache(max_slots)
+        self.cache = TreeKVCache(head)
+        p = head.fc.weight
+        self.features = torch.zeros(max_slots, head.args.dim, dtype=p.dtype, device=p.device)
+        self.n_committed = 0  # committed positions whose target feature is in ``features``
+        self.vocab_size = head.args.vocab_size
+
+    def _store(self, start: int, hidden: Tensor) -> None:
+        self.features[start:start + hidden.shape[0]] = hidden.to(self.features.dtype)
+
+    def _prev_features(self, positions: list[int]) -> Tensor:
+        """The target's feature at each position - 1 (zeros before the first token)."""
+        idx = torch.tensor([max(p - 1, 0) for p in positions], device=self.features.device)
+        feats = self.features.index_select(0, idx)
+        if positions and positions[0] == 0:
+            feats[0] = 0
+        return feats
+
+    def prefill(self, tokens: list[int], reuse: int, features=None) -> None:
+        """features: the target's hidden states at positions features.start..len(tokens) - 1."""
+        if features is None:
+            raise RuntimeError("the draft head needs the target's features")
+        self._store(features.start, features.hidden)
+        self.n_committed = len(tokens)
+        new = list(range(reuse, len(tokens)))
+        dev = self.head.fc.weight.device
+        for s in range(0, len(new), PREFILL_CHUNK):
+            pos = new[s:s + PREFILL_CHUNK]
+            pos_t = torch.tensor(pos, device=dev)
+            self.head(torch.tensor(tokens[pos[0]:pos[-1] + 1], device=dev), self._prev_features(pos), pos_t,
+                      pos_t, causal_mask(pos[0], len(pos)).to(dev))
+
+    def extend(self, tokens: list[int], features=None) -> None:
+        if features is None:
+            raise RuntimeError("the draft head needs the target's features")
+        self._store(self.n_committed, features)
+        self.n_committed += len(tokens)
+
+    def propose(self, exp: Expansion, k: int) -> list[list[tuple[int, float]]]:
+        tree, n_p = exp.tree, len(exp.pending)
+        tokens, positions, slots, mask = tree.draft_inputs(exp.leaves, exp.n_prefix, exp.pending)
+        base = exp.n_prefix + n_p  # the root's position
+        feats = [self._prev_features(list(range(exp.n_prefix, base)))] if n_p else []
+        for leaf in exp.leaves:
+            parent = tree.parent[leaf]
+            if parent < 0:
+                feats.append(self._prev_features([base]))
+            else:
+                feats.append(self.head.slot_features[tree.slot[parent]][None])
+        dev = self.head.fc.weight.device
+        out = self.head(tokens.to(dev), torch.cat(feats), positions.to(dev), slots.to(dev), mask.to(dev))
+        logp = self.head.logits(out[n_p:]).log_softmax(-1)
+        top = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        ids = top.indices if self.head.d2t is None else self.head.d2t[top.indices]
+        return [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), top.values.tolist(), strict=True)]
