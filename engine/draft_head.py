@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from swiftspec import kernels
 from swiftspec.engine.drafters import Expansion
-from swiftspec.engine.model import Attention, FeedForward, ModelArgs, RMSNorm, rope_inv_freq
+from swiftspec.engine.model import Attention, FeedForward, ModelArgs, ModelConfigError, RMSNorm, rope_inv_freq
 from swiftspec.engine.tree_cache import PREFILL_CHUNK, TreeKVCache, causal_mask
 
 HEAD_FORMAT = 1
@@ -109,7 +109,7 @@ class DraftHead(nn.Module):
 
     def own_state_dict(self) -> dict[str, Tensor]:
         """What a checkpoint holds: the head's weights (and d2t), not the target's."""
-        state = {k: v for k, v in self.state_dict().items()}
+        state = dict(self.state_dict())
         if self.d2t is not None:
             state["d2t"] = self.d2t
         return state
@@ -124,7 +124,7 @@ class DraftHead(nn.Module):
 
     def setup_cache(self, max_slots: int) -> None:
         p = self.fc.weight
-        self.inv_freq = rope_inv_freq(self.args.model_args()).to(p.device)
+        self.inv_freq_for(p.device)
         shape = (1, self.args.n_kv_heads, max_slots, self.args.head_dim)
         self.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
@@ -211,6 +211,7 @@ class DraftHead(nn.Module):
         return outs
 
     def inv_freq_for(self, device: torch.device) -> Tensor:
+        """The RoPE frequencies on ``device`` (computed once per device)."""
         if self.inv_freq is None or self.inv_freq.device != device:
             self.inv_freq = rope_inv_freq(self.args.model_args()).to(device)
         return self.inv_freq
@@ -273,13 +274,13 @@ def _read_weights(path: Path) -> dict[str, Tensor]:
 
 
 def _eagle_to_ours(cfg: dict, w: dict[str, Tensor]) -> tuple[HeadArgs, dict[str, Tensor]]:
-    """EAGLE v1/v2 names onto ours: q/k/v fused into wqkv, gate/up into w13."""
-    n_heads = cfg["num_attention_heads"]
-    args = HeadArgs(dim=cfg["hidden_size"], n_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-                    head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
-                    intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-                    norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(cfg.get("rope_theta", 10000.0)),
-                    rope_scaling=_rope(cfg.get("rope_scaling")), fc_bias="fc.bias" in w, final_norm=False)
+    """EAGLE v1/v2 names onto ours: q/k/v fused into wqkv, gate/up into w13. Its config is a one-layer
+    Llama config, read as the target's is."""
+    try:
+        args = HeadArgs.for_target(ModelArgs.from_hf_config(cfg))
+    except ModelConfigError as e:
+        raise HeadError(f"not an EAGLE head for a Llama target: {e}") from None
+    args.fc_bias, args.final_norm = "fc.bias" in w, False
     p = "layers.0."
     out = {"fc.weight": w["fc.weight"],
            "attention.wqkv.weight": torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
@@ -290,13 +291,6 @@ def _eagle_to_ours(cfg: dict, w: dict[str, Tensor]) -> tuple[HeadArgs, dict[str,
     if "fc.bias" in w:
         out["fc.bias"] = w["fc.bias"]
     return args, out
-
-
-def _rope(scaling: dict | None) -> dict | None:
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    return None if kind == "default" else {**scaling, "rope_type": kind}
 
 
 def load_head(path: Path, target_args: ModelArgs, device: torch.device | str = "cpu",
@@ -370,7 +364,6 @@ class HeadDrafter:
         p = head.fc.weight
         self.features = torch.zeros(max_slots, head.args.dim, dtype=p.dtype, device=p.device)
         self.n_committed = 0  # committed positions whose target feature is in ``features``
-        self.vocab_size = head.args.vocab_size
 
     def _store(self, start: int, hidden: Tensor) -> None:
         self.features[start:start + hidden.shape[0]] = hidden.to(self.features.dtype)

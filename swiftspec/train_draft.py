@@ -124,11 +124,11 @@ def _load_shard(path: Path) -> list[Sequence]:
             for i in range(n)]
 
 
-def make_data(target_dir: Path, prompts: list[str], out: Path, cfg: TrainConfig, device: torch.device,
-              progress) -> list[Sequence]:
-    """The self-distillation data, generated once into ``out/data`` (shards; reruns skip existing ones)."""
+def make_data(target_dir: Path, tok, eos: list[int], prompts: list[str], out: Path, cfg: TrainConfig,
+              device: torch.device, progress) -> list[Sequence]:
+    """The self-distillation data, generated once into ``out/data`` (shards; reruns skip existing ones);
+    ``tok`` and ``eos``: the target's tokenizer and EOS ids."""
     from swiftspec.engine.client import encode_chat
-    from swiftspec.engine.loader import eos_token_ids, load_tokenizer
 
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
@@ -139,8 +139,6 @@ def make_data(target_dir: Path, prompts: list[str], out: Path, cfg: TrainConfig,
         raise ValueError(f"{data} holds data made with other settings ({meta_path}); use another --out or "
                          "delete that folder")
     meta_path.write_text(json.dumps(meta) + "\n")
-    tok = load_tokenizer(target_dir)
-    eos = eos_token_ids(target_dir, tok)
     batches = [prompts[i:i + cfg.batch] for i in range(0, len(prompts), cfg.batch)]
     model = None
     seqs: list[Sequence] = []
@@ -292,12 +290,12 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, prompts: list[str], dev
     from swiftspec.engine.loader import eos_token_ids, load_model, load_tokenizer
 
     torch.manual_seed(cfg.seed)
-    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*cols, console=console) as progress:
-        seqs = make_data(target_dir, prompts, out, cfg, device, progress)
-    target = load_model(target_dir, "cpu", "float32", max_slots=1, batch_invariant=False)
     tok = load_tokenizer(target_dir)
     eos = eos_token_ids(target_dir, tok)
+    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*cols, console=console) as progress:
+        seqs = make_data(target_dir, tok, eos, prompts, out, cfg, device, progress)
+    target = load_model(target_dir, "cpu", "float32", max_slots=1, batch_invariant=False)
     train_set, held = split(seqs, cfg.seed)
     lm_head = target.output.weight.detach()
     train_labels, held_labels = target_labels(train_set, lm_head), target_labels(held, lm_head)
@@ -309,8 +307,6 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, prompts: list[str], dev
     console.print(f"data: {len(train_set)} answers ({answer_tokens} tokens) for training, {len(held)} held out; "
                   f"draft vocabulary {len(d2t)} tokens covers {covered / max(1, answer_tokens):.1%} of the answers")
     head = init_head(target, d2t, cfg.seed).to(device)
-    for p in (head.embed_weight, head.lm_head_weight):
-        p.requires_grad_(False)
     head.embed_weight, head.lm_head_weight = head.embed_weight.to(device), head.lm_head_weight.to(device)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
