@@ -163,7 +163,8 @@ def step_engine(dry: bool, workdir: Path, new_tokens: int) -> dict:
 def random_transformer(cfg: dict, device: str, invariant: bool, slots: int):
     """Our Transformer (CUDA graphs on a GPU) with random bf16 weights drawn on the device."""
     from swiftspec.engine.cuda_graphs import GraphedModel
-    from swiftspec.engine.model import ModelArgs, Transformer
+    from swiftspec.engine.model import Transformer
+    from swiftspec.engine.model_args import ModelArgs
 
     args = ModelArgs.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]})
     with torch.device("meta"):

@@ -23,7 +23,7 @@ STAGES = [  # (the progress line that ends the stage, its name)
     ("resolving the models", "cli + imports"),
     ("starting ", "models + tokenizer"),
     ("loading target", "torchrun + worker imports"),
-    ("profiling", "load weights"),
+    ("profil", "load weights"),  # "profiling ...", or "... from the profile cache"
     ("ready", "profile d"),
 ]
 

@@ -23,8 +23,9 @@ import torch
 from swiftspec.config import SamplingParams, TreeParams
 from swiftspec.engine.decode import DraftState, TargetState, profile_verify_cost
 from swiftspec.engine.drafters import make_drafter
-from swiftspec.engine.loader import load_model, load_tokenizer, resolve_model_dir
+from swiftspec.engine.loader import load_model
 from swiftspec.engine.loop import generate
+from swiftspec.engine.model_dir import load_tokenizer, resolve_model_dir
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.tree import target_inputs
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import itertools
+import os
 import queue
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from swiftspec.config import BUILTIN_DRAFTS, EngineConfig, SamplingParams, StepE
 from swiftspec.engine import launcher, protocol
 from swiftspec.engine.answer import Answer
 from swiftspec.engine.failures import WorkerOutput, worker_log_path
+from swiftspec.engine.model_dir import LoadError
 from swiftspec.engine.protocol import EngineInfo, Step
 
 POLL_S = 0.25  # how often a blocked receive looks at the worker processes
@@ -94,30 +96,28 @@ class Engine:
         are loaded and profiled. ``progress`` receives one line per loading stage.
 
         Raises ConfigError / LoadError / VocabMismatch for bad settings, model paths or a draft with
-        another vocabulary (before any process starts), EngineError if the workers fail.
+        another vocabulary (before any process starts), LoadError for a tokenizer that cannot be loaded
+        (it loads while the workers start; they are ended), EngineError if the workers fail.
         """
-        import torch
-
-        from swiftspec.engine.draft_head import is_head_dir
-        from swiftspec.engine.drafters import check_vocab_compatible
-        from swiftspec.engine.loader import load_tokenizer, read_args, resolve_draft, resolve_model_dir
+        from swiftspec.engine.model_dir import load_tokenizer, read_args, resolve_draft, resolve_model_dir
 
         config = (config or EngineConfig()).validate()
         say = progress or (lambda _text: None)
         say("resolving the models")
         target_dir = resolve_model_dir(config.target, say)
         draft = resolve_draft(config.draft, target_dir, say)
-        head = draft not in BUILTIN_DRAFTS and is_head_dir(Path(draft))
-        models = [target_dir] + ([] if head or draft in BUILTIN_DRAFTS else [Path(draft)])
-        limit = min(read_args(Path(d)).context_limit for d in models)
+        draft_model = None if draft in BUILTIN_DRAFTS or _is_head_dir(Path(draft)) else Path(draft)
+        limit = min(read_args(d).context_limit for d in [target_dir] + ([draft_model] if draft_model else []))
         if config.max_seq_len > limit:  # the KV cache is allocated for max_seq_len: never beyond the model
             say(f"max-seq-len {config.max_seq_len} is beyond the models' {limit} positions: using {limit}")
             config = dataclasses.replace(config, max_seq_len=limit)
-        tokenizer = load_tokenizer(target_dir, config.trust_remote_code)
-        if draft not in BUILTIN_DRAFTS and not head:  # a clear error now rather than garbage proposals later
-            check_vocab_compatible(tokenizer, load_tokenizer(Path(draft), config.trust_remote_code))
-        n_gpus = torch.cuda.device_count() if config.device != "cpu" and torch.cuda.is_available() else 0
-        layout = launcher.plan_layout(config, n_gpus)
+        tokenizer = None
+        if draft_model is not None:  # a clear error now rather than garbage proposals later
+            from swiftspec.engine.drafters import check_vocab_compatible
+
+            tokenizer = load_tokenizer(target_dir, config.trust_remote_code)
+            check_vocab_compatible(tokenizer, load_tokenizer(draft_model, config.trust_remote_code))
+        layout = launcher.plan_layout(config, launcher.visible_gpus(config.device))
         target_name = _target_name(config, layout, target_dir)
         worker = launcher.worker_args(config, layout, target_dir, draft) + [f"--target-name={target_name}"]
         run_dir = launcher.new_run_dir()
@@ -133,6 +133,8 @@ class Engine:
         except BaseException:
             launcher.remove_run_dir(run_dir)
             raise
+        if tokenizer is None:  # its imports (~2 s) run while the workers start, not before
+            tokenizer = _Background(lambda: load_tokenizer(target_dir, config.trust_remote_code))
         tail = WorkerOutput(proc.stdout, worker_log_path(), layout.n_target)
         pgids = {proc.pid}
         conn = None
@@ -140,6 +142,8 @@ class Engine:
             deadline = time.monotonic() + config.startup_timeout_s
             conn = _accept_worker(listener, key, proc, tail, deadline)
             info = _wait_ready(conn, proc, tail, deadline, pgids, say)
+            if isinstance(tokenizer, _Background):
+                tokenizer = tokenizer.result()
         except BaseException as e:
             launcher.kill_groups(pgids)
             proc.wait()
@@ -148,7 +152,7 @@ class Engine:
                 tail.log_path.unlink(missing_ok=True)
             if conn is not None:
                 conn.close()
-            if isinstance(e, EngineError) or not isinstance(e, Exception):
+            if isinstance(e, (EngineError, LoadError)) or not isinstance(e, Exception):
                 raise
             raise EngineError(f"the engine failed to start: {e}") from e
         finally:
@@ -334,14 +338,45 @@ class Engine:
 def _target_name(config: EngineConfig, layout: launcher.Layout, target_dir: Path) -> str:
     """What the title bar calls the target: its name and the precision it runs at, which for a GGUF is
     not its quantisation (its blocks are dequantised at load)."""
-    import torch
-
     from swiftspec.embedded import EMBEDDED_NAME, precision_label
-    from swiftspec.engine.loader import default_dtype
+    from swiftspec.engine.model_dir import default_dtype_name
 
     name = EMBEDDED_NAME if config.target is None else Path(config.target).name
-    dtype = default_dtype(torch.device("cuda" if layout.cuda else "cpu"), config.dtype)
-    return f"{name} · {precision_label(Path(target_dir), str(dtype).removeprefix('torch.'))}"
+    return f"{name} · {precision_label(Path(target_dir), default_dtype_name(layout.cuda, config.dtype))}"
+
+
+def _is_head_dir(path: Path) -> bool:
+    from swiftspec.engine.draft_head import is_head_dir  # imports torch: only for a draft path
+
+    return is_head_dir(path)
+
+
+class _Background:
+    """A call run in a thread of its own at the lowest CPU priority (Linux threads have their own nice
+    value), so that on a machine with few cores the workers' start comes first; ``result()`` waits for it
+    and returns or raises what it did."""
+
+    def __init__(self, call: Callable[[], object]):
+        self._out: list = []
+        self._thread = threading.Thread(target=self._run, args=(call,), daemon=True, name="engine-background")
+        self._thread.start()
+
+    def _run(self, call: Callable[[], object]) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        try:
+            self._out.append((True, call()))
+        except BaseException as e:
+            self._out.append((False, e))
+
+    def result(self):
+        self._thread.join()
+        ok, value = self._out[0]
+        if not ok:
+            raise value
+        return value
 
 
 MAX_PENDING_HANDSHAKES = 32  # connections still proving themselves; more are closed at once

@@ -41,7 +41,8 @@ from torch import Tensor, nn
 
 from swiftspec import kernels
 from swiftspec.engine.drafters import Expansion
-from swiftspec.engine.model import Attention, FeedForward, ModelArgs, ModelConfigError, RMSNorm, rope_inv_freq
+from swiftspec.engine.model import Attention, FeedForward, RMSNorm, rope_inv_freq
+from swiftspec.engine.model_args import ModelArgs, ModelConfigError
 from swiftspec.engine.tree_cache import PREFILL_CHUNK, TreeKVCache, causal_mask
 
 HEAD_FORMAT = 1

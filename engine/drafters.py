@@ -12,7 +12,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from swiftspec.engine.loader import load_target_io, load_tokenizer, read_args
+from swiftspec.engine.loader import load_target_io
+from swiftspec.engine.model_dir import load_tokenizer, read_args
 from swiftspec.engine.tree import TokenTree
 from swiftspec.engine.tree_cache import TreeKVCache, prefill_forward
 

@@ -49,6 +49,19 @@ class Layout:
         return self.target_devices is not None
 
 
+GPU_DRIVER_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")  # NVIDIA, ROCm, WSL
+
+
+def visible_gpus(device: str) -> int:
+    """The CUDA devices the workers will see. torch (~1.5 s to import) is asked only where a GPU driver
+    is installed: without one of its device nodes, no CUDA device can be visible."""
+    if device == "cpu" or (device == "auto" and not any(map(os.path.exists, GPU_DRIVER_NODES))):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _check_devices(devices: list[int], n_gpus: int, what: str) -> None:
     bad = [i for i in devices if not 0 <= i < n_gpus]
     if bad:

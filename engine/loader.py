@@ -1,119 +1,20 @@
-"""Loads models and tokenizers from what users really have: a Hugging Face directory or a GGUF file.
-
-A GGUF file is converted once into a Hugging Face directory in the cache (``swiftspec.embedded``); no
-path is ever resolved against a hub, and remote code is never trusted unless the user asks.
+"""Reads a model directory's weights (safetensors; a converted GGUF's blocks are dequantised here) into
+our Transformer, or into transformers' own model for comparisons. Finding the directory, its config and
+its tokenizer is ``engine.model_dir``'s part.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from swiftspec.embedded import GGUF_METADATA
-from swiftspec.engine.model import ModelArgs, ModelConfigError, Transformer
-
-
-class LoadError(ValueError):
-    """A model or tokenizer could not be loaded; the message names what is wrong."""
-
-
-def resolve_model_dir(spec: str | None, progress: Callable[[str], None] | None = None) -> Path:
-    """None → the embedded default; a .gguf file → its converted directory (converted once, stages
-    reported to ``progress``); a directory → itself."""
-    from swiftspec import embedded
-
-    if spec is None:
-        return embedded.ensure_converted(embedded.embedded_gguf_path(), progress=progress)
-    path = Path(spec).expanduser()
-    if path.is_symlink() and not path.exists():
-        try:
-            path.resolve(strict=True)
-        except (OSError, RuntimeError) as e:  # a loop (RuntimeError before Python 3.13) or a dangling link
-            raise LoadError(f"model path {spec!r} is a symbolic link that cannot be followed: {e}") from None
-    if not path.exists():
-        raise LoadError(f"model path {spec!r} does not exist (expected a Hugging Face model directory or a .gguf file)")
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise LoadError(f"{spec!r} is a file but not a .gguf file; pass a model directory or a GGUF file")
-        return embedded.ensure_converted(path, progress=progress)
-    if not (path / "config.json").is_file():
-        raise LoadError(f"{spec!r} has no config.json: not a Hugging Face model directory")
-    read_args(path)
-    for f in _weight_files(path):
-        check_safetensors(f)
-    return path
-
-
-def resolve_draft(spec: str, target_dir: Path, progress: Callable[[str], None] | None = None) -> str:
-    """A built-in draft kind as is; a draft head directory checked against the target (hidden size,
-    vocabulary, readable weights); otherwise a draft model, resolved like a target."""
-    from swiftspec.config import BUILTIN_DRAFTS
-    from swiftspec.engine.draft_head import is_head_dir, load_head
-
-    if spec in BUILTIN_DRAFTS:
-        return spec
-    path = Path(spec).expanduser()
-    if path.is_dir() and is_head_dir(path):
-        load_head(path, read_args(target_dir), "meta")
-        return str(path)
-    return str(resolve_model_dir(spec, progress))
-
-
-def check_safetensors(path: Path) -> None:
-    """A LoadError naming the file when it is not safetensors or is cut short: found here, before any
-    worker starts, rather than as a worker's traceback. Reads the header only."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n)) if 2 <= n <= size - 8 else None
-    except (OSError, ValueError) as e:  # unreadable, or a header that is not JSON
-        raise LoadError(f"{path} is not a readable safetensors file ({e})") from None
-    if not isinstance(header, dict):
-        raise LoadError(f"{path} is not a safetensors file (no valid header)")
-    try:
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    except (KeyError, TypeError, IndexError):
-        raise LoadError(f"{path} is not a safetensors file (a tensor entry lacks data_offsets)") from None
-    if 8 + n + end > size:
-        raise LoadError(f"{path} is truncated: its header describes {8 + n + end:,} bytes, the file has "
-                        f"{size:,} (copy or download it again)")
-
-
-def read_args(model_dir: Path) -> ModelArgs:
-    try:
-        cfg = json.loads((model_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise LoadError(f"cannot read {model_dir / 'config.json'}: {e}") from None
-    try:
-        return ModelArgs.from_hf_config(cfg)
-    except ModelConfigError as e:
-        raise LoadError(f"{model_dir}: {e}") from None
-    except KeyError as e:
-        raise LoadError(f"{model_dir / 'config.json'} lacks the field {e.args[0]!r}") from None
-
-
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise LoadError(f"cannot read {index}: {e!r}") from None
-        missing = [s for s in shards if not (model_dir / s).is_file()]
-        if missing:
-            raise LoadError(f"{index} names weight files that are missing: {', '.join(missing)}")
-        return [model_dir / s for s in shards]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise LoadError(f"{model_dir} has no model.safetensors or model.safetensors.index.json "
-                    "(only safetensors weights are read; convert .bin checkpoints first)")
-
+from swiftspec.engine.model import Transformer
+from swiftspec.engine.model_args import ModelArgs
+from swiftspec.engine.model_dir import LoadError, default_dtype_name, read_args, weight_files
 
 GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}  # values and bytes per block
 
@@ -143,7 +44,7 @@ def read_weights(model_dir: Path, names: set[str] | None = None) -> tuple[dict[s
     conversion kept as GGUF blocks (``dequantize`` them)."""
     state: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
-    for f in _weight_files(model_dir):
+    for f in weight_files(model_dir):
         try:
             with safe_open(str(f), framework="pt") as fh:
                 kinds.update(json.loads((fh.metadata() or {}).get(GGUF_METADATA, "{}")))
@@ -178,7 +79,7 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32, trust_rem
     converted GGUF keeps blocks transformers cannot read: it gets the weights dequantised as ours are."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    with safe_open(str(_weight_files(model_dir)[0]), framework="pt") as fh:
+    with safe_open(str(weight_files(model_dir)[0]), framework="pt") as fh:
         converted = GGUF_METADATA in (fh.metadata() or {})
     if not converted:
         return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code)
@@ -229,9 +130,7 @@ def convert_hf_state_dict(hf: dict[str, torch.Tensor], args: ModelArgs,
 
 
 def default_dtype(device: torch.device, dtype: str = "auto") -> torch.dtype:
-    if dtype != "auto":
-        return getattr(torch, dtype)
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, default_dtype_name(device.type == "cuda", dtype))
 
 
 def batch_invariant_default(device: torch.device, dtype: torch.dtype) -> bool:
@@ -273,7 +172,7 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str =
             raise LoadError("the int8 draft is a CPU (fp32) feature; on GPUs pass a draft model path")
         quantize_int8(model)
     elif device.type == "cpu":
-        model.pack_cpu_linears()
+        model.transpose_cpu_weights()
     if batch_invariant_default(device, torch_dtype) if batch_invariant is None else batch_invariant:
         model.make_batch_invariant()
     model.eval()
@@ -291,24 +190,3 @@ def quantize_int8(model: Transformer) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notice; the FBGEMM kernels are what we want
         quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
-
-
-def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
-    except Exception as e:
-        raise LoadError(f"cannot load the tokenizer from {model_dir}: {e}") from None
-
-
-def eos_token_ids(model_dir: Path, tokenizer) -> list[int]:
-    """Every id that ends an answer: the tokenizer's EOS and the model's config and generation config
-    (each an int or a list)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for name in ("config.json", "generation_config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            ids |= set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
-    return sorted(ids)

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,82 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from swiftspec import kernels
+from swiftspec.engine.model_args import ModelArgs
 from swiftspec.kernels import KeyList
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-
-class ModelConfigError(ValueError):
-    """The checkpoint's config describes a model this code does not implement."""
-
-
-@dataclass
-class ModelArgs:
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    qkv_bias: bool = False
-    tie_embeddings: bool = False
-    max_position_embeddings: int = 4096
-    sliding_window: int | None = None
-    architecture: str = "LlamaForCausalLM"
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-
-    @property
-    def context_limit(self) -> int:
-        """Longest sequence this code computes exactly (no sliding-window attention is implemented)."""
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
-        """Reads a Hugging Face config.json dict (transformers 4.x and 5.x spellings)."""
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                       "qwen2": "Qwen2ForCausalLM"}.get(cfg.get("model_type", ""), "")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelConfigError(
-                f"unsupported architecture {arch or cfg.get('model_type')!r}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5)"
-            )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"unsupported activation {cfg['hidden_act']!r} (only silu)")
-        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
-        theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
-        if rope is not None:
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type not in ("default", "linear", "llama3"):
-                raise ModelConfigError(f"unsupported RoPE scaling {rope_type!r} (default, linear, llama3)")
-            rope = None if rope_type == "default" else {**rope, "rope_type": rope_type}
-        n_heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            dim=cfg["hidden_size"],
-            n_layers=cfg["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
-            intermediate_size=cfg["intermediate_size"],
-            norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=float(theta),
-            rope_scaling=rope,
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
-            architecture=arch,
-            eos_token_ids=eos,
-            bos_token_id=cfg.get("bos_token_id"),
-        )
 
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
@@ -163,34 +87,8 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if isinstance(self.w13, nn.Linear):
             return self.w2(kernels.swiglu(x, self.w13.weight, self.inter))
-        gate, up = self.w13(x).chunk(2, dim=-1)  # a CPU linear (packed or int8): same math
+        gate, up = self.w13(x).chunk(2, dim=-1)  # an int8 CPU linear: same math
         return self.w2(F.silu(gate) * up)
-
-
-class PackedLinear(nn.Module):
-    """A CPU linear whose weight MKL has prepacked for ``rows``-row inputs.
-
-    Verification forwards a handful of tree nodes; in the usual [out, in] layout 8 rows cost ~3x one row
-    on this class of CPU, packed they cost ~1.2x (bit-identical results). Inputs of 2..rows rows are
-    padded to ``rows``; other row counts (a decode step, a long prefill) use the [in, out] column-major
-    copy, whose GEMM also grows slowly with the rows.
-    """
-
-    def __init__(self, lin: nn.Linear, rows: int):
-        super().__init__()
-        w = lin.weight.detach()
-        self.rows = rows
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), rows)
-        self.weight = w.t().contiguous().t()
-        self.bias = None if lin.bias is None else lin.bias.detach()
-
-    def forward(self, x: Tensor) -> Tensor:
-        m = x.shape[0]
-        if m == 1 or m > self.rows:
-            return F.linear(x, self.weight, self.bias)
-        if m < self.rows:
-            x = torch.cat([x, x.new_zeros(self.rows - m, x.shape[1])])
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)[:m]
 
 
 class InvariantLinear(nn.Module):
@@ -255,15 +153,18 @@ class Transformer(nn.Module):
         self.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
 
-    def pack_cpu_linears(self, rows: int = 8) -> None:
-        """Replaces every linear by a PackedLinear (fp32 CPU only): cheap multi-row verification. The
-        tied lm_head gets its own copy, so the embedding lookup keeps reading contiguous rows."""
-        if not torch.backends.mkl.is_available() or self.tok_embeddings.weight.dtype != torch.float32:
+    def transpose_cpu_weights(self) -> None:
+        """Stores every linear's weight column-major (fp32 CPU only): MKL's GEMM for the handful of rows a
+        decode step or a small verification forwards is fastest that way. On SmolLM2 (EPYC, 2 threads) a
+        one-row step drops from ~52 to ~40 ms (the lm_head alone 8.6 -> 5.0 ms) and two rows from ~90 to
+        ~64 ms; beyond four rows both layouts cost the same. The tied lm_head gets its own copy, so the
+        embedding lookup keeps reading contiguous rows. (MKL's prepacked weights, used before, padded 2..7
+        rows to 8: every verification cost ~2.6 one-row steps, and packing took a second at load.)"""
+        if self.tok_embeddings.weight.dtype != torch.float32:
             return
-        for mod in list(self.modules()):
-            for name, child in list(mod.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(mod, name, PackedLinear(child, rows))
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):
+                mod.weight = nn.Parameter(mod.weight.detach().t().contiguous().t(), requires_grad=False)
 
     def make_batch_invariant(self) -> None:
         """Every row's result stops depending on how many rows share the forward and where they sit: a

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swiftspec.engine.model import ModelArgs
+from swiftspec.engine.model_args import ModelArgs
 
 
 @dataclass(frozen=True)

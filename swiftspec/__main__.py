@@ -1,5 +1,5 @@
 """``python -m swiftspec``: the same command line as the ``swiftspec`` script."""
 
-from swiftspec.cli import main
+from swiftspec.cli import run
 
-main()
+run()

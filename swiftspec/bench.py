@@ -549,7 +549,7 @@ def hf_assist(config: EngineConfig) -> dict[str, Any]:
     (chains of bs-1 tokens, so both verify bs tokens per target forward)."""
     if config.draft == "suffix":
         return {"prompt_lookup_num_tokens": max(1, config.tree.bs - 1)}
-    from swiftspec.engine.loader import resolve_model_dir
+    from swiftspec.engine.model_dir import resolve_model_dir
 
     return {"assistant_model": str(resolve_model_dir(config.draft))}
 
@@ -698,7 +698,7 @@ def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompt
         if not err.is_terminal:
             err.print(f"swiftspec bench: {line}", highlight=False)
 
-    from swiftspec.engine.loader import eos_token_ids, load_tokenizer, resolve_model_dir
+    from swiftspec.engine.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir
 
     samples: dict[str, list[Sample]] = {}
     interrupted = False
@@ -707,7 +707,7 @@ def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompt
         runners: dict[str, Runner] = {}
         model_dir = resolve_model_dir(config.target, say)
         tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
-        eos = eos_token_ids(model_dir, tokenizer)
+        eos = eos_token_ids(model_dir, config.trust_remote_code)
         if any(m in HF_MODES for m in mode_list):
             say("loading the target into transformers for the hf baselines")
             with err.status("loading the target into transformers for the hf baselines"):

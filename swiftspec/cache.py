@@ -1,5 +1,5 @@
 """``swiftspec cache list|clear``: what the cache holds (GGUF files converted to Hugging Face directories,
-the workers' logs of failed sessions) and its size, so that gigabytes of converted weights can be found
+the step times profiled at start-up, the workers' logs of failed sessions) and its size, so that gigabytes of converted weights can be found
 and removed. A removed conversion is redone, once, the next time its GGUF is used."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ class CacheError(ValueError):
 
 @dataclass
 class CacheEntry:
-    name: str  # converted/<name> or "logs"
+    name: str  # converted/<name>, "profiles" or "logs"
     path: Path
     size: int  # bytes
     what: str  # one line: what the weights are stored as, or how many logs
@@ -51,10 +51,15 @@ def _stored_as(model_dir: Path) -> str:
 
 
 def entries(root: Path | None = None) -> list[CacheEntry]:
-    """Converted models (by name), then the worker logs as one entry; hidden in-progress work left out."""
+    """Converted models (by name), then the profiles and the worker logs as one entry each; hidden
+    in-progress work left out."""
     root = root or cache_dir()
     out = [CacheEntry(d.name, d, _size(d), f"converted GGUF, {_stored_as(d)}")
            for d in sorted((root / "converted").glob("[!.]*")) if d.is_dir()]
+    profiles = sorted((root / "profiles").glob("*.json"))
+    if profiles:
+        out.append(CacheEntry("profiles", root / "profiles", sum(_size(f) for f in profiles),
+                              f"{len(profiles)} step-time profile(s): removed, the next start measures again"))
     logs = sorted((root / "logs").glob("*.log"))
     if logs:
         out.append(CacheEntry("logs", root / "logs", sum(_size(f) for f in logs),

@@ -6,12 +6,13 @@ stay instant.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -362,7 +363,7 @@ def _chat_scripted(config, params, system, context, prompt, each_line, jsonl, re
 def _prepare_models(config: EngineConfig) -> None:
     """Before the TUI takes the terminal: a missing or broken model is a usage error, and a GGUF file (the
     embedded default included) is converted now, once, its stages shown on stderr, rather than unseen."""
-    from swiftspec.engine.loader import resolve_draft, resolve_model_dir
+    from swiftspec.engine.model_dir import resolve_draft, resolve_model_dir
 
     say = lambda line: typer.echo(f"swiftspec: {line}", err=True)
     resolve_draft(config.draft, resolve_model_dir(config.target, progress=say), say)
@@ -489,7 +490,7 @@ def train_draft(
     import torch
 
     from swiftspec.bench import parse_jsonl
-    from swiftspec.engine.loader import resolve_model_dir
+    from swiftspec.engine.model_dir import resolve_model_dir
     from swiftspec.train_draft import TrainConfig, train
     from swiftspec.train_prompts import training_prompts
 
@@ -683,3 +684,25 @@ def normalise_argv(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     app(args=normalise_argv(sys.argv[1:] if argv is None else argv), prog_name="swiftspec")
+
+
+def run() -> NoReturn:
+    """The ``swiftspec`` program: main(), then the atexit handlers (an Engine still open is closed there),
+    flushed output, and an exit that skips the interpreter's teardown of the ~2,000 modules torch and
+    transformers bring (about a second at the end of every command). Nothing is left half-written: the
+    history database commits each write as it happens."""
+    try:
+        main()
+        code: object = 0
+    except SystemExit as e:
+        code = e.code
+    if isinstance(code, str):  # sys.exit("message"), as Python itself would report it
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+            pass
+    os._exit(code if isinstance(code, int) else 0)

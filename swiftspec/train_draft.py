@@ -287,11 +287,12 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, prompts: list[str], dev
     """The whole command: data, vocabulary, epochs (resumable). Returns the agreement curve."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from swiftspec.engine.loader import eos_token_ids, load_model, load_tokenizer
+    from swiftspec.engine.loader import load_model
+    from swiftspec.engine.model_dir import eos_token_ids, load_tokenizer
 
     torch.manual_seed(cfg.seed)
     tok = load_tokenizer(target_dir)
-    eos = eos_token_ids(target_dir, tok)
+    eos = eos_token_ids(target_dir)
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*cols, console=console) as progress:
         seqs = make_data(target_dir, tok, eos, prompts, out, cfg, device, progress)

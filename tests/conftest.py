@@ -17,13 +17,13 @@ def no_user_settings(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def embedded_dir():
     """The embedded SmolLM2 as a Hugging Face directory (converted once into the user cache)."""
-    from swiftspec.engine.loader import resolve_model_dir
+    from swiftspec.engine.model_dir import resolve_model_dir
 
     return resolve_model_dir(None)
 
 
 @pytest.fixture(scope="session")
 def embedded_tokenizer(embedded_dir):
-    from swiftspec.engine.loader import load_tokenizer
+    from swiftspec.engine.model_dir import load_tokenizer
 
     return load_tokenizer(embedded_dir)

@@ -217,7 +217,7 @@ def test_bad_options_fail_before_any_model_loads(tmp_path, monkeypatch):
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the options were checked")
 
-    monkeypatch.setattr("swiftspec.engine.loader.resolve_model_dir", no_load)
+    monkeypatch.setattr("swiftspec.engine.model_dir.resolve_model_dir", no_load)
     with pytest.raises(BenchError, match="unknown mode"):
         bench.bench_command(EngineConfig(), modes="hf,warp")
     with pytest.raises(ConfigError, match="max-new-tokens"):
@@ -303,7 +303,7 @@ class ReplayEngine:
     def __init__(self, config: EngineConfig):
         from transformers import AutoModelForCausalLM
 
-        from swiftspec.engine.loader import load_tokenizer
+        from swiftspec.engine.model_dir import load_tokenizer
         from swiftspec.engine.protocol import EngineInfo, RankInfo
 
         self.tokenizer = load_tokenizer(Path(config.target))

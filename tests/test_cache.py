@@ -25,6 +25,8 @@ def scratch(tmp_path, monkeypatch):
     _fake_conversion(tmp_path, "Big.Q4_K_M-0123456789abcdef", "BF16", 3_000_000)
     _fake_conversion(tmp_path, "Small.Q8_0-fedcba9876543210", "F32", 20_000)
     (tmp_path / "converted" / ".tmp-half-done").mkdir()  # another process converting: not listed
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "0123.json").write_text("y" * 100)
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "workers-1.log").write_text("x" * 500)
     return tmp_path
@@ -41,8 +43,9 @@ def test_list_names_sizes_and_dtypes(scratch):
     assert lines[0].startswith(str(scratch))
     assert "3.0 MB  Big.Q4_K_M-0123456789abcdef  converted GGUF, bfloat16 weights" in lines[1]
     assert "20.1 KB  Small.Q8_0-fedcba9876543210  converted GGUF, float32 weights" in lines[2]
-    assert "logs" in lines[3] and "1 worker log(s)" in lines[3]
-    assert lines[4].split() == ["3.0", "MB", "in", "all"]
+    assert "profiles" in lines[3] and "1 step-time profile(s)" in lines[3] and "100 B" in lines[3]
+    assert "logs" in lines[4] and "1 worker log(s)" in lines[4]
+    assert lines[5].split() == ["3.0", "MB", "in", "all"]
     assert ".tmp" not in result.stdout
 
 
@@ -54,7 +57,10 @@ def test_clear_one_then_all(scratch):
 
     missing = run("clear", "Big.Q4_K_M-0123456789abcdef")
     assert missing.exit_code == 2
-    assert "no entry called 'Big.Q4_K_M-0123456789abcdef'; it holds Small.Q8_0-fedcba9876543210, logs" in missing.stderr
+    assert "no entry called 'Big.Q4_K_M-0123456789abcdef'; it holds Small.Q8_0-fedcba9876543210, profiles, logs" in missing.stderr
+
+    result = run("clear", "profiles")
+    assert result.exit_code == 0 and not (scratch / "profiles").exists()
 
     result = run("clear")
     assert result.exit_code == 0 and "freed 20.6 KB" in result.stdout

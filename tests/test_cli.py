@@ -343,7 +343,7 @@ def test_a_head_for_another_target_is_a_usage_error(monkeypatch, tmp_path):
     from tiny_models import tiny_model_dir
 
     from swiftspec.engine.draft_head import DraftHead, HeadArgs, save_head
-    from swiftspec.engine.loader import read_args
+    from swiftspec.engine.model_dir import read_args
 
     target = tiny_model_dir(seed=1)
     args = HeadArgs.for_target(read_args(target))

@@ -19,11 +19,11 @@ from swiftspec.engine.loader import (
     convert_hf_state_dict,
     load_hf_model,
     load_model,
-    read_args,
     read_hf_state_dict,
     read_weights,
 )
 from swiftspec.engine.loader import dequantize as our_dequantize
+from swiftspec.engine.model_dir import read_args
 
 
 @pytest.fixture(scope="module")

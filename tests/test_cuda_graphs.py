@@ -18,7 +18,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 USABLE = 100  # slots the engine may use; the wrapped model has one more (the scratch slot)
 VOCAB = 97
 # fp32: padded and plain forwards differ only in GEMM row counts and in masked (weight 0) keys.
-FP32_TOL = dict(rtol=1e-5, atol=1e-5)
+FP32_TOL = dict(rtol=1e-4, atol=1e-4)  # MKL takes other kernels for 39 and 64 rows: ~2e-5 apart; a padding bug is O(1)
 
 
 @pytest.fixture(autouse=True)

@@ -19,8 +19,9 @@ from swiftspec.engine.draft_head import (
     load_head,
     save_head,
 )
-from swiftspec.engine.loader import load_model, resolve_draft
+from swiftspec.engine.loader import load_model
 from swiftspec.engine.loop import generate
+from swiftspec.engine.model_dir import resolve_draft
 from swiftspec.engine.tree_cache import causal_mask
 
 PROMPTS = [[5, 17, 300, 42, 8, 99], [1, 200, 201, 202, 203, 200, 201]]

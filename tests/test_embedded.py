@@ -8,8 +8,9 @@ from swiftspec import embedded
 from swiftspec.config import SamplingParams
 from swiftspec.engine.client import encode_chat
 from swiftspec.engine.decode import TargetState
-from swiftspec.engine.loader import eos_token_ids, load_model, load_tokenizer, resolve_model_dir
+from swiftspec.engine.loader import load_model
 from swiftspec.engine.loop import generate
+from swiftspec.engine.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir
 
 CHATS = [
     "What is the capital of France? Answer in one sentence.",
@@ -101,7 +102,7 @@ def test_greedy_equals_transformers_generate(embedded_dir, embedded_tokenizer, h
     hf = hf_from_gguf
     target = TargetState(load_model(embedded_dir, max_slots=512), 512)
     params = SamplingParams(mode="ar", max_new_tokens=64)  # both stop at EOS (if it comes first)
-    eos = set(eos_token_ids(embedded_dir, embedded_tokenizer))
+    eos = set(eos_token_ids(embedded_dir))
     for prompt in CHATS:
         ids = encode_chat(embedded_tokenizer, [{"role": "user", "content": prompt}])
         ours = [t for step in generate(target, None, ids, params, eos=eos) for t in step.tokens]

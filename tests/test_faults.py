@@ -522,7 +522,7 @@ def test_a_prompt_that_is_not_utf8_is_a_usage_error():
 
 
 def test_a_symlink_loop_is_named_as_such(tmp_path):
-    from swiftspec.engine.loader import LoadError, resolve_model_dir
+    from swiftspec.engine.model_dir import LoadError, resolve_model_dir
 
     (tmp_path / "a").symlink_to(tmp_path / "b")
     (tmp_path / "b").symlink_to(tmp_path / "a")

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from swiftspec.engine.loader import LoadError, load_model, resolve_model_dir
+from swiftspec.engine.loader import load_model
+from swiftspec.engine.model_dir import LoadError, resolve_model_dir
 
 TOL = 1e-4
 
@@ -142,3 +143,28 @@ def test_corrupt_weights_is_a_clear_error(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(LoadError, match="cannot read weights"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("form", ["string", "added-token dict", "special_tokens_map only"])
+def test_the_tokenizer_eos_is_read_from_the_files_as_transformers_reads_it(form, tmp_path):
+    from tiny_models import make_tokenizer
+    from transformers import AutoTokenizer
+
+    from swiftspec.engine.model_dir import tokenizer_eos_id
+
+    tok = make_tokenizer(320)
+    tok.eos_token = "<|im_start|>" if form == "special_tokens_map only" else "<|im_end|>"  # not the default
+    tok.save_pretrained(tmp_path)
+    cfg_path = tmp_path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if form == "added-token dict":
+        cfg["eos_token"] = {"__type": "AddedToken", "content": cfg["eos_token"], "lstrip": False, "normalized": False, "rstrip": False,
+                            "single_word": False, "special": True}
+    elif form == "special_tokens_map only":
+        (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": cfg.pop("eos_token")}))
+    cfg_path.write_text(json.dumps(cfg))
+    expected = AutoTokenizer.from_pretrained(tmp_path).eos_token_id
+    assert expected is not None and tokenizer_eos_id(tmp_path) == expected
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(LookupError):  # the files cannot tell: eos_token_ids asks transformers
+        tokenizer_eos_id(tmp_path)

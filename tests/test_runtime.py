@@ -24,7 +24,8 @@ from swiftspec.engine import launcher, protocol
 from swiftspec.engine.answer import StopMatcher
 from swiftspec.engine.client import Engine, EngineError, _accept_worker, encode_chat
 from swiftspec.engine.failures import WorkerOutput
-from swiftspec.engine.worker.setup import choose_d, parse_args
+from swiftspec.engine.worker.profiling import choose_d
+from swiftspec.engine.worker.setup import parse_args
 
 PROMPTS = [
     [{"role": "user", "content": "What is 17 times 23?"}],
@@ -253,7 +254,7 @@ def test_choose_d():
 
 
 def test_encode_chat_uses_the_template():
-    from swiftspec.engine.loader import load_tokenizer
+    from swiftspec.engine.model_dir import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir())
     ids = encode_chat(tok, PROMPTS[0])
@@ -264,7 +265,7 @@ def test_encode_chat_uses_the_template():
 
 def test_encode_chat_continues_a_final_answer():
     """/continue: a last assistant message is left open, so the answer goes on where it stopped."""
-    from swiftspec.engine.loader import load_tokenizer
+    from swiftspec.engine.model_dir import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir())
     question = encode_chat(tok, PROMPTS[0])
@@ -323,7 +324,8 @@ def reference(model_dir, messages, n: int) -> list[int]:
     """Greedy target-only decoding in this process, one token per forward and no loop code of the
     engine's: what every mode must reproduce."""
     from swiftspec.engine.decode import TargetState
-    from swiftspec.engine.loader import load_model, load_tokenizer
+    from swiftspec.engine.loader import load_model
+    from swiftspec.engine.model_dir import load_tokenizer
     from swiftspec.engine.sampling import Sampler
 
     ids = encode_chat(load_tokenizer(model_dir), messages)
@@ -376,7 +378,7 @@ def echo_head_dir(target_dir) -> Path:
     layer is zero): it proposes the target's own prediction from the position before the root, which only
     the target's features, sent over the workers' 16-bit wire, can give it."""
     from swiftspec.engine.draft_head import DraftHead, HeadArgs, save_head
-    from swiftspec.engine.loader import read_args
+    from swiftspec.engine.model_dir import read_args
 
     out = Path(target_dir) / "echo-head"
     if not out.is_dir():
@@ -396,8 +398,9 @@ def start(target_dir, draft: str = "suffix", target_procs: int = 1, **kw) -> Eng
     "head" the echo draft head."""
     draft = {"self": str(target_dir), "other": str(tiny_model_dir(seed=1, layers=1)),
              "head": str(echo_head_dir(target_dir))}.get(draft, draft)
+    progress = kw.pop("progress", None)
     return Engine.start(EngineConfig(target=str(target_dir), draft=draft, target_procs=target_procs,
-                                     max_seq_len=kw.pop("max_seq_len", 512), **kw))
+                                     max_seq_len=kw.pop("max_seq_len", 512), **kw), progress)
 
 
 @pytest.fixture(scope="module", params=sorted(ENGINES))
@@ -435,6 +438,30 @@ def test_bf16_on_the_cpu_every_mode_equals_ar(target_dir):
             for mode in ("async", "sync"):
                 assert answer(eng, messages, mode=mode, max_new_tokens=N_TOKENS, ignore_eos=True)[0] == ar, mode
     assert no_processes_left(eng)
+
+
+@pytest.mark.slow
+def test_step_times_are_measured_once_then_read_from_the_profile_cache(target_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SWIFTSPEC_CACHE", str(tmp_path))  # the workers inherit it
+    said: list[str] = []
+    first = start(target_dir, "self", progress=said.append)
+    first.close()
+    assert any(line.startswith("profiling") for line in said)
+    (profile,) = (tmp_path / "profiles").glob("*.json")
+    stored = json.loads(profile.read_text())
+    assert stored["t_verify_ms"] == first.info.t_verify_ms and stored["t_expand_ms"] == first.info.t_expand_ms
+    # figures no measurement would give: the next start must take them from the file, d and tree sizes too
+    profile.write_text(json.dumps({"t_verify_ms": 50.0, "t_expand_ms": 10.0, "verify_cost": [1.0] + [99.0] * 7}))
+    said.clear()
+    with start(target_dir, "self", progress=said.append) as eng:
+        assert "step times from the profile cache" in said
+        assert (eng.info.t_verify_ms, eng.info.t_expand_ms, eng.info.d) == (50.0, 10.0, choose_d(50.0, 10.0))
+        _, _, events = answer(eng, PROMPTS[0], mode="sync", max_new_tokens=16, ignore_eos=True)
+        assert {e.stats.tree_size for e in events if e.stats.tree_size} == {1}  # 2+ nodes "cost" 99 steps
+    said.clear()
+    with start(target_dir, "self", progress=said.append, tree=TreeParams(bs=4)):  # another setting: measured
+        assert any(line.startswith("profiling") for line in said)
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 2
 
 
 @pytest.fixture(scope="module")

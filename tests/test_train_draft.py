@@ -12,8 +12,9 @@ from tiny_models import single_thread, tiny_model_dir
 from swiftspec.config import SamplingParams, TreeParams
 from swiftspec.engine.decode import DraftState, TargetState
 from swiftspec.engine.draft_head import HeadDrafter, load_head
-from swiftspec.engine.loader import eos_token_ids, load_model, load_tokenizer
+from swiftspec.engine.loader import load_model
 from swiftspec.engine.loop import generate
+from swiftspec.engine.model_dir import eos_token_ids, load_tokenizer
 from swiftspec.train_draft import (
     TrainConfig,
     _batch,
@@ -53,7 +54,7 @@ def test_training_lowers_the_loss_and_the_head_decodes_exactly(trained):
     assert len(curve) == CFG.epochs and all(len(c) == CFG.steps for c in curve)
     target = load_model(target_dir, max_slots=512)
     tok = load_tokenizer(target_dir)
-    seqs = make_data(target_dir, tok, eos_token_ids(target_dir, tok), training_prompts(CFG.n_prompts), out, CFG,
+    seqs = make_data(target_dir, tok, eos_token_ids(target_dir), training_prompts(CFG.n_prompts), out, CFG,
                      torch.device("cpu"), _NoProgress())
     train_set, held = split(seqs, CFG.seed)
     assert len(held) == 1 and len(train_set) == CFG.n_prompts - 1

@@ -13,21 +13,13 @@ import torch.distributed as dist
 
 from swiftspec.config import BUILTIN_DRAFTS, MODES, SamplingParams
 from swiftspec.engine import protocol
-from swiftspec.engine.loader import load_tokenizer
 from swiftspec.engine.loop import Finisher, Op, Request, lead_draft, lead_target
+from swiftspec.engine.model_dir import load_tokenizer
 from swiftspec.engine.protocol import EngineInfo
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.worker.leader_io import ScriptIO, SocketIO
-from swiftspec.engine.worker.setup import (
-    Ctx,
-    barrier,
-    choose_d,
-    gather_ranks,
-    load,
-    parse_args,
-    profile,
-    setup,
-)
+from swiftspec.engine.worker.profiling import choose_d, profile
+from swiftspec.engine.worker.setup import Ctx, barrier, gather_ranks, load, parse_args, setup
 from swiftspec.engine.worker.wire import DistLink
 
 # Request header, broadcast by the leader to every rank: int64[4] = cmd, mode, prompt length, params length.
@@ -142,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                                       else ", no draft"))
         load(ctx)
         barrier()
-        if io is not None:
-            io.progress("profiling the draft expansion and target verification times")
-        t_verify, t_expand = profile(ctx)
+        t_verify, t_expand = profile(ctx, ranks, io.progress if io is not None else lambda _text: None)
         ctx.d = 0 if args.draft == "none" else args.d or choose_d(t_verify, t_expand)
         if io is not None:
             info = EngineInfo(

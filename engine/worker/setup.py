@@ -4,10 +4,8 @@ profiled step times that choose d."""
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import socket
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -15,21 +13,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from swiftspec.config import ConfigError, SamplingParams, TreeParams
+from swiftspec.config import ConfigError, TreeParams
 from swiftspec.engine import launcher
 from swiftspec.engine.cuda_graphs import GraphedModel
-from swiftspec.engine.decode import DraftState, TargetState, profile_verify_cost
+from swiftspec.engine.decode import DraftState, TargetState
 from swiftspec.engine.draft_head import is_head_dir
-from swiftspec.engine.drafters import Features, make_drafter
-from swiftspec.engine.loader import default_dtype, eos_token_ids, load_model, load_tokenizer, read_args
+from swiftspec.engine.drafters import make_drafter
+from swiftspec.engine.loader import default_dtype, load_model
 from swiftspec.engine.loop import Message, Op
+from swiftspec.engine.model_dir import eos_token_ids
 from swiftspec.engine.protocol import RankInfo
-from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.worker.wire import Wire
 
 PG_TIMEOUT = timedelta(days=3650)  # followers wait in a broadcast while the chat is idle
 INIT_TIMEOUT = timedelta(seconds=120)  # for every rank to reach init_process_group and new_group
-D_MAX = 16
 DRAFT_TREE_SLOTS = 512  # draft KV slots for the token tree beyond the verified prefix
 
 
@@ -49,7 +46,6 @@ class Ctx:
     draft_group: dist.ProcessGroup | None = None
     target: TargetState | None = None  # on target ranks
     draft: DraftState | None = None  # on draft ranks
-    tokenizer: object = None  # leader only
     eos: set[int] = field(default_factory=set)
     d: int = 1
     features: bool = False  # the drafter reads the target's hidden states (the draft leader says so)
@@ -218,8 +214,7 @@ def load(ctx: Ctx) -> None:
         model = model_for(target_dir, slots, ctx.target_group, batch_invariant=invariant)
         ctx.target = TargetState(model, slots)
         if ctx.rank == 0:
-            ctx.tokenizer = load_tokenizer(target_dir, args.trust_remote_code)
-            ctx.eos = set(eos_token_ids(target_dir, ctx.tokenizer))
+            ctx.eos = set(eos_token_ids(target_dir, args.trust_remote_code))
     else:
         drafter = make_drafter(args.draft, target_dir, args.trust_remote_code, args.draft_history,
                                lambda path, int8: model_for(path, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8),
@@ -227,47 +222,3 @@ def load(ctx: Ctx) -> None:
         if drafter.wants_features and ctx.tp_world > 1:
             raise ConfigError("a draft that reads the target's hidden states runs on one draft rank only")
         ctx.draft = DraftState(drafter, TreeParams(args.bs, args.w, args.d))
-
-
-def profile(ctx: Ctx) -> tuple[float, float]:
-    """Times a target verification of bs nodes and a draft expansion (median of 3, after a warm-up);
-    returns the slowest rank's figures, the same on every rank. With --verify-cost the draft also gets
-    the target's cost of verifying 1..bs nodes (DraftState.verify_cost); every rank learns whether the
-    drafter reads the target's hidden states (Ctx.features)."""
-    bs = ctx.args.bs
-    dummy = list(range(1, 9)) * 4  # repetitive, so that the suffix drafter has something to propose
-    t_verify = t_expand = 0.0
-    wants = ctx.role == "draft" and ctx.draft.drafter.wants_features
-    if ctx.role == "target":
-        sampler = Sampler(SamplingParams(), ctx.device)
-        root = ctx.target.prefill(dummy, sampler)
-        times = []
-        for _ in range(4):
-            t0 = time.perf_counter()
-            v = ctx.target.verify([root, *dummy[:bs - 1]], list(range(-1, bs - 1)), sampler)
-            times.append(time.perf_counter() - t0)
-            root = v.path[-1]
-        t_verify = sorted(times[1:])[1] * 1e3
-        cost = profile_verify_cost(ctx.target, bs) if ctx.args.verify_cost else [0.0] * bs
-    else:
-        cost = [0.0] * bs
-        # a drafter that reads features: any of the target's size will do
-        ctx.draft.prefill(dummy, Features(0, torch.zeros(len(dummy), read_args(Path(ctx.args.target)).dim))
-                          if wants else None)
-        ctx.draft.start(dummy[-1])
-        times = [ctx.draft.expand() for _ in range(4) if ctx.draft.can_expand()]
-        t_expand = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else (times or [0.0])[0]
-    mine = torch.tensor([t_verify, t_expand, wants, *cost], dtype=torch.float64)
-    allr = [torch.zeros_like(mine) for _ in range(ctx.world)]
-    dist.all_gather(allr, mine)
-    if ctx.role == "draft" and ctx.args.verify_cost:
-        ctx.draft.verify_cost = allr[0][3:].tolist()
-    ctx.features = any(bool(t[2]) for t in allr)
-    return max(float(t[0]) for t in allr), max(float(t[1]) for t in allr)
-
-
-def choose_d(t_verify_ms: float, t_expand_ms: float) -> int:
-    """d ~ the number of draft expansions that fit in one target verification."""
-    return max(1, min(D_MAX, math.floor(t_verify_ms / max(t_expand_ms, 1e-3))))
-
-

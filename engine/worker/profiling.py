@@ -1,0 +1,170 @@
+"""The step times that choose d, and the target's cost of verifying 1..bs nodes: measured at the first
+start on a machine, then read from the profile cache.
+
+Measuring takes ~30 forwards (seconds on a CPU), and the figures only change with the machine, the
+models and the settings, so they are kept in ``<cache>/profiles`` under a key made of exactly those:
+the software versions, the CPU or GPU names, every rank's device and threads, the model files' sizes
+and dates, and the decoding settings. ``swiftspec cache clear profiles`` makes the next start measure
+again (worth it after a start on a busy machine, whose times would be too slow).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from swiftspec.config import SamplingParams
+from swiftspec.embedded import cache_dir
+from swiftspec.engine.decode import profile_verify_cost
+from swiftspec.engine.drafters import Features
+from swiftspec.engine.model_dir import read_args
+from swiftspec.engine.protocol import RankInfo
+from swiftspec.engine.sampling import Sampler
+from swiftspec.engine.worker.setup import Ctx
+
+D_MAX = 16
+PROFILE_FORMAT = 1  # bump when what is measured changes
+MAX_PROFILES = 64  # the least recently written beyond these are removed
+
+
+def choose_d(t_verify_ms: float, t_expand_ms: float) -> int:
+    """d ~ the number of draft expansions that fit in one target verification."""
+    return max(1, min(D_MAX, math.floor(t_verify_ms / max(t_expand_ms, 1e-3))))
+
+
+def profile(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> tuple[float, float]:
+    """The slowest rank's target verification of bs nodes and draft expansion (ms), the same on every
+    rank; ``say`` hears whether they are measured or read. With --verify-cost the draft also gets the target's cost
+    of verifying 1..bs nodes (DraftState.verify_cost); every rank learns whether the drafter reads the
+    target's hidden states (Ctx.features)."""
+    bs = ctx.args.bs
+    if ctx.args.draft == "none":  # plain decoding: no d to choose, no tree to size
+        return 0.0, 0.0
+    path = profile_path(ctx, ranks) if ctx.rank == 0 else None
+    cached = torch.zeros(3 + bs, dtype=torch.float64)  # found, t_verify, t_expand, cost[bs]
+    if path is not None and (found := _read(path, bs)) is not None:
+        cached = torch.tensor([1.0, *found], dtype=torch.float64)
+    dist.broadcast(cached, src=0)
+    hit = bool(cached[0])
+    say("step times from the profile cache" if hit else "profiling the draft expansion and target verification times")
+    wants = ctx.role == "draft" and ctx.draft.drafter.wants_features
+    t_verify, t_expand, cost = (0.0, 0.0, [0.0] * bs) if hit else _measure(ctx, wants)
+    mine = torch.tensor([t_verify, t_expand, wants, *cost], dtype=torch.float64)
+    allr = [torch.zeros_like(mine) for _ in range(ctx.world)]
+    dist.all_gather(allr, mine)
+    ctx.features = any(bool(t[2]) for t in allr)
+    if hit:
+        t_verify, t_expand, cost = float(cached[1]), float(cached[2]), cached[3:].tolist()
+    else:
+        t_verify, t_expand = max(float(t[0]) for t in allr), max(float(t[1]) for t in allr)
+        cost = allr[0][3:].tolist()
+        if path is not None:
+            _write(path, t_verify, t_expand, cost)
+    if ctx.role == "draft" and ctx.args.verify_cost:
+        ctx.draft.verify_cost = cost
+    return t_verify, t_expand
+
+
+def _measure(ctx: Ctx, wants: bool) -> tuple[float, float, list[float]]:
+    """This rank's part: a target rank times verifications of bs nodes (median of 3, after a warm-up) and,
+    with --verify-cost, chains of 1..bs nodes; a draft rank times its expansions."""
+    bs = ctx.args.bs
+    dummy = list(range(1, 9)) * 4  # repetitive, so that the suffix drafter has something to propose
+    if ctx.role == "target":
+        sampler = Sampler(SamplingParams(), ctx.device)
+        root = ctx.target.prefill(dummy, sampler)
+        times = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            v = ctx.target.verify([root, *dummy[:bs - 1]], list(range(-1, bs - 1)), sampler)
+            times.append(time.perf_counter() - t0)
+            root = v.path[-1]
+        cost = profile_verify_cost(ctx.target, bs) if ctx.args.verify_cost else [0.0] * bs
+        return sorted(times[1:])[1] * 1e3, 0.0, cost
+    # a drafter that reads features: any of the target's size will do
+    ctx.draft.prefill(dummy, Features(0, torch.zeros(len(dummy), read_args(Path(ctx.args.target)).dim))
+                      if wants else None)
+    ctx.draft.start(dummy[-1])
+    times = [ctx.draft.expand() for _ in range(4) if ctx.draft.can_expand()]
+    t_expand = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else (times or [0.0])[0]
+    return 0.0, t_expand, [0.0] * bs
+
+
+def profile_path(ctx: Ctx, ranks: list[RankInfo]) -> Path | None:
+    """Where this setup's profile is kept; None when it cannot be named (a model path that is not a
+    local file or directory)."""
+    args = ctx.args
+    key = {
+        "format": PROFILE_FORMAT, "swiftspec": _version("swiftspec"), "torch": torch.__version__,
+        "machine": [platform.machine(), _cpu_name(), os.cpu_count()],
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available() else [],
+        "ranks": [[r.role, r.device, r.threads, r.host] for r in ranks],
+        "target": _files(args.target), "draft": args.draft if args.draft in ("suffix", "int8", "none")
+        else _files(args.draft),
+        "settings": [args.dtype, args.batch_invariant, args.bs, args.w, args.verify_cost, args.draft_history],
+    }
+    if key["target"] is None or key["draft"] is None:
+        return None
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / "profiles" / f"{digest}.json"
+
+
+def _version(dist_name: str) -> str:
+    try:
+        return importlib.metadata.version(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _files(path: str) -> list | None:
+    """A model directory's (or file's) identity: its resolved path and each file's name, size and date."""
+    p = Path(path).resolve()
+    try:
+        files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p]
+        return [str(p), [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]]
+    except OSError:
+        return None
+
+
+def _read(path: Path, bs: int) -> list[float] | None:
+    try:
+        data = json.loads(path.read_text())
+        values = [float(data["t_verify_ms"]), float(data["t_expand_ms"]), *map(float, data["verify_cost"])]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # none yet, or unreadable: measure again
+    return values if len(values) == 2 + bs else None
+
+
+def _write(path: Path, t_verify: float, t_expand: float, cost: list[float]) -> None:
+    """Written whole or not at all (a temporary file renamed); the oldest beyond MAX_PROFILES go."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"t_verify_ms": t_verify, "t_expand_ms": t_expand, "verify_cost": cost}))
+        tmp.replace(path)
+        old = sorted(path.parent.glob("*.json"), key=lambda f: f.stat().st_mtime_ns, reverse=True)
+        for f in old[MAX_PROFILES:]:
+            f.unlink(missing_ok=True)
+    except OSError:
+        pass  # a read-only cache: the next start measures again
