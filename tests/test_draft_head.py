@@ -22,6 +22,7 @@ from swiftspec.engine.draft_head import (
 from swiftspec.engine.loader import load_model
 from swiftspec.engine.loop import generate
 from swiftspec.engine.model_dir import resolve_draft
+from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.tree_cache import causal_mask
 
 PROMPTS = [[5, 17, 300, 42, 8, 99], [1, 200, 201, 202, 203, 200, 201]]
@@ -123,16 +124,22 @@ def test_the_head_receives_the_targets_features(target, mode):
     assert torch.allclose(drafter.features[:n], hidden, atol=1e-4, rtol=1e-4)
 
 
-def test_a_head_that_echoes_the_feature_gets_accepted(target):
-    """A head built by hand to output its input feature (fc passes the feature, the layer is zero) proposes,
-    at every depth, the target's own prediction from the position before the root: right wherever the
-    target repeats a token (504 504, 77 77 77 in this answer). Such drafts are accepted only if the target's
-    features really reach the head (with zero features it proposes nothing useful)."""
+def echo_head(target) -> DraftHead:
+    """A head built by hand to output its input feature (fc passes the feature, the layer is zero): it
+    proposes, at every depth, the target's own prediction from the position before the root."""
     head = random_head(target, final_norm=False)
     with torch.no_grad():
         for p in head.parameters():
             p.zero_()
         head.fc.weight[:, target.args.dim:] = torch.eye(target.args.dim)
+    return head
+
+
+def test_a_head_that_echoes_the_feature_gets_accepted(target):
+    """The echo head is right wherever the target repeats a token (504 504, 77 77 77 in this answer). Its
+    drafts are accepted only if the target's features really reach the head (with zero features it
+    proposes nothing useful)."""
+    head = echo_head(target)
     t = TargetState(target, 512)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     ar = [tok for s in generate(t, None, [77] * 4, replace(params, mode="ar")) for tok in s.tokens]
@@ -141,6 +148,37 @@ def test_a_head_that_echoes_the_feature_gets_accepted(target):
     steps = generate(t, _drafter(target, head), [77] * 4, replace(params, mode="sync"), 2)
     assert [tok for s in steps for tok in s.tokens] == ar
     assert sum(s.accepted for s in steps) >= repeats
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sampling_with_a_head_is_lossless(target, target_dir, mode):
+    """Sampling through the shipped loops with the echo head drafting: the first two tokens (the
+    prefill's draw, then the first verification's) follow p(t1) p(t2 | t1) of the processed target
+    distribution (chi-square over every seed's answer), while the head's drafts are really accepted."""
+    from test_verify import chi_square_p
+
+    params = SamplingParams(mode=mode, temperature=1.0, top_k=3, max_new_tokens=2, ignore_eos=True)
+    prompt = [77] * 4
+    fresh = load_model(target_dir, max_slots=16)  # the exact law, from a model no loop has touched
+    sampler = Sampler(params)
+
+    def law(context: list[int]) -> torch.Tensor:
+        pos = torch.arange(len(context))
+        return sampler.probs(fresh(torch.tensor(context), pos, pos, causal_mask(0, len(context)))[-1])
+
+    p1 = law(prompt)
+    cells = [(a, b) for a in p1.nonzero().flatten().tolist() for b in law(prompt + [a]).nonzero().flatten().tolist()]
+    expected = torch.tensor([float(p1[a] * law(prompt + [a])[b]) for a, b in cells])
+    t, state = TargetState(target, 512), _drafter(target, echo_head(target), bs=4, w=4)
+    counts, accepted, trials = torch.zeros(len(cells)), 0, 1500
+    for seed in range(trials):
+        steps = generate(t, state, prompt, replace(params, seed=seed), 2)
+        pair = tuple(tok for s in steps for tok in s.tokens)
+        assert pair in cells, pair  # a token outside the top-k support would be a bug, not noise
+        counts[cells.index(pair)] += 1
+        accepted += sum(s.accepted for s in steps)
+    assert chi_square_p(counts, expected) > 1e-3
+    assert accepted > 0.2 * trials
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

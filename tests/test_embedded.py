@@ -10,7 +10,7 @@ from swiftspec.engine.client import encode_chat
 from swiftspec.engine.decode import TargetState
 from swiftspec.engine.loader import load_model
 from swiftspec.engine.loop import generate
-from swiftspec.engine.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir
+from swiftspec.engine.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir, tokenizer_eos_id
 
 CHATS = [
     "What is the capital of France? Answer in one sentence.",
@@ -96,6 +96,11 @@ def test_conversion_keeps_the_blocks_and_loads_bit_for_bit(embedded_dir, hf_from
     hf = load_hf_model(embedded_dir).state_dict()
     assert all(torch.equal(hf[k], v) for k, v in reference.items())
     assert embedded.precision_label(embedded_dir, "float32") == "fp32 (from Q4_1 GGUF)"
+
+
+def test_the_eos_read_from_the_files_is_the_tokenizers(embedded_dir, embedded_tokenizer):
+    """The workers load no tokenizer: the EOS id they read from its files is the one it has."""
+    assert tokenizer_eos_id(embedded_dir) == embedded_tokenizer.eos_token_id is not None
 
 
 def test_greedy_equals_transformers_generate(embedded_dir, embedded_tokenizer, hf_from_gguf):
