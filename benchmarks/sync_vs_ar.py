@@ -87,16 +87,16 @@ def main() -> None:
 
     target = TargetState(model, 2048)
     params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
-    cost = None
+    cost = step_ms = None
     if args.cost:
         target.prefill(prompts(tokenizer, 1)[0], Sampler(params))
-        cost = profile_verify_cost(target, args.bs)
+        cost, step_ms = profile_verify_cost(target, args.bs)
         print("verify cost profile:", [round(c, 2) for c in cost], flush=True)
     speed, cpu_speed, accepted, verified, verifications, same = [], [], 0, 0, 0, 0
     for i, prompt in enumerate(prompts(tokenizer, args.prompts, args.set.split(","))):
         runs = {}
         for mode in (("ar", "sync") if i % 2 == 0 else ("sync", "ar")):
-            draft = DraftState(drafter(), TreeParams(bs=args.bs, w=args.w), verify_cost=cost)
+            draft = DraftState(drafter(), TreeParams(bs=args.bs, w=args.w), verify_cost=cost, step_ms=step_ms)
             t0, c0 = time.perf_counter(), time.process_time()
             steps = generate(target, None if mode == "ar" else draft, prompt, replace(params, mode=mode), args.d)
             prefill = steps[0].target_ms / 1e3  # the same work in both modes: left out of the timing

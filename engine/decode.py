@@ -113,12 +113,16 @@ class DraftState:
     When given, subtree() sends only as many of the bs best nodes as maximise the expected tokens per unit
     of target time, taking exp(weight) as a node's chance to be accepted: where a row costs a good part of
     a step (a CPU), a node the draft gives 2 % is not worth verifying. None: always bs (the paper).
+    ``step_ms``, the target's time for one node, puts the draft's own time on the same scale: a sync
+    round pays for its expansions before the verification, so they count in its cost (round_rate).
     """
 
-    def __init__(self, drafter: Drafter, tree_params: TreeParams, verify_cost: list[float] | None = None):
+    def __init__(self, drafter: Drafter, tree_params: TreeParams, verify_cost: list[float] | None = None,
+                 step_ms: float | None = None):
         self.drafter = drafter
         self.params = tree_params.validate()
         self.verify_cost = verify_cost
+        self.step_ms = step_ms
         self.cache: TreeKVCache = drafter.cache
         self.k = self.params.bs - 1  # children per expanded leaf: more could never enter a subtree
         self.committed: list[int] = []  # verified tokens; the first cache.prefix_len have draft KV
@@ -187,23 +191,35 @@ class DraftState:
         self.tree = new_tree
         self.next_slot = self.cache.prefix_len + len(self.pending) + len(survivors)
 
-    def subtree(self) -> tuple[list[int], list[int]]:
+    def subtree(self, drafting: float = 0.0) -> tuple[list[int], list[int]]:
         """The most probable connected subtree of bs nodes containing the root: (tokens, parents), with
-        parents[0] == -1 and parents[i] < i."""
-        nodes = self.tree.subtree(self.params.bs)
-        if self.verify_cost is not None:
-            expected = [1.0]  # tokens a verification of the first n nodes yields, on average
-            for node in nodes[1:]:
-                expected.append(expected[-1] + math.exp(self.tree.weight[node]))
-            nodes = nodes[:1 + max(range(len(nodes)), key=lambda i: expected[i] / self.verify_cost[i])]
+        parents[0] == -1 and parents[i] < i; with a verify cost, cut where the round yields the most
+        tokens per unit of time, ``drafting`` (in one-node steps) being the draft time the round pays."""
+        nodes, _ = self._best(drafting)
         index = {node: i for i, node in enumerate(nodes)}
         return [self.tree.token[i] for i in nodes], [index.get(self.tree.parent[i], -1) for i in nodes]
 
+    def round_rate(self, drafting_ms: float) -> float:
+        """The tokens per one-node step that a round spending ``drafting_ms`` on the draft and then
+        verifying subtree() is expected to yield (needs verify_cost and step_ms)."""
+        return self._best(drafting_ms / self.step_ms)[1]
 
-def profile_verify_cost(target: TargetState, bs: int, reps: int = 2) -> list[float]:
+    def _best(self, drafting: float) -> tuple[list[int], float]:
+        nodes = self.tree.subtree(self.params.bs)
+        if self.verify_cost is None:
+            return nodes, math.nan
+        expected = [1.0]  # tokens a verification of the first n nodes yields, on average
+        for node in nodes[1:]:
+            expected.append(expected[-1] + math.exp(self.tree.weight[node]))
+        rates = [e / (self.verify_cost[i] + drafting) for i, e in enumerate(expected)]
+        n = max(range(len(nodes)), key=rates.__getitem__)
+        return nodes[:n + 1], rates[n]
+
+
+def profile_verify_cost(target: TargetState, bs: int, reps: int = 2) -> tuple[list[float], float]:
     """Target forward time for chains of 1..bs nodes behind the prefix, relative to one node (medians of
-    interleaved runs; not forced monotone, as a GEMM kernel may favour one row count). Nothing is
-    committed: the slots are tree slots."""
+    interleaved runs; not forced monotone, as a GEMM kernel may favour one row count), and the one-node
+    time in ms. Nothing is committed: the slots are tree slots."""
     p0, dev = target.cache.prefix_len, target.device
     if target.room < bs:
         raise ContextFull("no room in the KV cache to profile the verification")
@@ -216,4 +232,4 @@ def profile_verify_cost(target: TargetState, bs: int, reps: int = 2) -> list[flo
                          mask.to(dev))
             times[n].append(time.perf_counter() - t0)
     med = [statistics.median(times[n][1:]) for n in times]
-    return [m / med[0] for m in med]
+    return [m / med[0] for m in med], med[0] * 1e3

@@ -149,7 +149,9 @@ def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finis
 def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) -> None:
     """The draft leader's loop for one answer. async: send the subtree, expand d times while the target
     verifies it, then take the verdict (d is sized to fill a verification, as in the paper); sync: take
-    the verdict, expand d times, send. Either way the tree is topped up to bs nodes. A drafter that reads
+    the verdict, expand d times, send. Either way the tree is topped up to bs nodes. A sync round whose
+    draft knows the target's costs (verify_cost, step_ms) stops expanding at the first expansion that
+    lowered its expected tokens per unit of time, the draft's time counted: a slow draft costs little. A drafter that reads
     the target's features prefills once it has them; others prefill while the target does."""
     wants = ds.drafter.wants_features
     if not wants:
@@ -164,15 +166,21 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
     tell(Op.START, msg.tokens)
     ds.start(msg.tokens[0])
     asynchronous, bs = req.params.mode == "async", ds.params.bs
+    paying = not asynchronous and ds.verify_cost is not None and ds.step_ms
     n_exp, exp_ms = 0, 0.0
     while True:
         todo = 0 if asynchronous else d
+        rate = ds.round_rate(0.0) if paying else None
         while (todo > 0 or ds.size < bs) and ds.can_expand():
             tell(Op.EXPAND)
             exp_ms += ds.expand()
             n_exp, todo = n_exp + 1, todo - 1
+            if rate is not None:  # sync pays for every expansion: stop at the first that did not pay
+                if (new := ds.round_rate(exp_ms)) <= rate:
+                    break
+                rate = new
         tell(Op.DRAFT)
-        toks, parents = ds.subtree()
+        toks, parents = ds.subtree(exp_ms / ds.step_ms if paying else 0.0)
         link.send(Message(Op.SUBTREE, toks, parents, n_exp, round(exp_ms * 1e3)))
         n_exp, exp_ms = 0, 0.0
         verdict = link.post_recv()

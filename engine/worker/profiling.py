@@ -72,6 +72,7 @@ def profile(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> tupl
             _write(path, t_verify, t_expand, cost)
     if ctx.role == "draft" and ctx.args.verify_cost:
         ctx.draft.verify_cost = cost
+        ctx.draft.step_ms = t_verify / cost[-1]  # a one-node share of the verification
     return t_verify, t_expand
 
 
@@ -89,7 +90,7 @@ def _measure(ctx: Ctx, wants: bool) -> tuple[float, float, list[float]]:
             v = ctx.target.verify([root, *dummy[:bs - 1]], list(range(-1, bs - 1)), sampler)
             times.append(time.perf_counter() - t0)
             root = v.path[-1]
-        cost = profile_verify_cost(ctx.target, bs) if ctx.args.verify_cost else [0.0] * bs
+        cost = profile_verify_cost(ctx.target, bs)[0] if ctx.args.verify_cost else [0.0] * bs
         return sorted(times[1:])[1] * 1e3, 0.0, cost
     # a drafter that reads features: any of the target's size will do
     ctx.draft.prefill(dummy, Features(0, torch.zeros(len(dummy), read_args(Path(ctx.args.target)).dim))
