@@ -11,6 +11,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -245,6 +247,27 @@ def test_stop_matcher_holds_back_partial_stops():
     assert m.push("ab") == ("a", True)
     m = StopMatcher([])
     assert m.push("abc") == ("abc", False) and m.flush() == ""
+
+
+def test_the_engine_resolves_the_models_and_plans_the_layout_without_torch(target_dir):
+    """Importing torch costs ~1.5 s of start-up: the Engine's work before it spawns torchrun must not."""
+    code = ("import sys; from swiftspec.engine import client, launcher; from swiftspec.engine.model_dir import "
+            "read_args, resolve_draft, resolve_model_dir; from swiftspec.config import EngineConfig; "
+            f"d = resolve_model_dir({str(target_dir)!r}); resolve_draft('suffix', d); read_args(d); "
+            "c = EngineConfig(target=str(d)).validate(); layout = launcher.plan_layout(c, launcher.visible_gpus('auto')); "
+            "client._target_name(c, layout, d); assert 'torch' not in sys.modules, 'torch was imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_no_gpu_driver_means_no_cuda_devices_without_asking_torch(monkeypatch, tmp_path):
+    monkeypatch.setattr(launcher, "GPU_DRIVER_NODES", (str(tmp_path / "nvidiactl"),))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what torch would say on a 3-GPU machine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert launcher.visible_gpus("auto") == 0 and launcher.visible_gpus("cpu") == 0
+    assert launcher.visible_gpus("cuda") == 3  # asked for: torch decides (and plan_layout words a refusal)
+    (tmp_path / "nvidiactl").touch()
+    assert launcher.visible_gpus("auto") == 3 and launcher.visible_gpus("cpu") == 0
 
 
 def test_choose_d():
