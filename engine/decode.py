@@ -199,6 +199,12 @@ class DraftState:
         index = {node: i for i, node in enumerate(nodes)}
         return [self.tree.token[i] for i in nodes], [index.get(self.tree.parent[i], -1) for i in nodes]
 
+    def verify_ms(self, n: int) -> float | None:
+        """The target's expected time to verify n nodes (None without verify_cost and step_ms)."""
+        if self.verify_cost is None or not self.step_ms:
+            return None
+        return self.step_ms * self.verify_cost[n - 1]
+
     def round_rate(self, drafting_ms: float) -> float:
         """The tokens per one-node step that a round spending ``drafting_ms`` on the draft and then
         verifying subtree() is expected to yield (needs verify_cost and step_ms)."""

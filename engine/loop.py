@@ -148,7 +148,9 @@ def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finis
 
 def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) -> None:
     """The draft leader's loop for one answer. async: send the subtree, expand d times while the target
-    verifies it, then take the verdict (d is sized to fill a verification, as in the paper); sync: take
+    verifies it, then take the verdict (d is sized to fill a verification, as in the paper; a draft that
+    knows the target's costs stops where the next expansion would outlast the verification of the
+    subtree it sent, which the target's cost-aware cut often makes smaller than bs); sync: take
     the verdict, expand d times, send. Either way the tree is topped up to bs nodes. A sync round whose
     draft knows the target's costs (verify_cost, step_ms) stops expanding at the first expansion that
     lowered its expected tokens per unit of time, the draft's time counted: a slow draft costs little. A drafter that reads
@@ -185,11 +187,14 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
         n_exp, exp_ms = 0, 0.0
         verdict = link.post_recv()
         if asynchronous:  # grow the tree for the next round while the target verifies this one
+            window = ds.verify_ms(len(toks))  # past it, the target would wait for an expansion
+            last = 0.0
             for _ in range(d):
-                if not ds.can_expand():
+                if not ds.can_expand() or (window is not None and exp_ms + last > window):
                     break
                 tell(Op.EXPAND)
-                exp_ms += ds.expand()
+                last = ds.expand()
+                exp_ms += last
                 n_exp += 1
         msg = verdict()
         tell(Op.REROOT, msg.tokens)  # after a STOP too: the draft then holds what the target committed

@@ -6,6 +6,7 @@ greedy outputs are compared with target-only decoding run in this process.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ from swiftspec.engine.answer import StopMatcher
 from swiftspec.engine.client import Engine, EngineError, _accept_worker, encode_chat
 from swiftspec.engine.failures import WorkerOutput
 from swiftspec.engine.worker.profiling import choose_d
-from swiftspec.engine.worker.setup import parse_args
+from swiftspec.engine.worker.setup import _cpu_threads, parse_args
 
 PROMPTS = [
     [{"role": "user", "content": "What is 17 times 23?"}],
@@ -268,6 +269,22 @@ def test_no_gpu_driver_means_no_cuda_devices_without_asking_torch(monkeypatch, t
     assert launcher.visible_gpus("cuda") == 3  # asked for: torch decides (and plan_layout words a refusal)
     (tmp_path / "nvidiactl").touch()
     assert launcher.visible_gpus("auto") == 3 and launcher.visible_gpus("cpu") == 0
+
+
+def test_cpu_threads_give_a_draft_head_a_core_of_its_own(monkeypatch, tmp_path):
+    """One target and one draft rank on a node of 4 cores: the suffix drafter leaves every core to the
+    target, a head takes one of its own, a draft model gets an even share."""
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head" / "config.json").write_text(json.dumps({"swiftspec_draft_head": 1}))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for draft, target_threads, draft_threads in (("suffix", 4, 1), (str(tmp_path / "head"), 3, 1),
+                                                 (str(tmp_path), 2, 2)):
+        args = argparse.Namespace(threads=4, draft=draft)
+        got = []
+        for rank in (0, 1):
+            monkeypatch.setenv("LOCAL_RANK", str(rank))
+            got.append(_cpu_threads(args, rank, n_target=1))
+        assert got == [target_threads, draft_threads], draft
 
 
 def test_choose_d():

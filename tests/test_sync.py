@@ -100,6 +100,27 @@ def test_sync_rounds_count_the_drafts_time(tiny):
         assert per_round[1e-4] <= 1 + 1 / len(rounds) < 2 <= per_round[1e6]
 
 
+def test_async_expansions_fit_in_the_verification(tiny):
+    """While the target verifies, an async draft that knows the target's costs expands only as long as
+    the verification of what it sent should take: with a target that verifies in no time (step_ms 1e-4)
+    it expands only to top the tree up to bs, with a slow one (1e6) d times a round. Output: ar's."""
+    target = TargetState(tiny["target"], 512)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    cost = [1.0 + 0.05 * i for i in range(8)]
+    for prompt in PROMPTS:
+        ar, _ = run(target, None, prompt, params)
+        per_round = {}
+        for step_ms in (1e-4, 1e6):
+            draft = DraftState(tiny["self"](), TreeParams(), verify_cost=cost, step_ms=step_ms)
+            expansions = []
+            expand = draft.expand
+            draft.expand = lambda expand=expand, expansions=expansions: expansions.append(1) or expand()
+            out, steps = run(target, draft, prompt, params, "async", d=6)
+            assert out == ar
+            per_round[step_ms] = len(expansions) / len([s for s in steps if s.tree_size])
+        assert per_round[1e-4] < 6 <= per_round[1e6]
+
+
 def test_self_draft_accepts_what_a_perfect_draft_could(tiny):
     """With the target as its own draft, the draft's top child at every node is the target's greedy
     token; a perfect draft would get the whole top-1 chain of each verified subtree accepted."""

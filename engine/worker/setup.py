@@ -116,18 +116,22 @@ def _devices(spec: str | None) -> list[int]:
 
 
 def _cpu_threads(args: argparse.Namespace, rank: int, n_target: int) -> int:
-    """Divides this node's cores between its local ranks. The suffix drafter (light Python) and a draft
-    head (one layer) are light, so with them the draft rank takes one thread and the target ranks share
-    all the cores."""
+    """Divides this node's cores between its local ranks. The suffix drafter (light Python) takes one
+    thread and leaves every core to the target ranks. A draft head (one layer) takes one thread too, on a
+    core of its own: in async it computes while the target verifies, and on a shared core each would slow
+    the other (a small model's one-row step is memory-bound: a second thread barely speeds it up). A
+    draft model gets its share like any rank."""
     total = args.threads or len(os.sched_getaffinity(0))
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     local = range(rank - local_rank, rank - local_rank + local_world)
-    is_target = rank < n_target
-    if args.draft != "suffix" and not is_head_dir(Path(args.draft)):
+    head = is_head_dir(Path(args.draft))
+    if args.draft != "suffix" and not head:
         return max(1, total // local_world)
-    if not is_target:
+    if rank >= n_target:
         return 1
-    return max(1, total // max(1, sum(r < n_target for r in local)))
+    n_local_target = sum(r < n_target for r in local)
+    free = total - (local_world - n_local_target if head else 0)
+    return max(1, free // max(1, n_local_target))
 
 
 def setup(args: argparse.Namespace) -> Ctx:
