@@ -271,20 +271,23 @@ def test_no_gpu_driver_means_no_cuda_devices_without_asking_torch(monkeypatch, t
     assert launcher.visible_gpus("auto") == 3 and launcher.visible_gpus("cpu") == 0
 
 
-def test_cpu_threads_give_a_draft_head_a_core_of_its_own(monkeypatch, tmp_path):
-    """One target and one draft rank on a node of 4 cores: the suffix drafter leaves every core to the
-    target, a head takes one of its own, a draft model gets an even share."""
+def test_cpu_threads_never_oversubscribe_the_cores(monkeypatch, tmp_path):
+    """One target and one draft rank on a node of 4 cores: the suffix drafter and a head take one core of
+    their own, a draft model an even share; without --threads one core stays with the Engine."""
     (tmp_path / "head").mkdir()
     (tmp_path / "head" / "config.json").write_text(json.dumps({"swiftspec_draft_head": 1}))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    for draft, target_threads, draft_threads in (("suffix", 4, 1), (str(tmp_path / "head"), 3, 1),
-                                                 (str(tmp_path), 2, 2)):
-        args = argparse.Namespace(threads=4, draft=draft)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(4)))
+    cases = [  # (--threads, draft, local ranks, threads of each)
+        (4, "suffix", 2, [3, 1]), (4, str(tmp_path / "head"), 2, [3, 1]), (4, str(tmp_path), 2, [2, 2]),
+        (None, "suffix", 2, [2, 1]), (None, str(tmp_path), 2, [1, 1]), (None, "none", 1, [3]),
+    ]
+    for threads, draft, world, want in cases:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
         got = []
-        for rank in (0, 1):
+        for rank in range(world):
             monkeypatch.setenv("LOCAL_RANK", str(rank))
-            got.append(_cpu_threads(args, rank, n_target=1))
-        assert got == [target_threads, draft_threads], draft
+            got.append(_cpu_threads(argparse.Namespace(threads=threads, draft=draft), rank, n_target=1))
+        assert got == want, (threads, draft)
 
 
 def test_choose_d():
