@@ -10,6 +10,7 @@ import atexit
 import dataclasses
 import os
 import sys
+import threading
 from functools import partial
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -125,7 +126,7 @@ DTypeOpt = Annotated[str, _opt(
          "GPU runs use batch-invariant kernels, so every mode stays exact.")]
 ThreadsOpt = Annotated[int | None, _opt(
     "--threads", parser=_whole_number, panel=MODEL, metavar="N",
-    help="CPU threads for all workers together. Default: every core.")]
+    help="CPU threads for all workers together. Default: every core but one, which the chat itself uses.")]
 MaxSeqLenOpt = Annotated[int, _opt(
     "--max-seq-len", parser=_whole_number, panel=MODEL, metavar="N",
     help="KV cache length per conversation (tokens).")]
@@ -687,10 +688,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run() -> NoReturn:
-    """The ``swiftspec`` program: main(), then the atexit handlers (an Engine still open is closed there),
-    flushed output, and an exit that skips the interpreter's teardown of the ~2,000 modules torch and
-    transformers bring (about a second at the end of every command). Nothing is left half-written: the
-    history database commits each write as it happens."""
+    """The ``swiftspec`` program: main(), then what Python's own exit does (wait for non-daemon threads,
+    run the atexit handlers, which close an Engine still open), flushed output, and an exit that skips the
+    interpreter's teardown of the ~2,000 modules torch and transformers bring (about a second at the end
+    of every command). Nothing is left half-written: the history database commits each write."""
     try:
         main()
         code: object = 0
@@ -699,6 +700,9 @@ def run() -> NoReturn:
     if isinstance(code, str):  # sys.exit("message"), as Python itself would report it
         print(code, file=sys.stderr)
         code = 1
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

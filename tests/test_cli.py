@@ -276,6 +276,20 @@ def test_real_engine_jsonl_each_line(tiny_target, tmp_path):
     assert "ready" in result.stderr.decode()
 
 
+@pytest.mark.slow
+def test_real_engine_saved_answer_survives_the_fast_exit(tiny_target, tmp_path, monkeypatch):
+    """The program ends with os._exit (cli.run): what it wrote before, history included, is all there."""
+    result = swiftspec(["--target", tiny_target, "--max-seq-len", "256", "--max-new-tokens", "6", "--save",
+                        "-p", "hi"], b"", tmp_path)
+    assert result.returncode == 0, result.stderr.decode()
+    monkeypatch.setenv("SWIFTSPEC_DATA_DIR", str(tmp_path))
+    store = HistoryStore()
+    (conversation,) = store.list()
+    saved = store.messages(conversation.id)
+    assert [m.role for m in saved] == ["user", "assistant"] and saved[0].content == "hi"
+    assert saved[1].content.strip() == result.stdout.decode().strip()
+
+
 def test_real_bad_target_exit_2(tmp_path):
     """A missing model is found before any worker starts: a usage error naming the path."""
     missing = swiftspec(["--target", str(tmp_path / "nope"), "-p", "hi"], b"", tmp_path)

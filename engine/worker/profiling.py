@@ -72,7 +72,8 @@ def profile(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> tupl
             _write(path, t_verify, t_expand, cost)
     if ctx.role == "draft" and ctx.args.verify_cost:
         ctx.draft.verify_cost = cost
-        ctx.draft.step_ms = t_verify / cost[-1]  # a one-node share of the verification
+        if ctx.args.d is None:  # an explicit d means d expansions a round, whatever they cost
+            ctx.draft.step_ms = t_verify / cost[-1]  # a one-node share of the verification
     return t_verify, t_expand
 
 
