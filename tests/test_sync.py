@@ -75,50 +75,46 @@ def test_cost_aware_subtrees_keep_the_output(tiny):
         assert sync == ar and max(s.tree_size for s in steps) < 8
 
 
-def test_sync_rounds_count_the_drafts_time(tiny):
-    """A sync round that knows the target's step time weighs its expansions against it. Where one
-    expansion costs thousands of steps (step_ms 1e-4), every round stops after its first expansion; where
-    expansions are free (step_ms 1e6), rounds expand while the expected yield grows and verify full
-    subtrees. Either way the output is ar's."""
+def timed_runs(tiny, mode: str):
+    """For each prompt, ar's tokens and, for a target whose one-node step is 1e-4 ms (an expansion then
+    costs thousands of steps) and 1e6 ms (expansions are free): the speculative tokens, the draft
+    expansions per verification round, and the rounds' steps. d = 6, a cost profile, the self draft."""
     target = TargetState(tiny["target"], 512)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     cost = [1.0 + 0.05 * i for i in range(8)]
     for prompt in PROMPTS:
         ar, _ = run(target, None, prompt, params)
-        per_round = {}
+        runs = {}
         for step_ms in (1e-4, 1e6):
             draft = DraftState(tiny["self"](), TreeParams(), verify_cost=cost, step_ms=step_ms)
             expansions = []
             expand = draft.expand
             draft.expand = lambda expand=expand, expansions=expansions: expansions.append(1) or expand()
-            sync, steps = run(target, draft, prompt, params, "sync", d=6)
+            out, steps = run(target, draft, prompt, params, mode, d=6)
             rounds = [s for s in steps if s.tree_size]
-            assert sync == ar
-            per_round[step_ms] = len(expansions) / len(rounds)
-            if step_ms > 1:
-                assert max(s.tree_size for s in rounds) == 8
-        assert per_round[1e-4] <= 1 + 1 / len(rounds) < 2 <= per_round[1e6]
+            runs[step_ms] = (out, len(expansions) / len(rounds), rounds)
+        yield ar, runs
+
+
+def test_sync_rounds_count_the_drafts_time(tiny):
+    """A sync round that knows the target's step time weighs its expansions against it: where one costs
+    thousands of steps, every round stops after its first expansion; where they are free, rounds expand
+    while the expected yield grows and verify full subtrees. Either way the output is ar's."""
+    for ar, runs in timed_runs(tiny, "sync"):
+        (slow, slow_rate, rounds), (free, free_rate, free_rounds) = runs[1e-4], runs[1e6]
+        assert slow == free == ar
+        assert slow_rate <= 1 + 1 / len(rounds) < 2 <= free_rate
+        assert max(s.tree_size for s in free_rounds) == 8
 
 
 def test_async_expansions_fit_in_the_verification(tiny):
     """While the target verifies, an async draft that knows the target's costs expands only as long as
-    the verification of what it sent should take: with a target that verifies in no time (step_ms 1e-4)
-    it expands only to top the tree up to bs, with a slow one (1e6) d times a round. Output: ar's."""
-    target = TargetState(tiny["target"], 512)
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    cost = [1.0 + 0.05 * i for i in range(8)]
-    for prompt in PROMPTS:
-        ar, _ = run(target, None, prompt, params)
-        per_round = {}
-        for step_ms in (1e-4, 1e6):
-            draft = DraftState(tiny["self"](), TreeParams(), verify_cost=cost, step_ms=step_ms)
-            expansions = []
-            expand = draft.expand
-            draft.expand = lambda expand=expand, expansions=expansions: expansions.append(1) or expand()
-            out, steps = run(target, draft, prompt, params, "async", d=6)
-            assert out == ar
-            per_round[step_ms] = len(expansions) / len([s for s in steps if s.tree_size])
-        assert per_round[1e-4] < 6 <= per_round[1e6]
+    the verification of what it sent should take: with a target that verifies in no time it expands only
+    to top the tree up to bs, with a slow one d times a round. Output: ar's."""
+    for ar, runs in timed_runs(tiny, "async"):
+        (fast, fast_rate, _), (slow, slow_rate, _) = runs[1e-4], runs[1e6]
+        assert fast == slow == ar
+        assert fast_rate < 6 <= slow_rate
 
 
 def test_self_draft_accepts_what_a_perfect_draft_could(tiny):
