@@ -90,7 +90,7 @@ def main() -> None:
     cost = step_ms = None
     if args.cost:
         target.prefill(prompts(tokenizer, 1)[0], Sampler(params))
-        cost, step_ms = profile_verify_cost(target, args.bs)
+        cost, step_ms = profile_verify_cost(target, args.bs), ratios["wall", 0]
         print("verify cost profile:", [round(c, 2) for c in cost], flush=True)
     speed, cpu_speed, accepted, verified, verifications, same = [], [], 0, 0, 0, 0
     for i, prompt in enumerate(prompts(tokenizer, args.prompts, args.set.split(","))):

@@ -21,6 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from swiftspec.config import BUILTIN_DRAFTS, EngineConfig, SamplingParams, StepEvent
@@ -134,7 +135,9 @@ class Engine:
             launcher.remove_run_dir(run_dir)
             raise
         if tokenizer is None:  # its imports (~2 s) run while the workers start, not before
-            tokenizer = _Background(lambda: load_tokenizer(target_dir, config.trust_remote_code))
+            pool = ThreadPoolExecutor(1, "engine-tokenizer", initializer=_lowest_priority)
+            tokenizer = pool.submit(load_tokenizer, target_dir, config.trust_remote_code)
+            pool.shutdown(wait=False)
         tail = WorkerOutput(proc.stdout, worker_log_path(), layout.n_target)
         pgids = {proc.pid}
         conn = None
@@ -142,7 +145,7 @@ class Engine:
             deadline = time.monotonic() + config.startup_timeout_s
             conn = _accept_worker(listener, key, proc, tail, deadline)
             info = _wait_ready(conn, proc, tail, deadline, pgids, say)
-            if isinstance(tokenizer, _Background):
+            if isinstance(tokenizer, Future):
                 tokenizer = tokenizer.result()
         except BaseException as e:
             launcher.kill_groups(pgids)
@@ -351,32 +354,12 @@ def _is_head_dir(path: Path) -> bool:
     return is_head_dir(path)
 
 
-class _Background:
-    """A call run in a thread of its own at the lowest CPU priority (Linux threads have their own nice
-    value), so that on a machine with few cores the workers' start comes first; ``result()`` waits for it
-    and returns or raises what it did."""
-
-    def __init__(self, call: Callable[[], object]):
-        self._out: list = []
-        self._thread = threading.Thread(target=self._run, args=(call,), daemon=True, name="engine-background")
-        self._thread.start()
-
-    def _run(self, call: Callable[[], object]) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
-        try:
-            self._out.append((True, call()))
-        except BaseException as e:
-            self._out.append((False, e))
-
-    def result(self):
-        self._thread.join()
-        ok, value = self._out[0]
-        if not ok:
-            raise value
-        return value
+def _lowest_priority() -> None:
+    """Linux threads have their own nice value: a thread at 19 leaves the cores to the workers' start."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 MAX_PENDING_HANDSHAKES = 32  # connections still proving themselves; more are closed at once

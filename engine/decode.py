@@ -222,10 +222,10 @@ class DraftState:
         return nodes[:n + 1], rates[n]
 
 
-def profile_verify_cost(target: TargetState, bs: int, reps: int = 2) -> tuple[list[float], float]:
+def profile_verify_cost(target: TargetState, bs: int, reps: int = 2) -> list[float]:
     """Target forward time for chains of 1..bs nodes behind the prefix, relative to one node (medians of
-    interleaved runs; not forced monotone, as a GEMM kernel may favour one row count), and the one-node
-    time in ms. Nothing is committed: the slots are tree slots."""
+    interleaved runs; not forced monotone, as a GEMM kernel may favour one row count). Nothing is
+    committed: the slots are tree slots."""
     p0, dev = target.cache.prefix_len, target.device
     if target.room < bs:
         raise ContextFull("no room in the KV cache to profile the verification")
@@ -238,4 +238,4 @@ def profile_verify_cost(target: TargetState, bs: int, reps: int = 2) -> tuple[li
                          mask.to(dev))
             times[n].append(time.perf_counter() - t0)
     med = [statistics.median(times[n][1:]) for n in times]
-    return [m / med[0] for m in med], med[0] * 1e3
+    return [m / med[0] for m in med]

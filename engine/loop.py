@@ -148,13 +148,14 @@ def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finis
 
 def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) -> None:
     """The draft leader's loop for one answer. async: send the subtree, expand d times while the target
-    verifies it, then take the verdict (d is sized to fill a verification, as in the paper; a draft that
-    knows the target's costs stops where the next expansion would outlast the verification of the
-    subtree it sent, which the target's cost-aware cut often makes smaller than bs); sync: take
-    the verdict, expand d times, send. Either way the tree is topped up to bs nodes. A sync round whose
-    draft knows the target's costs (verify_cost, step_ms) stops expanding at the first expansion that
-    lowered its expected tokens per unit of time, the draft's time counted: a slow draft costs little. A drafter that reads
-    the target's features prefills once it has them; others prefill while the target does."""
+    verifies it, then take the verdict (d is sized to fill a verification, as in the paper); sync: take
+    the verdict, expand d times, send. Either way the tree is topped up to bs nodes.
+
+    A draft that knows the target's costs (verify_cost, step_ms) spends its time where it pays: an async
+    draft stops where its next expansion would outlast the verification of the subtree it sent (which
+    the cost-aware cut often makes smaller than bs), a sync round stops at the first expansion that
+    lowered its expected tokens per unit of time, the draft's time counted. A drafter that reads the
+    target's features prefills once it has them; others prefill while the target does."""
     wants = ds.drafter.wants_features
     if not wants:
         ds.prefill(req.prompt)

@@ -53,9 +53,9 @@ def resolve_draft(spec: str, target_dir: Path, progress: Callable[[str], None] |
 
     if spec in BUILTIN_DRAFTS:
         return spec
-    path = Path(spec).expanduser()
-    from swiftspec.engine.draft_head import is_head_dir, load_head
+    from swiftspec.engine.draft_head import is_head_dir, load_head  # torch: only for a draft path
 
+    path = Path(spec).expanduser()
     if path.is_dir() and is_head_dir(path):
         load_head(path, read_args(target_dir), "meta")
         return str(path)

@@ -1,6 +1,7 @@
 """``swiftspec cache list|clear``: what the cache holds (GGUF files converted to Hugging Face directories,
-the step times profiled at start-up, the workers' logs of failed sessions) and its size, so that gigabytes of converted weights can be found
-and removed. A removed conversion is redone, once, the next time its GGUF is used."""
+the step times profiled at start-up, the workers' logs of failed sessions) and its size, so that
+gigabytes of converted weights can be found and removed. A removed conversion is redone, once, the next
+time its GGUF is used; removed profiles are measured again at the next start."""
 
 from __future__ import annotations
 

@@ -517,8 +517,8 @@ def train_draft(
     typer.echo(f"swiftspec: the head is in {out}; use it with --draft {out}", err=True)
 
 
-cache_app = typer.Typer(help="What the cache holds (converted GGUF models, logs of failed workers) and "
-                        "its size; clear it to free the space.", no_args_is_help=True)
+cache_app = typer.Typer(help="What the cache holds (converted GGUF models, profiled step times, logs of "
+                        "failed workers) and its size; clear it to free the space.", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
 

@@ -138,12 +138,12 @@ class EngineConfig:
     # phrasing). Off for benchmarks, where the same prompt runs once per mode.
     draft_history: bool = True
     # Verify only as many of the bs best nodes as are worth their profiled target cost (DraftState.
-    # verify_cost): where extra rows cost a good part of a step (a CPU: 2 to 8 rows cost ~2.5 steps on
+    # verify_cost): where extra rows cost a good part of a step (a CPU: 2 to 8 rows cost 1.7 to 3 steps on
     # this project's 2-core machine) a weak draft then degrades to ~one row per round instead of being
     # slower than ar (benchmarks/sync_vs_ar.py --cost: suffix sync 0.76x -> 0.97x of ar on fresh questions).
     verify_cost: bool = True
     startup_timeout_s: float = 600.0
-    threads: int | None = None  # CPU threads in all; None = every core
+    threads: int | None = None  # CPU threads in all; None = every core but one on the Engine's node
 
     def validate(self) -> EngineConfig:
         self.tree.validate()

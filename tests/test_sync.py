@@ -65,8 +65,8 @@ def test_speculation_greedy_equals_ar_tiny(tiny, draft, bs, w, d, mode):
 def test_cost_aware_subtrees_keep_the_output(tiny):
     target = TargetState(tiny["target"], 512)
     target.prefill(PROMPTS[0], Sampler(SamplingParams()))
-    cost, step_ms = profile_verify_cost(target, 8)
-    assert len(cost) == 8 and min(cost) > 0 and step_ms > 0
+    cost = profile_verify_cost(target, 8)
+    assert len(cost) == 8 and min(cost) > 0
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for prompt in PROMPTS:
         ar, _ = run(target, None, prompt, params)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from swiftspec.config import SamplingParams
+from swiftspec.config import BUILTIN_DRAFTS, SamplingParams
 from swiftspec.embedded import cache_dir
 from swiftspec.engine.decode import profile_verify_cost
 from swiftspec.engine.drafters import Features
@@ -91,7 +91,7 @@ def _measure(ctx: Ctx, wants: bool) -> tuple[float, float, list[float]]:
             v = ctx.target.verify([root, *dummy[:bs - 1]], list(range(-1, bs - 1)), sampler)
             times.append(time.perf_counter() - t0)
             root = v.path[-1]
-        cost = profile_verify_cost(ctx.target, bs)[0] if ctx.args.verify_cost else [0.0] * bs
+        cost = profile_verify_cost(ctx.target, bs) if ctx.args.verify_cost else [0.0] * bs
         return sorted(times[1:])[1] * 1e3, 0.0, cost
     # a drafter that reads features: any of the target's size will do
     ctx.draft.prefill(dummy, Features(0, torch.zeros(len(dummy), read_args(Path(ctx.args.target)).dim))
@@ -112,8 +112,7 @@ def profile_path(ctx: Ctx, ranks: list[RankInfo]) -> Path | None:
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if torch.cuda.is_available() else [],
         "ranks": [[r.role, r.device, r.threads, r.host] for r in ranks],
-        "target": _files(args.target), "draft": args.draft if args.draft in ("suffix", "int8", "none")
-        else _files(args.draft),
+        "target": _files(args.target), "draft": args.draft if args.draft in BUILTIN_DRAFTS else _files(args.draft),
         "settings": [args.dtype, args.batch_invariant, args.bs, args.w, args.verify_cost, args.draft_history],
     }
     if key["target"] is None or key["draft"] is None:
