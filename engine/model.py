@@ -105,6 +105,19 @@ class InvariantLinear(nn.Module):
         return triton_kernels.linear(x, self.weight, self.bias)
 
 
+class FP16WeightLinear(nn.Module):
+    """A CPU linear with fp16 weights in FBGEMM's packed layout, multiplied in fp32 (inputs and outputs
+    fp32): the loader's float16 on the CPU (engine/loader.py, fp16_cpu_weights)."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(lin.weight.detach().float(),
+                                                              None if lin.bias is None else lin.bias.detach().float())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, n_heads: int, n_kv_heads: int, inter: int):
         super().__init__()
@@ -165,6 +178,13 @@ class Transformer(nn.Module):
         for mod in self.modules():
             if isinstance(mod, nn.Linear):
                 mod.weight = nn.Parameter(mod.weight.detach().t().contiguous().t(), requires_grad=False)
+
+    def pack_fp16_cpu_weights(self) -> None:
+        """Every linear (the lm_head too, a copy of its own when tied) becomes an FP16WeightLinear."""
+        for mod in list(self.modules()):
+            for name, child in list(mod.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(mod, name, FP16WeightLinear(child))
 
     def make_batch_invariant(self) -> None:
         """Every row's result stops depending on how many rows share the forward and where they sit: a

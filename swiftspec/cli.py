@@ -122,8 +122,9 @@ DeviceOpt = Annotated[str, _opt(
 DTypeOpt = Annotated[str, _opt(
     "--dtype", panel=MODEL, metavar="DTYPE",
     autocompletion=_complete("auto", "float32", "bfloat16", "float16"),
-    help="auto, float32, bfloat16 or float16: the weights' dtype; auto is fp32 on CPU, bf16 on CUDA. 16-bit and "
-         "GPU runs use batch-invariant kernels, so every mode stays exact.")]
+    help="auto, float32, bfloat16 or float16: the weights' dtype; auto is fp32 on CPU, bf16 on CUDA. On the CPU "
+         "float16 means fp16 weights with fp32 math (faster; not batch-invariant, like fp32). bf16 and GPU runs "
+         "use batch-invariant kernels, so every mode stays exact.")]
 ThreadsOpt = Annotated[int | None, _opt(
     "--threads", parser=_whole_number, panel=MODEL, metavar="N",
     help="CPU threads for all workers together. Default: every core but one, which the chat itself uses.")]

@@ -129,7 +129,8 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # auto | on | off: the target's rows independent of the forward's size, so that speculation is exact
-    # in 16-bit (engine/model.py, Transformer.make_batch_invariant); auto = on except for fp32 on the CPU.
+    # in 16-bit (engine/model.py, Transformer.make_batch_invariant); auto = on except on the CPU in fp32 or
+    # float16 (fp16 weights, fp32 math).
     batch_invariant: str = "auto"
     max_seq_len: int = 4096
     tree: TreeParams = field(default_factory=TreeParams)

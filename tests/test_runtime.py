@@ -473,9 +473,11 @@ def test_every_mode_equals_target_greedy(engine, references):
 
 
 @pytest.mark.slow
-def test_bf16_on_the_cpu_every_mode_equals_ar(target_dir):
-    """bf16 off CUDA takes the batch-invariant one-row forwards: sync and async give ar's tokens."""
-    with start(target_dir, "self", dtype="bfloat16") as eng:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_on_the_cpu_every_mode_equals_ar(target_dir, dtype):
+    """bf16 off CUDA takes the batch-invariant one-row forwards; float16 on the CPU (fp16 weights, fp32
+    math) forwards whole trees, as fp32 does: sync and async give ar's tokens either way."""
+    with start(target_dir, "self", dtype=dtype) as eng:
         for messages in PROMPTS:
             ar, _, _ = answer(eng, messages, mode="ar", max_new_tokens=N_TOKENS, ignore_eos=True)
             for mode in ("async", "sync"):
