@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from swiftspec import kernels
 from swiftspec.engine.drafters import Expansion
-from swiftspec.engine.model import Attention, FeedForward, RMSNorm, rope_inv_freq
+from swiftspec.engine.model import Attention, FeedForward, FP16WeightLinear, RMSNorm, rope_inv_freq
 from swiftspec.engine.model_args import ModelArgs, ModelConfigError
 from swiftspec.engine.tree_cache import PREFILL_CHUNK, TreeKVCache, causal_mask
 
@@ -99,6 +99,7 @@ class DraftHead(nn.Module):
         self.d2t = None if d2t is None else d2t.long()
         self.embed_weight: Tensor | None = None  # the target's, [vocab, dim]
         self.lm_head_weight: Tensor | None = None  # the target's rows of the draft vocabulary, [draft_vocab, dim]
+        self.lm_head: nn.Module | None = None  # those rows packed (pack_fp16_cpu_weights)
         self.inv_freq: Tensor | None = None
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
@@ -124,7 +125,7 @@ class DraftHead(nn.Module):
             self.d2t = self.d2t.to(out.device)
 
     def setup_cache(self, max_slots: int) -> None:
-        p = self.fc.weight
+        p = self.ffn_norm.weight  # (the linears' weights may be packed)
         self.inv_freq_for(p.device)
         shape = (1, self.args.n_kv_heads, max_slots, self.args.head_dim)
         self.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
@@ -132,7 +133,7 @@ class DraftHead(nn.Module):
         self.slot_features = torch.zeros(max_slots, self.args.dim, dtype=p.dtype, device=p.device)
 
     def fuse(self, tokens: Tensor, features: Tensor) -> Tensor:
-        return self.fc(torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
+        return self.fc(torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.ffn_norm.weight.dtype)], -1))
 
     def finish(self, h: Tensor) -> Tensor:
         """The MLP half of the layer after the attention's residual h, then the final norm: the predicted
@@ -142,7 +143,20 @@ class DraftHead(nn.Module):
 
     def logits(self, features: Tensor) -> Tensor:
         """Logits over the draft vocabulary (fp32)."""
+        if self.lm_head is not None:
+            return self.lm_head(features)
         return F.linear(features, self.lm_head_weight).float()
+
+    def pack_fp16_cpu_weights(self) -> None:
+        """Drafting on the CPU: the linears and the lm_head rows as FBGEMM fp16-weight linears (fp32 math).
+        An expansion of w = 4 leaves on SmolLM2's head spends ~3 of its ~4.7 ms in fp32 GEMMs of a few
+        rows, which is where FBGEMM's are cheap; a draft's rounding never reaches the output. Inference
+        only: training keeps the fp32 weights."""
+        for mod in [self, self.attention, self.feed_forward]:
+            for name, child in list(mod.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(mod, name, FP16WeightLinear(child.weight, child.bias))
+        self.lm_head = FP16WeightLinear(self.lm_head_weight)
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, features: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
@@ -153,7 +167,7 @@ class DraftHead(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         rope = partial(kernels.rope_rotate_half, cos=emb.cos(), sin=emb.sin())
         attn = self.attention
-        attn_mask = kernels.prepare_mask(mask, attn.n_heads // attn.n_kv_heads, self.fc.weight.dtype)
+        attn_mask = kernels.prepare_mask(mask, attn.n_heads // attn.n_kv_heads, self.ffn_norm.weight.dtype)
         x = self.fuse(tokens, features)
         h = x + attn(x, rope, slots, attn_mask, self.k_cache[0], self.v_cache[0])
         out = self.finish(h)
@@ -362,7 +376,7 @@ class HeadDrafter:
         self.head = head
         head.setup_cache(max_slots)
         self.cache = TreeKVCache(head)
-        p = head.fc.weight
+        p = head.ffn_norm.weight
         self.features = torch.zeros(max_slots, head.args.dim, dtype=p.dtype, device=p.device)
         self.n_committed = 0  # committed positions whose target feature is in ``features``
 
@@ -384,7 +398,7 @@ class HeadDrafter:
         self._store(features.start, features.hidden)
         self.n_committed = len(tokens)
         new = list(range(reuse, len(tokens)))
-        dev = self.head.fc.weight.device
+        dev = self.head.ffn_norm.weight.device
         for s in range(0, len(new), PREFILL_CHUNK):
             pos = new[s:s + PREFILL_CHUNK]
             pos_t = torch.tensor(pos, device=dev)
@@ -408,7 +422,7 @@ class HeadDrafter:
                 feats.append(self._prev_features([base]))
             else:
                 feats.append(self.head.slot_features[tree.slot[parent]][None])
-        dev = self.head.fc.weight.device
+        dev = self.head.ffn_norm.weight.device
         out = self.head(tokens.to(dev), torch.cat(feats), positions.to(dev), slots.to(dev), mask.to(dev))
         logp = self.head.logits(out[n_p:]).log_softmax(-1)
         top = logp.topk(min(k, logp.shape[-1]), dim=-1)

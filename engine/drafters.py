@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from swiftspec.engine.loader import load_target_io
+from swiftspec.engine.model import fbgemm_available
 from swiftspec.engine.model_dir import load_tokenizer, read_args
 from swiftspec.engine.tree import TokenTree
 from swiftspec.engine.tree_cache import TreeKVCache, prefill_forward
@@ -211,6 +212,8 @@ def make_drafter(kind: str, target_dir: Path, trust_remote_code: bool, history: 
     if is_head_dir(Path(kind)):
         head = load_head(Path(kind), read_args(target_dir), device, dtype)
         head.attach_target(*load_target_io(target_dir, device, dtype))
+        if torch.device(device).type == "cpu" and dtype == torch.float32 and fbgemm_available():
+            head.pack_fp16_cpu_weights()
         return HeadDrafter(head, max_slots)
     vocab = check_vocab_compatible(load_tokenizer(target_dir, trust_remote_code),
                                    load_tokenizer(Path(kind), trust_remote_code))

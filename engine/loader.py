@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from swiftspec.embedded import GGUF_METADATA
-from swiftspec.engine.model import Transformer
+from swiftspec.engine.model import Transformer, fbgemm_available
 from swiftspec.engine.model_args import ModelArgs
 from swiftspec.engine.model_dir import LoadError, default_dtype_name, read_args, weight_files
 
@@ -184,7 +184,7 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str =
             raise LoadError("the int8 draft is a CPU (fp32) feature; on GPUs pass a draft model path")
         quantize_int8(model)
     elif fp16_cpu_weights(device, default_dtype_name(False, dtype)):
-        if "fbgemm" not in torch.backends.quantized.supported_engines:
+        if not fbgemm_available():
             raise LoadError("float16 on the CPU needs FBGEMM (x86 with AVX2), which this torch build lacks; "
                             "use --dtype float32")
         model.pack_fp16_cpu_weights()

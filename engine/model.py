@@ -105,14 +105,19 @@ class InvariantLinear(nn.Module):
         return triton_kernels.linear(x, self.weight, self.bias)
 
 
+def fbgemm_available() -> bool:
+    """Whether this torch has FBGEMM (x86 builds), whose kernels FP16WeightLinear calls."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
 class FP16WeightLinear(nn.Module):
     """A CPU linear with fp16 weights in FBGEMM's packed layout, multiplied in fp32 (inputs and outputs
     fp32): the loader's float16 on the CPU (engine/loader.py, fp16_cpu_weights)."""
 
-    def __init__(self, lin: nn.Linear):
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
         super().__init__()
-        self.packed = torch.ops.quantized.linear_prepack_fp16(lin.weight.detach().float(),
-                                                              None if lin.bias is None else lin.bias.detach().float())
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(),
+                                                              None if bias is None else bias.detach().float())
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
@@ -184,7 +189,7 @@ class Transformer(nn.Module):
         for mod in list(self.modules()):
             for name, child in list(mod.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(mod, name, FP16WeightLinear(child))
+                    setattr(mod, name, FP16WeightLinear(child.weight, child.bias))
 
     def make_batch_invariant(self) -> None:
         """Every row's result stops depending on how many rows share the forward and where they sit: a

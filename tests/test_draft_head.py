@@ -19,7 +19,9 @@ from swiftspec.engine.draft_head import (
     load_head,
     save_head,
 )
+from swiftspec.engine.drafters import make_drafter
 from swiftspec.engine.loader import load_model
+from swiftspec.engine.model import FP16WeightLinear
 from swiftspec.engine.loop import generate
 from swiftspec.engine.model_dir import resolve_draft
 from swiftspec.engine.sampling import Sampler
@@ -195,6 +197,27 @@ def test_our_format_round_trips(target, target_dir, tmp_path):
         assert torch.equal(a, b), k
     assert loaded.lm_head_weight.shape[0] == 5
     assert resolve_draft(str(tmp_path / "head"), target_dir) == str(tmp_path / "head")
+
+
+def test_the_cpu_drafter_packs_the_head_in_fp16(target, target_dir, tmp_path):
+    """make_drafter on the CPU: the head's linears and lm_head rows become FBGEMM fp16-weight linears, and
+    its features and logits stay those of the fp32 head to fp16 rounding."""
+    head = random_head(target, d2t=torch.arange(0, 320, 3))
+    save_head(head, tmp_path / "head")
+    drafter = make_drafter(str(tmp_path / "head"), target_dir, False, False, load=None)
+    packed = drafter.head
+    assert isinstance(packed.lm_head, FP16WeightLinear) and isinstance(packed.feed_forward.w13, FP16WeightLinear)
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    n = 12
+    tokens, pos = torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(0)), torch.arange(n)
+    feats = torch.randn(n, target.args.dim, generator=torch.Generator().manual_seed(1))
+    outs = []
+    for h in (head, packed):
+        h.setup_cache(64)
+        outs.append(h(tokens, feats, pos, pos, causal_mask(0, n)))
+    torch.testing.assert_close(outs[1], outs[0], atol=5e-3, rtol=5e-3)
+    torch.testing.assert_close(packed.logits(outs[0]), head.logits(outs[0]), atol=5e-3, rtol=5e-3)
+    assert not torch.equal(packed.logits(outs[0]), head.logits(outs[0]))  # it is the fp16 path
 
 
 def _eagle_checkpoint(head: DraftHead, out, dim_override=None, fmt="safetensors"):
