@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from swiftspec import kernels
 from swiftspec.engine.drafters import Expansion
-from swiftspec.engine.model import Attention, FeedForward, FP16WeightLinear, RMSNorm, rope_inv_freq
+from swiftspec.engine.model import Attention, FeedForward, FP16WeightLinear, RMSNorm, pack_fp16_linears, rope_inv_freq
 from swiftspec.engine.model_args import ModelArgs, ModelConfigError
 from swiftspec.engine.tree_cache import PREFILL_CHUNK, TreeKVCache, causal_mask
 
@@ -152,10 +152,7 @@ class DraftHead(nn.Module):
         An expansion of w = 4 leaves on SmolLM2's head spends ~3 of its ~4.7 ms in fp32 GEMMs of a few
         rows, which is where FBGEMM's are cheap; a draft's rounding never reaches the output. Inference
         only: training keeps the fp32 weights."""
-        for mod in [self, self.attention, self.feed_forward]:
-            for name, child in list(mod.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(mod, name, FP16WeightLinear(child.weight, child.bias))
+        pack_fp16_linears(self)
         self.lm_head = FP16WeightLinear(self.lm_head_weight)
 
     @torch.inference_mode()

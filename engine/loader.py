@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from swiftspec.embedded import GGUF_METADATA
-from swiftspec.engine.model import Transformer, fbgemm_available
+from swiftspec.engine.model import Transformer, fbgemm_available, pack_fp16_linears
 from swiftspec.engine.model_args import ModelArgs
 from swiftspec.engine.model_dir import LoadError, default_dtype_name, read_args, weight_files
 
@@ -187,7 +187,7 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str =
         if not fbgemm_available():
             raise LoadError("float16 on the CPU needs FBGEMM (x86 with AVX2), which this torch build lacks; "
                             "use --dtype float32")
-        model.pack_fp16_cpu_weights()
+        pack_fp16_linears(model)  # the lm_head too (a copy of its own when tied)
     elif device.type == "cpu":
         model.transpose_cpu_weights()
     if batch_invariant_default(device, torch_dtype) if batch_invariant is None else batch_invariant:

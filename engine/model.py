@@ -112,7 +112,8 @@ def fbgemm_available() -> bool:
 
 class FP16WeightLinear(nn.Module):
     """A CPU linear with fp16 weights in FBGEMM's packed layout, multiplied in fp32 (inputs and outputs
-    fp32): the loader's float16 on the CPU (engine/loader.py, fp16_cpu_weights)."""
+    fp32): the target's float16 on the CPU (engine/loader.py, fp16_cpu_weights), a draft head's CPU
+    linears, and train-draft's data generation."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
         super().__init__()
@@ -121,6 +122,14 @@ class FP16WeightLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+
+def pack_fp16_linears(module: nn.Module) -> None:
+    """Replaces every nn.Linear inside ``module`` by an FP16WeightLinear of its weights."""
+    for mod in list(module.modules()):
+        for name, child in list(mod.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(mod, name, FP16WeightLinear(child.weight, child.bias))
 
 
 class TransformerBlock(nn.Module):
@@ -183,13 +192,6 @@ class Transformer(nn.Module):
         for mod in self.modules():
             if isinstance(mod, nn.Linear):
                 mod.weight = nn.Parameter(mod.weight.detach().t().contiguous().t(), requires_grad=False)
-
-    def pack_fp16_cpu_weights(self) -> None:
-        """Every linear (the lm_head too, a copy of its own when tied) becomes an FP16WeightLinear."""
-        for mod in list(self.modules()):
-            for name, child in list(mod.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(mod, name, FP16WeightLinear(child.weight, child.bias))
 
     def make_batch_invariant(self) -> None:
         """Every row's result stops depending on how many rows share the forward and where they sit: a
