@@ -600,7 +600,8 @@ def report_config(config: EngineConfig, info: EngineInfo | None, modes: list[str
 
 def hf_device(config: EngineConfig) -> tuple[str, str]:
     """Where the hf baselines run, and in which dtype: where and how the Engine's target runs (fp32 on
-    CPU, bf16 on CUDA unless --dtype says otherwise)."""
+    CPU, bf16 on CUDA unless --dtype says otherwise). A CPU float16 target (fp16 weights, fp32 math) is
+    compared with transformers in fp32: the same math on weights that were not rounded."""
     import torch
 
     from swiftspec.engine.loader import default_dtype
