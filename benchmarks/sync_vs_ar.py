@@ -6,7 +6,7 @@ Times are given twice: wall clock, and this process's CPU time (with one torch t
 one core at a time), which is what to read when other processes share the cores.
 
     .venv/bin/python benchmarks/sync_vs_ar.py [--threads 1] [--prompts 12] [--tokens 128] [--cost]
-        [--draft suffix|HEAD_DIR] [--set fresh] [--w 8]
+        [--draft suffix|HEAD_DIR] [--set fresh] [--w 8] [--dtype float32|float16]
 """
 
 from __future__ import annotations
@@ -71,10 +71,11 @@ def main() -> None:
     ap.add_argument("--w", type=int, default=8)
     ap.add_argument("--draft", default="suffix", help="suffix or a draft head directory")
     ap.add_argument("--set", default=",".join(CATEGORIES), help="built-in prompt sets, e.g. fresh")
+    ap.add_argument("--dtype", default="float32", help="float32, or float16 (fp16 weights, fp32 math)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(None)
-    model = load_model(model_dir, max_slots=2048)
+    model = load_model(model_dir, "cpu", args.dtype, max_slots=2048)
     tokenizer = load_tokenizer(model_dir)
 
     def drafter():
