@@ -41,7 +41,14 @@ from torch import Tensor, nn
 
 from swiftspec import kernels
 from swiftspec.engine.drafters import Expansion
-from swiftspec.engine.model import Attention, FeedForward, FP16WeightLinear, RMSNorm, pack_fp16_linears, rope_inv_freq
+from swiftspec.engine.model import (
+    Attention,
+    FeedForward,
+    FP16WeightLinear,
+    RMSNorm,
+    pack_fp16_linears,
+    rope_inv_freq,
+)
 from swiftspec.engine.model_args import ModelArgs, ModelConfigError
 from swiftspec.engine.tree_cache import PREFILL_CHUNK, TreeKVCache, causal_mask
 

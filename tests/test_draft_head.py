@@ -21,8 +21,8 @@ from swiftspec.engine.draft_head import (
 )
 from swiftspec.engine.drafters import make_drafter
 from swiftspec.engine.loader import load_model
-from swiftspec.engine.model import FP16WeightLinear
 from swiftspec.engine.loop import generate
+from swiftspec.engine.model import FP16WeightLinear
 from swiftspec.engine.model_dir import resolve_draft
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.tree_cache import causal_mask
