@@ -183,7 +183,7 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str =
         if device.type != "cpu" or torch_dtype != torch.float32:
             raise LoadError("the int8 draft is a CPU (fp32) feature; on GPUs pass a draft model path")
         quantize_int8(model)
-    elif fp16_cpu_weights(device, default_dtype_name(False, dtype)):
+    elif fp16_cpu_weights(device, dtype):  # ("auto" is never float16 on the CPU)
         if not fbgemm_available():
             raise LoadError("float16 on the CPU needs FBGEMM (x86 with AVX2), which this torch build lacks; "
                             "use --dtype float32")
