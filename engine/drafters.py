@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from swiftspec.engine.corpus import CorpusIndex, load_corpus
 from swiftspec.engine.loader import load_target_io
 from swiftspec.engine.model import fbgemm_available
 from swiftspec.engine.model_dir import load_tokenizer, read_args
@@ -137,26 +138,33 @@ class SuffixIndex:
 
 
 class SuffixDrafter:
-    """Model-free: proposes what followed the current context earlier in the conversation, or in earlier
-    conversations of this session.
+    """Model-free: proposes what followed the current context earlier in the conversation, in earlier
+    conversations of this session, or in the target's own answers to other prompts (a corpus).
 
     A leaf's context is the committed text plus its root path; its children come from the longest suffix
-    of that context found in the current conversation's index (the prompt and everything generated), or in
-    the session's history index when that match is longer and the conversation's is shorter than two
-    tokens (a model reuses its own phrasing across answers). Lookups cost O(max_order) per leaf.
-    Probabilities are the continuation frequencies times a confidence n / (n + confidence) in the match
-    length n: on SmolLM2's answers a one-token match predicts the next token ~25 % of the time and a
-    twelve-token one ~90 %, so weights stay roughly calibrated and the tree grows deep along confident
-    copies and stays small where the context is ambiguous.
+    of that context found in the current conversation's index (the prompt and everything generated). Where
+    that match is shorter than two tokens, a longer one in the session's history index wins (a model reuses
+    its own phrasing across answers), and a longer one still in the corpus (a static ``CorpusIndex`` of
+    the target's answers: generic phrasing that no conversation has shown yet). Lookups cost O(max_order)
+    per leaf.
+
+    Probabilities are the continuation frequencies times a confidence n / (n + c) in the match length n:
+    on SmolLM2's answers a one-token match in the conversation predicts the next token ~25 % of the time
+    and a twelve-token one ~90 % (c = 2); a corpus match of the same length is right less often (c = 4
+    calibrates it on held-out questions). So weights stay roughly calibrated and the tree grows deep along
+    confident copies and stays small where the context is ambiguous.
     """
 
     HISTORY_TOKENS = 200_000
     wants_features = False
 
-    def __init__(self, max_order: int = 16, confidence: float = 2.0, history_tokens: int = HISTORY_TOKENS):
+    def __init__(self, max_order: int = 16, confidence: float = 2.0, history_tokens: int = HISTORY_TOKENS,
+                 corpus: CorpusIndex | None = None, corpus_confidence: float = 4.0):
         self.max_order = max_order
         self.confidence = confidence
         self.history_tokens = history_tokens
+        self.corpus = corpus
+        self.corpus_confidence = corpus_confidence
         self.cache = TreeKVCache(None)
         self.context = SuffixIndex(max_order)
         self.history = SuffixIndex(max_order)
@@ -174,23 +182,30 @@ class SuffixDrafter:
     def extend(self, tokens: list[int], features: Tensor | None = None) -> None:
         self.context.extend(tokens)
 
-    def lookup(self, context: list[int]) -> tuple[dict[int, int], int]:
+    def lookup(self, context: list[int]) -> tuple[dict[int, int], float]:
+        """The continuation counts of the best match of context's suffix, and the chance that such a
+        match predicts right: n / (n + c) for a match of n tokens."""
         counts, order = self.context.lookup(context)
+        confidence = self.confidence
         if order < 2:
             older, longer = self.history.lookup(context)
             if longer > order:
-                return older, longer
-        return counts, order
+                counts, order = older, longer
+            if self.corpus is not None:
+                common, longer = self.corpus.lookup(context)
+                if longer > order:
+                    counts, order, confidence = common, longer, self.corpus_confidence
+        return counts, order / (order + confidence)
 
     def propose(self, exp: Expansion, k: int) -> list[list[tuple[int, float]]]:
         tail = self.context.tokens[-self.max_order:]
         out = []
         for path in exp.paths():
-            counts, order = self.lookup(tail + path)
+            counts, weight = self.lookup(tail + path)
             if not counts:
                 out.append([])
                 continue
-            scale = order / (order + self.confidence) / sum(counts.values())
+            scale = weight / sum(counts.values())
             best = sorted(counts.items(), key=lambda kv: -kv[1])[:k]
             out.append([(t, math.log(c * scale)) for t, c in best])
         return out
@@ -198,15 +213,17 @@ class SuffixDrafter:
 
 def make_drafter(kind: str, target_dir: Path, trust_remote_code: bool, history: bool,
                  load: Callable[[Path, bool], object], device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, max_slots: int = 4096) -> Drafter:
+                 dtype: torch.dtype = torch.float32, max_slots: int = 4096, corpus: Path | None = None) -> Drafter:
     """The one place a draft kind becomes a drafter: "suffix", "int8" (the target, dynamic int8), a draft
     head directory (with the target's embedding and lm_head, on ``device`` in ``dtype``) or a model
     directory. ``load(path, int8)`` loads a draft model on this rank; ``history``: the suffix drafter also
-    drafts from earlier conversations; ``max_slots``: a head's KV cache."""
+    drafts from earlier conversations; ``max_slots``: a head's KV cache; ``corpus``: the suffix drafter's
+    corpus file."""
     from swiftspec.engine.draft_head import HeadDrafter, is_head_dir, load_head  # it imports this module
 
     if kind == "suffix":
-        return SuffixDrafter(history_tokens=SuffixDrafter.HISTORY_TOKENS if history else 0)
+        return SuffixDrafter(history_tokens=SuffixDrafter.HISTORY_TOKENS if history else 0,
+                             corpus=load_corpus(corpus, read_args(target_dir).vocab_size) if corpus else None)
     if kind == "int8":
         return ModelDrafter(load(target_dir, True))
     if is_head_dir(Path(kind)):

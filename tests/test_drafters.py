@@ -1,5 +1,5 @@
-"""Drafters: the suffix index against brute-force scans, the model drafter's proposals against a
-from-scratch forward, and the vocabulary check."""
+"""Drafters: the suffix index and the corpus table against brute-force scans, the corpus file, the model
+drafter's proposals against a from-scratch forward, and the vocabulary check."""
 
 import pytest
 import torch
@@ -8,9 +8,11 @@ from hypothesis import strategies as st
 from tiny_models import make_tokenizer, single_thread, tiny_model_dir
 
 from swiftspec.config import TreeParams
+from swiftspec.engine.corpus import CorpusIndex, check_corpus, load_corpus, read_metadata, save_corpus
 from swiftspec.engine.decode import DraftState
 from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter, VocabMismatch, check_vocab_compatible
 from swiftspec.engine.loader import load_model
+from swiftspec.engine.model_dir import LoadError
 from swiftspec.engine.tree_cache import causal_mask
 
 tokens_st = st.lists(st.integers(0, 3), max_size=60)  # a small alphabet makes repeats likely
@@ -41,8 +43,8 @@ def test_suffix_lookup_matches_brute_force(first, more, context, max_order):
     sd.prefill(first, 0)
     sd.extend(more)  # incremental indexing
     corpus = first + more
-    assert sd.lookup(context) == brute_lookup(corpus, context, max_order)
-    assert sd.lookup(corpus + context) == brute_lookup(corpus, corpus + context, max_order)
+    assert sd.context.lookup(context) == brute_lookup(corpus, context, max_order)
+    assert sd.context.lookup(corpus + context) == brute_lookup(corpus, corpus + context, max_order)
     assert sd.context.tokens == corpus
 
 
@@ -65,9 +67,9 @@ def test_suffix_history_serves_short_matches():
     sd = SuffixDrafter(max_order=4)
     sd.prefill([1, 2, 3, 4, 5], 0)
     sd.prefill([9, 9, 2, 3], 0)  # a new conversation: the first one becomes history
-    assert sd.lookup([9, 2, 3]) == ({4: 1}, 2)  # only the history knows "2 3"
+    assert sd.lookup([9, 2, 3]) == ({4: 1}, 2 / (2 + sd.confidence))  # only the history knows "2 3"
     sd.extend([7, 9, 9])
-    assert sd.lookup([5, 9, 9]) == ({2: 1}, 2)  # the conversation's own match of length 2 wins
+    assert sd.lookup([5, 9, 9]) == ({2: 1}, 2 / (2 + sd.confidence))  # the conversation's own match wins
 
 
 def test_suffix_history_can_be_turned_off():
@@ -76,6 +78,76 @@ def test_suffix_history_can_be_turned_off():
     sd.prefill([1, 2, 3, 4, 5], 0)
     sd.prefill([9, 9, 2, 3], 0)
     assert sd.history.tokens == [] and sd.lookup([9, 2, 3]) == ({}, 0)
+
+
+segments_st = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=25), max_size=12)
+
+
+def brute_corpus_lookup(segments: list[list[int]], context: list[int], max_order: int):
+    """The longest suffix of context that some segment holds followed by a token, and those tokens' counts:
+    no context runs across two answers."""
+    for order in range(min(max_order, len(context)), 0, -1):
+        counts: dict[int, int] = {}
+        for seg in segments:
+            for j in range(len(seg) - order):
+                if seg[j:j + order] == context[-order:]:
+                    counts[seg[j + order]] = counts.get(seg[j + order], 0) + 1
+        if counts:
+            return counts, order
+    return {}, 0
+
+
+def _corpus_tokens(segments: list[list[int]]) -> list[int]:
+    return [t for seg in segments for t in seg + [-1]]
+
+
+@given(segments_st, st.lists(st.integers(0, 4), min_size=1, max_size=8), st.integers(1, 6))
+@settings(max_examples=200, deadline=None)
+def test_corpus_lookup_matches_brute_force(segments, context, max_order):
+    table = CorpusIndex(_corpus_tokens(segments), max_order, top_k=10)
+    assert table.lookup(context) == brute_corpus_lookup(segments, context, max_order)
+
+
+def test_corpus_keeps_the_most_frequent_continuations():
+    segments = [[1, 2, 5], [1, 2, 5], [1, 2, 5], [1, 2, 6], [1, 2, 6], [1, 2, 7], [3, 2, 8]]
+    table = CorpusIndex(_corpus_tokens(segments), 3, top_k=2)
+    assert table.lookup([1, 2]) == ({5: 3, 6: 2}, 2)
+    assert table.lookup([9, 2]) == ({5: 3, 6: 2}, 1)  # "2" is followed by 5 x3, 6 x2, 7 and 8 once
+    assert table.lookup([2, 7]) == ({}, 0)  # an answer's last token is followed by nothing
+
+
+def test_suffix_drafter_falls_back_to_the_corpus():
+    """Where neither the conversation nor the history has a match of two tokens, a longer corpus match
+    proposes, with the corpus's lower confidence."""
+    sd = SuffixDrafter(max_order=4, corpus=CorpusIndex(_corpus_tokens([[4, 5, 6, 7], [4, 5, 6, 8]]), 4))
+    sd.prefill([1, 5, 2, 6, 6, 3], 0)
+    assert sd.lookup([9, 4, 5, 6]) == ({7: 1, 8: 1}, 3 / (3 + sd.corpus_confidence))
+    assert sd.lookup([9, 9, 6, 6]) == ({3: 1}, 2 / (2 + sd.confidence))  # the conversation's own "6 6"
+    assert sd.lookup([9, 9, 9, 5]) == ({2: 1}, 1 / (1 + sd.confidence))  # equally long: the conversation's
+
+
+def test_corpus_file_round_trip_and_refusals(tmp_path):
+    tok = make_tokenizer(512)
+    path = tmp_path / "corpus.safetensors"
+    assert save_corpus(path, [([1, 2, 3, 10, 11, 12], 3), ([4, 5, 3, 10, 11, 13], 3)], tok) == 6
+    meta = read_metadata(path)
+    assert (meta["vocab_size"], meta["answers"], meta["answer_tokens"]) == ("512", "2", "6")
+    table = load_corpus(path, 512)
+    assert table.lookup([3, 10, 11]) == ({12: 1, 13: 1}, 3)  # the lead-in keeps the prompt's last tokens
+    assert table.lookup([11, 12]) == ({}, 0)  # an answer's end is followed by nothing, not the next answer
+    check_corpus(path, make_tokenizer(512))
+    with pytest.raises(LoadError, match="another tokenizer"):
+        check_corpus(path, make_tokenizer(400))
+    with pytest.raises(LoadError, match="outside the target's vocabulary of 12"):
+        load_corpus(path, 12)
+    with pytest.raises(LoadError, match="not a file"):
+        read_metadata(tmp_path / "missing.safetensors")
+    other = tiny_model_dir(seed=2) / "model.safetensors"
+    with pytest.raises(LoadError, match="not a SwiftSpec draft corpus"):
+        read_metadata(other)
+    (tmp_path / "cut.safetensors").write_bytes(path.read_bytes()[:-20])
+    with pytest.raises(LoadError, match="truncated"):
+        read_metadata(tmp_path / "cut.safetensors")
 
 
 def test_suffix_drafter_proposes_frequent_continuations_first():
