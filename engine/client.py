@@ -118,9 +118,15 @@ class Engine:
 
             tokenizer = load_tokenizer(target_dir, config.trust_remote_code)
             check_vocab_compatible(tokenizer, load_tokenizer(draft_model, config.trust_remote_code))
+        corpus = _draft_corpus(config)
+        if corpus is not None and config.draft_corpus != "auto":  # the shipped one is the embedded model's
+            from swiftspec.engine.corpus import check_corpus
+
+            tokenizer = tokenizer or load_tokenizer(target_dir, config.trust_remote_code)
+            check_corpus(corpus, tokenizer)
         layout = launcher.plan_layout(config, launcher.visible_gpus(config.device))
         target_name = _target_name(config, layout, target_dir)
-        worker = launcher.worker_args(config, layout, target_dir, draft) + [f"--target-name={target_name}"]
+        worker = launcher.worker_args(config, layout, target_dir, draft, corpus) + [f"--target-name={target_name}"]
         run_dir = launcher.new_run_dir()
         try:
             cmd = launcher.build_command(worker, layout.world, run_dir)
@@ -346,6 +352,18 @@ def _target_name(config: EngineConfig, layout: launcher.Layout, target_dir: Path
 
     name = EMBEDDED_NAME if config.target is None else Path(config.target).name
     return f"{name} · {precision_label(Path(target_dir), default_dtype_name(layout.cuda, config.dtype))}"
+
+
+def _draft_corpus(config: EngineConfig) -> Path | None:
+    """The suffix drafter's corpus file: with "auto", the one shipped for the embedded default (none for
+    other targets); "none"; or the user's file."""
+    if config.draft != "suffix" or config.draft_corpus == "none":
+        return None
+    if config.draft_corpus != "auto":
+        return Path(config.draft_corpus).expanduser()
+    from swiftspec.engine.corpus import builtin_corpus
+
+    return builtin_corpus() if config.target is None and builtin_corpus().is_file() else None
 
 
 def _is_head_dir(path: Path) -> bool:

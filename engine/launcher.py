@@ -166,8 +166,10 @@ def memory_fraction(devices: list[str], rank: int, n_target: int) -> float | Non
     return DRAFT_MEMORY_SHARE if rank >= n_target else 1.0 - DRAFT_MEMORY_SHARE
 
 
-def worker_args(config: EngineConfig, layout: Layout, target_dir: Path, draft: str) -> list[str]:
-    """The worker's own flags (see ``python -m swiftspec.engine.worker --help``)."""
+def worker_args(config: EngineConfig, layout: Layout, target_dir: Path, draft: str,
+                corpus: Path | None = None) -> list[str]:
+    """The worker's own flags (see ``python -m swiftspec.engine.worker --help``); ``corpus``: the suffix
+    drafter's, resolved (``Engine.start``)."""
     # paths as --flag=value: argparse would take a directory named "-x" for an option of its own
     args = [f"--target={target_dir}", f"--draft={draft}", "--target-procs", str(layout.n_target),
             "--dtype", config.dtype, "--batch-invariant", config.batch_invariant,
@@ -181,6 +183,8 @@ def worker_args(config: EngineConfig, layout: Layout, target_dir: Path, draft: s
         args.append("--trust-remote-code")
     if not config.draft_history:
         args.append("--no-draft-history")
+    if corpus is not None:
+        args.append(f"--draft-corpus={corpus}")
     if config.verify_cost:
         args.append("--verify-cost")
     if layout.cuda:

@@ -102,6 +102,10 @@ DraftOpt = Annotated[str, _opt(
     "--draft", panel=MODEL, metavar="DRAFT", autocompletion=_complete_draft,
     help="A draft model PATH sharing the target's tokenizer, 'suffix' for the model-free suffix drafter, "
          "'int8' for a dynamic-int8 copy of the target (CPU), or 'none' (no draft processes: ar only).")]
+DraftCorpusOpt = Annotated[str, _opt(
+    "--draft-corpus", panel=MODEL, metavar="FILE",
+    help="The suffix drafter's corpus of the target's own answers (swiftspec train-draft writes one): a FILE, "
+         "'none', or 'auto': the one shipped for the embedded default, none for other targets.")]
 TargetDevicesOpt = Annotated[str | None, _opt(
     "--target-devices", panel=MODEL, metavar="GPUS",
     help="GPU indices of the target group, e.g. 0,1 (tensor parallel over them).")]
@@ -167,9 +171,9 @@ _ENGINE_DEFAULTS = EngineConfig()
 
 
 def engine_config(
-    target: Path | None, draft: str, target_devices: str | None, draft_devices: str | None, gpus: int | None,
-    target_procs: int, draft_procs: int, device: str, dtype: str, threads: int | None, max_seq_len: int,
-    trust_remote_code: bool, bs: int, w: int, d: int | None,
+    target: Path | None, draft: str, draft_corpus: str, target_devices: str | None, draft_devices: str | None,
+    gpus: int | None, target_procs: int, draft_procs: int, device: str, dtype: str, threads: int | None,
+    max_seq_len: int, trust_remote_code: bool, bs: int, w: int, d: int | None,
 ) -> EngineConfig:
     """Builds and validates the EngineConfig from the shared flags (ConfigError on a bad combination)."""
     if gpus is not None and (target_devices or draft_devices):
@@ -177,7 +181,7 @@ def engine_config(
     if bool(target_devices) != bool(draft_devices):
         raise ConfigError("--target-devices and --draft-devices go together")
     return EngineConfig(
-        target=str(target) if target else None, draft=draft,
+        target=str(target) if target else None, draft=draft, draft_corpus=draft_corpus,
         target_devices=_device_list(target_devices), draft_devices=_device_list(draft_devices), gpus=gpus,
         target_procs=target_procs, draft_procs=draft_procs, device=device, dtype=dtype,
         threads=threads, max_seq_len=max_seq_len, trust_remote_code=trust_remote_code, tree=TreeParams(bs=bs, w=w, d=d),
@@ -201,6 +205,7 @@ def chat(
         help="Answer this prompt and exit, as -p PROMPT does.")] = None,
     target: TargetOpt = None,
     draft: DraftOpt = "suffix",
+    draft_corpus: DraftCorpusOpt = _ENGINE_DEFAULTS.draft_corpus,
     target_devices: TargetDevicesOpt = None,
     draft_devices: DraftDevicesOpt = None,
     gpus: GpusOpt = None,
@@ -262,8 +267,8 @@ def chat(
     from swiftspec.history import HistoryError, HistoryStore
 
     try:
-        config = engine_config(target, draft, target_devices, draft_devices, gpus, target_procs, draft_procs,
-                               device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
+        config = engine_config(target, draft, draft_corpus, target_devices, draft_devices, gpus, target_procs,
+                               draft_procs, device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
         if mode == "ar":  # nothing would ever ask the draft for a token
             config = dataclasses.replace(config, draft="none")
         params = SamplingParams(mode=mode, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -387,6 +392,7 @@ def _model_line(config: EngineConfig) -> str:
 def bench(
     target: TargetOpt = None,
     draft: DraftOpt = "suffix",
+    draft_corpus: DraftCorpusOpt = _ENGINE_DEFAULTS.draft_corpus,
     target_devices: TargetDevicesOpt = None,
     draft_devices: DraftDevicesOpt = None,
     gpus: GpusOpt = None,
@@ -430,8 +436,8 @@ def bench(
     Example: [bold]swiftspec bench --set chat,code --limit 2 --max-new-tokens 64 --json bench.json[/bold]
     """
     try:
-        config = engine_config(target, draft, target_devices, draft_devices, gpus, target_procs, draft_procs,
-                               device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
+        config = engine_config(target, draft, draft_corpus, target_devices, draft_devices, gpus, target_procs,
+                               draft_procs, device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                   max_new_tokens=max_new_tokens).validate()
     except ConfigError as e:
@@ -477,6 +483,9 @@ def train_draft(
                               help="Peak learning rate (AdamW, warm-up then cosine).")] = 1e-3,
     seed: Annotated[int, _opt("--seed", parser=_whole_number, panel=TRAIN, metavar="N",
                               help="Seed of everything random: the run is repeatable.")] = 0,
+    corpus_only: Annotated[bool, _opt(
+        "--corpus-only", panel=TRAIN,
+        help="Stop after the answers: write OUT/corpus.safetensors for --draft-corpus, train no head.")] = False,
     device: DeviceOpt = "auto",
     threads: ThreadsOpt = None,
 ) -> None:
@@ -484,7 +493,8 @@ def train_draft(
 
     The target answers the prompts (captured: its final hidden states), then a one-layer head learns to
     predict its next feature and token from them. Use the result with [bold]--draft DIR[/bold]. Prints the
-    held-out agreement with the target per epoch and tree depth.
+    held-out agreement with the target per epoch and tree depth. The answers also make a corpus for the
+    suffix drafter, OUT/corpus.safetensors: use it with [bold]--draft suffix --draft-corpus FILE[/bold].
 
     Example: [bold]swiftspec train-draft --out heads/smollm2 --n-prompts 64 --epochs 1[/bold]
     """
@@ -512,10 +522,11 @@ def train_draft(
                           draft_vocab=draft_vocab, steps=steps, epochs=epochs, lr=lr, seed=seed)
         from rich.console import Console
 
-        train(target_dir, out, cfg, texts, dev, Console(stderr=True))
+        train(target_dir, out, cfg, texts, dev, Console(stderr=True), corpus_only=corpus_only)
     except (ValueError, OSError) as e:
         raise _fail(str(e), 2) from None
-    typer.echo(f"swiftspec: the head is in {out}; use it with --draft {out}", err=True)
+    if not corpus_only:
+        typer.echo(f"swiftspec: the head is in {out}; use it with --draft {out}", err=True)
 
 
 cache_app = typer.Typer(help="What the cache holds (converted GGUF models, profiled step times, logs of "

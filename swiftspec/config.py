@@ -138,6 +138,9 @@ class EngineConfig:
     # The suffix drafter also drafts from earlier conversations of the session (a model reuses its own
     # phrasing). Off for benchmarks, where the same prompt runs once per mode.
     draft_history: bool = True
+    # The suffix drafter's corpus of the target's own answers (engine/corpus.py): "auto" = the shipped one
+    # for the embedded default, none for other targets; "none"; or a corpus file from swiftspec train-draft.
+    draft_corpus: str = "auto"
     # Verify only as many of the bs best nodes as are worth their profiled target cost (DraftState.
     # verify_cost): where extra rows cost a good part of a step (a CPU: 2 to 8 rows cost 1.7 to 3 steps on
     # this project's 2-core machine) a weak draft then degrades to ~one row per round instead of being
@@ -162,6 +165,8 @@ class EngineConfig:
             raise ConfigError("dtype must be auto, float32, bfloat16 or float16")
         if self.batch_invariant not in ("auto", "on", "off"):
             raise ConfigError("batch-invariant must be auto, on or off")
+        if self.draft_corpus not in ("auto", "none") and self.draft != "suffix":
+            raise ConfigError("a draft corpus feeds the suffix drafter: give --draft-corpus with --draft suffix")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -6,6 +6,8 @@
    already there). A fixed 5 % of the prompts is held out.
 2. Sub-vocabulary: the ``--draft-vocab`` tokens the target chose most often in the training answers (plus
    its EOS ids); ``d2t`` in the checkpoint maps them back.
+   Before it, the answers are also written as ``OUT/corpus.safetensors``: a corpus for the suffix drafter
+   (``--draft suffix --draft-corpus``, engine/corpus.py), all that ``--corpus-only`` makes.
 3. Training: the head is unrolled ``--steps`` deep over whole sequences (DraftHead.forward_train: step s
    predicts as a tree node at depth s - 1 does), with a cross-entropy on the target's greedy token and a
    smooth-L1 regression on the target's feature (weighted 0.1: SmolLM2's features have outlier dimensions
@@ -28,9 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from swiftspec.engine.corpus import save_corpus
 from swiftspec.engine.draft_head import DraftHead, HeadArgs, save_head
 
 DATA_FORMAT = 1
+CORPUS_FILE = "corpus.safetensors"
 HELD_OUT = 0.05
 
 
@@ -289,8 +293,9 @@ def agreement(head: DraftHead, seqs: list[Sequence], labels: list[Tensor], t2d: 
 
 
 def train(target_dir: Path, out: Path, cfg: TrainConfig, prompts: list[str], device: torch.device,
-          console, max_len: int = 512) -> list[list[float]]:
-    """The whole command: data, vocabulary, epochs (resumable). Returns the agreement curve."""
+          console, max_len: int = 512, corpus_only: bool = False) -> list[list[float]]:
+    """The whole command: data, the suffix drafter's corpus, vocabulary, epochs (resumable). Returns the
+    agreement curve (none with ``corpus_only``: the data and the corpus only)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from swiftspec.engine.loader import load_model
@@ -302,6 +307,10 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, prompts: list[str], dev
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*cols, console=console) as progress:
         seqs = make_data(target_dir, tok, eos, prompts, out, cfg, device, progress)
+    n = save_corpus(out / CORPUS_FILE, [(s.tokens.tolist(), s.prompt_len) for s in seqs], tok)
+    console.print(f"corpus: {len(seqs)} answers ({n} tokens) in {out / CORPUS_FILE}, for --draft-corpus")
+    if corpus_only:
+        return []
     target = load_model(target_dir, "cpu", "float32", max_slots=1, batch_invariant=False)
     train_set, held = split(seqs, cfg.seed)
     lm_head = target.output.weight.detach()

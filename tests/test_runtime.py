@@ -215,7 +215,7 @@ def test_process_groups_refuse_a_shared_gpu_inside_one_group():
 
 def test_build_command():
     cfg = EngineConfig(tree=TreeParams(bs=6, w=4, d=3), threads=2, trust_remote_code=True, verify_cost=True)
-    worker = launcher.worker_args(cfg, launcher.Layout(2, 1), "/models/t", "suffix")
+    worker = launcher.worker_args(cfg, launcher.Layout(2, 1), "/models/t", "suffix", Path("/c/answers.safetensors"))
     cmd = launcher.build_command(worker, 3, Path("/run/x"))
     assert cmd[1:4] == ["-m", "swiftspec.engine.torchrun", "--nproc-per-node=3"]
     # no --standalone: its TCPStore would listen on every interface
@@ -225,6 +225,7 @@ def test_build_command():
     assert {"--tree-bs", "6", "--tree-w", "4", "--tree-d", "3", "--threads", "2"} <= set(tail)
     args = parse_args(worker)  # the worker reads them as meant
     assert (args.bs, args.w, args.d, args.threads, args.verify_cost, args.draft_history) == (6, 4, 3, 2, True, True)
+    assert args.draft_corpus == "/c/answers.safetensors"
     from torch.distributed.run import get_args_parser
 
     parsed = get_args_parser().parse_args(cmd[3:])  # torchrun must hand every worker flag through
@@ -652,6 +653,51 @@ def test_worker_start_up_failure_carries_the_cause(tmp_path, target_dir):
     log.unlink()
 
 
+def _corpus(path: Path, model_dir: Path, sequences: list[tuple[list[int], int]] | None = None) -> Path:
+    from swiftspec.engine.corpus import save_corpus
+    from swiftspec.engine.model_dir import load_tokenizer
+
+    save_corpus(path, sequences or [([1, 2, 3, 4], 2)], load_tokenizer(Path(model_dir)))
+    return path
+
+
+@pytest.mark.slow
+def test_a_corpus_of_the_targets_answers_drafts_them_and_every_mode_stays_exact(target_dir, references, tmp_path):
+    """The suffix drafter with a corpus of the target's own answers to these prompts (session history off:
+    an earlier mode's answer must not be what drafts): the first round of each answer, which has nothing
+    of its own to copy yet, is drafted from the corpus and accepted; the tokens are ar's."""
+    from swiftspec.engine.model_dir import load_tokenizer
+
+    tok = load_tokenizer(Path(target_dir))
+    prompts = [encode_chat(tok, m) for m in PROMPTS]
+    corpus = _corpus(tmp_path / "answers.safetensors", target_dir,
+                     [(p + ref, len(p)) for p, ref in zip(prompts, references, strict=True)])
+    with start(target_dir, "suffix", draft_corpus=str(corpus), draft_history=False) as eng:
+        assert eng.info.draft == "suffix + corpus answers"
+        for messages, ref in zip(PROMPTS, references, strict=True):
+            for mode in ("sync", "async"):
+                tokens, _, events = answer(eng, messages, mode=mode, max_new_tokens=N_TOKENS, ignore_eos=True)
+                assert tokens == ref, mode
+                rounds = [e.stats for e in events if e.stats.tree_size]
+                assert rounds[0].accepted >= 1, mode
+                assert sum(s.accepted + 1 for s in rounds) / len(rounds) >= 1.5, mode
+    assert no_processes_left(eng)
+
+
+def test_a_bad_draft_corpus_is_refused_at_start(target_dir, tmp_path):
+    from swiftspec.engine.model_dir import LoadError
+
+    with pytest.raises(ConfigError, match="suffix drafter"):
+        start(target_dir, "int8", draft_corpus=str(tmp_path / "answers.safetensors"))
+    with pytest.raises(LoadError, match="not a file"):
+        start(target_dir, draft_corpus=str(tmp_path / "missing.safetensors"))
+    other = _corpus(tmp_path / "other.safetensors", tiny_model_dir(vocab=320))
+    with pytest.raises(LoadError, match="another tokenizer"):
+        start(target_dir, draft_corpus=str(other))
+    with pytest.raises(LoadError, match="not a SwiftSpec draft corpus"):
+        start(target_dir, draft_corpus=str(Path(target_dir) / "model.safetensors"))
+
+
 def test_draft_with_another_vocabulary_is_refused_at_start(target_dir):
     from swiftspec.engine.drafters import VocabMismatch
 
@@ -678,7 +724,7 @@ def test_cuda_async_equals_ar(target_dir, draft, dtype):
 @pytest.mark.slow
 def test_embedded_model_async_equals_ar():
     with Engine.start(EngineConfig()) as eng:
-        assert eng.info.draft == "suffix"
+        assert eng.info.draft == "suffix + corpus smollm2-135m-instruct"  # the shipped corpus, by default
         for messages in PROMPTS[:2]:
             ar, _, _ = answer(eng, messages, mode="ar", max_new_tokens=32)
             for mode in ("async", "sync"):

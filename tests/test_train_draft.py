@@ -1,5 +1,5 @@
-"""``swiftspec train-draft`` on a tiny model: the data, a few epochs that lower the loss, a head that loads
-and decodes exactly, resuming and determinism."""
+"""``swiftspec train-draft`` on a tiny model: the data, the suffix drafter's corpus, a few epochs that lower
+the loss, a head that loads and decodes exactly, resuming and determinism."""
 
 import json
 from dataclasses import replace
@@ -7,15 +7,18 @@ from dataclasses import replace
 import pytest
 import torch
 from rich.console import Console
+from safetensors.numpy import load_file
 from tiny_models import single_thread, tiny_model_dir
 
 from swiftspec.config import SamplingParams, TreeParams
+from swiftspec.engine.corpus import check_corpus, load_corpus, read_metadata
 from swiftspec.engine.decode import DraftState, TargetState
 from swiftspec.engine.draft_head import HeadDrafter, load_head
 from swiftspec.engine.loader import load_model
 from swiftspec.engine.loop import generate
 from swiftspec.engine.model_dir import eos_token_ids, load_tokenizer
 from swiftspec.train_draft import (
+    CORPUS_FILE,
     TrainConfig,
     _batch,
     init_head,
@@ -76,6 +79,27 @@ def test_training_lowers_the_loss_and_the_head_decodes_exactly(trained):
     for mode in ("sync", "async"):
         steps = generate(t, state, prompt, replace(params, mode=mode), 2)
         assert [tok for s in steps for tok in s.tokens] == ar
+
+
+def test_the_answers_make_a_corpus_and_corpus_only_stops_there(trained, tmp_path):
+    target_dir, out, _ = trained
+    tok = load_tokenizer(target_dir)
+    seqs = make_data(target_dir, tok, eos_token_ids(target_dir), training_prompts(CFG.n_prompts), out, CFG,
+                     torch.device("cpu"), _NoProgress())
+    check_corpus(out / CORPUS_FILE, tok)
+    meta = read_metadata(out / CORPUS_FILE)
+    assert int(meta["answers"]) == CFG.n_prompts
+    assert int(meta["answer_tokens"]) == sum(len(s.tokens) - s.prompt_len for s in seqs)
+    table = load_corpus(out / CORPUS_FILE, load_model(target_dir, max_slots=8).args.vocab_size)
+    s = seqs[0].tokens.tolist()
+    counts, order = table.lookup(s[:seqs[0].prompt_len + 2])  # the answer's own words, after its lead-in
+    assert s[seqs[0].prompt_len + 2] in counts and order >= 3
+    only = tmp_path / "only"
+    assert train(target_dir, only, CFG, training_prompts(CFG.n_prompts), torch.device("cpu"), Console(quiet=True),
+                 corpus_only=True) == []
+    assert read_metadata(only / CORPUS_FILE) == meta
+    assert load_file(only / CORPUS_FILE)["tokens"].tolist() == load_file(out / CORPUS_FILE)["tokens"].tolist()
+    assert not (only / "model.safetensors").exists()
 
 
 def test_rerun_resumes_and_the_same_seed_gives_the_same_head(trained, tmp_path):

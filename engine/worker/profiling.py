@@ -113,7 +113,8 @@ def profile_path(ctx: Ctx, ranks: list[RankInfo]) -> Path | None:
         if torch.cuda.is_available() else [],
         "ranks": [[r.role, r.device, r.threads, r.host] for r in ranks],
         "target": _files(args.target), "draft": args.draft if args.draft in BUILTIN_DRAFTS else _files(args.draft),
-        "settings": [args.dtype, args.batch_invariant, args.bs, args.w, args.verify_cost, args.draft_history],
+        "settings": [args.dtype, args.batch_invariant, args.bs, args.w, args.verify_cost, args.draft_history,
+                     args.draft_corpus],
     }
     if key["target"] is None or key["draft"] is None:
         return None

@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         if io is not None:
             info = EngineInfo(
                 target=args.target_name or Path(args.target).name,
-                draft=args.draft if args.draft in BUILTIN_DRAFTS else Path(args.draft).name,
+                draft=(args.draft if args.draft in BUILTIN_DRAFTS else Path(args.draft).name)
+                + (f" + corpus {Path(args.draft_corpus).stem}" if args.draft_corpus else ""),
                 ranks=ranks, context_length=args.max_seq_len, backend=ctx.backend, bs=args.bs, w=args.w,
                 d=ctx.d, d_auto=args.d is None, t_verify_ms=t_verify, t_expand_ms=t_expand,
                 eos_token_ids=sorted(ctx.eos))
