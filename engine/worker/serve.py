@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         ranks = gather_ranks(ctx)
         if io is not None:
             io.send("hello", pids=[[r.rank, r.pid] for r in ranks])
-            draft = BUILTIN_DRAFTS.get(args.draft) or f"draft {Path(args.draft).name}"
+            draft = (BUILTIN_DRAFTS.get(args.draft) or f"draft {Path(args.draft).name}") + (
+                f" with the corpus {Path(args.draft_corpus).stem}" if args.draft_corpus else "")
             io.progress(f"loading target {args.target_name or Path(args.target).name} on {ctx.n_target} "
                         f"rank(s)" + (f" and {draft} on {ctx.world - ctx.n_target} rank(s)" if args.draft != "none"
                                       else ", no draft"))
