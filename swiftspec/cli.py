@@ -270,7 +270,7 @@ def chat(
         config = engine_config(target, draft, draft_corpus, target_devices, draft_devices, gpus, target_procs,
                                draft_procs, device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
         if mode == "ar":  # nothing would ever ask the draft for a token
-            config = dataclasses.replace(config, draft="none")
+            config = dataclasses.replace(config, draft="none", draft_corpus="none")
         params = SamplingParams(mode=mode, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 max_new_tokens=max_new_tokens, stop=stop or []).validate()
     except ConfigError as e:

@@ -14,6 +14,7 @@ from fake_engine import ANSWER, FakeEngine
 from typer.testing import CliRunner
 
 from swiftspec import cli
+from swiftspec.config import EngineConfig
 from swiftspec.history import HistoryStore
 
 
@@ -170,6 +171,15 @@ def test_layout_flags_reach_the_engine_config(fake, data_dir):
     config = fake[0]
     assert (config.target_devices, config.draft_devices, config.draft) == ([0, 1], [2], "/models/small")
     assert (config.tree.bs, config.tree.w, config.tree.d, config.max_seq_len, config.threads) == (16, 4, 3, 2048, 2)
+
+
+def test_the_draft_corpus_flag_goes_with_the_suffix_drafter(fake, data_dir):
+    assert invoke(["chat", "-p", "hi", "--draft-corpus", "/c/answers.safetensors"]).exit_code == 0
+    assert fake[-1].draft_corpus == "/c/answers.safetensors" and EngineConfig().draft_corpus == "auto"
+    result = invoke(["chat", "-p", "hi", "--draft", "int8", "--draft-corpus", "/c/answers.safetensors"])
+    assert result.exit_code == 2 and "--draft suffix" in result.output and len(fake) == 1
+    assert invoke(["chat", "-p", "hi", "--mode", "ar", "--draft-corpus", "/c/answers.safetensors"]).exit_code == 0
+    assert (fake[-1].draft, fake[-1].draft_corpus) == ("none", "none")  # ar starts no draft, so no corpus
 
 
 def test_sampling_flags_reach_the_engine(fake, data_dir, monkeypatch):
