@@ -92,7 +92,7 @@ def load_corpus(path: Path, vocab_size: int, max_order: int = 6) -> CorpusIndex:
 class CorpusIndex:
     """A static n-gram table over a corpus of the target's own answers: for every context of 1..max_order
     tokens, the top_k tokens that followed it, with their counts. The suffix drafter falls back to it where
-    the conversation gives no match, since a model's phrasing recurs across answers ("Here are some", ...).
+    the conversation matches fewer than two tokens: a model's phrasing recurs across answers.
 
     Built with numpy from the token array (answers separated by -1) in a fraction of a second; a lookup
     hashes each context length (64-bit polynomial, the same in numpy and Python) and binary-searches one
