@@ -154,8 +154,9 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
     A draft that knows the target's costs (verify_cost, step_ms) spends its time where it pays: an async
     draft stops where its next expansion would outlast the verification of the subtree it sent (which
     the cost-aware cut often makes smaller than bs), a sync round stops at the first expansion that
-    lowered its expected tokens per unit of time, the draft's time counted. A drafter that reads the
-    target's features prefills once it has them; others prefill while the target does."""
+    lowered its expected tokens per unit of time, the draft's time counted, and a sync draft that does
+    not earn its time back sits rounds out (``PaybackGate``). A drafter that reads the target's features
+    prefills once it has them; others prefill while the target does."""
     wants = ds.drafter.wants_features
     if not wants:
         ds.prefill(req.prompt)
@@ -171,10 +172,12 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
     asynchronous, bs = req.params.mode == "async", ds.params.bs
     paying = not asynchronous and ds.verify_cost is not None and ds.step_ms
     n_exp, exp_ms = 0, 0.0
+    payback = PaybackGate()
     while True:
         todo = 0 if asynchronous else d
+        drafting = not paying or payback.open()
         rate = ds.round_rate(0.0) if paying else None
-        while (todo > 0 or ds.size < bs) and ds.can_expand():
+        while drafting and (todo > 0 or ds.size < bs) and ds.can_expand():
             tell(Op.EXPAND)
             exp_ms += ds.expand()
             n_exp, todo = n_exp + 1, todo - 1
@@ -185,6 +188,8 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
         tell(Op.DRAFT)
         toks, parents = ds.subtree(exp_ms / ds.step_ms if paying else 0.0)
         link.send(Message(Op.SUBTREE, toks, parents, n_exp, round(exp_ms * 1e3)))
+        round_cost = ds.verify_cost[len(toks) - 1] + exp_ms / ds.step_ms if paying else 0.0
+        draft_share = exp_ms / ds.step_ms if paying else 0.0
         n_exp, exp_ms = 0, 0.0
         verdict = link.post_recv()
         if asynchronous:  # grow the tree for the next round while the target verifies this one
@@ -198,11 +203,45 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
                 exp_ms += last
                 n_exp += 1
         msg = verdict()
+        if draft_share >= PaybackGate.MIN_DRAFT_SHARE:  # a sync round whose drafting cost a real share of a step
+            payback.judge(len(msg.tokens) / round_cost)
         tell(Op.REROOT, msg.tokens)  # after a STOP too: the draft then holds what the target committed
         ds.reroot(msg.tokens, link.recv_features(len(msg.tokens), dim) if wants else None)
         if msg.kind == Op.STOP:
             tell(Op.END)
             return
+
+
+class PaybackGate:
+    """``sync`` with a draft whose own time is a real share of a step (a head, a draft model; not the
+    suffix drafter): drafting must earn that time back. Each such round's realised rate (tokens per
+    one-node step, its drafting and verification counted; a plain step makes 1) feeds a running mean;
+    while the mean is below 1 the draft sits out 1, 2, 4 ... 32 rounds, which are then plain steps, and
+    tries again. So a draft that does not pay costs about what ar does instead of slowing every round."""
+
+    MIN_DRAFT_SHARE = 0.05  # of a step: below it drafting costs too little to be worth judging
+    MAX_WAIT = 32
+
+    def __init__(self, weight: float = 0.3):
+        self.weight = weight
+        self.mean_rate = 1.0
+        self.wait = 0  # rounds left without drafting
+        self.misses = 0  # judgements in a row that found the mean below 1
+
+    def open(self) -> bool:
+        """Whether this round drafts (a closed round counts down the wait)."""
+        if self.wait:
+            self.wait -= 1
+            return False
+        return True
+
+    def judge(self, rate: float) -> None:
+        self.mean_rate += self.weight * (rate - self.mean_rate)
+        if self.mean_rate < 1.0:
+            self.wait = min(2 ** self.misses, self.MAX_WAIT)
+            self.misses += 1
+        else:
+            self.misses = 0
 
 
 class InProcessLink:

@@ -106,15 +106,25 @@ def test_speculation_with_a_head_equals_ar(target, mode, bs, w, d):
         assert all(s.tree_size <= bs for s in steps)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "sync-gated"])
 def test_the_head_receives_the_targets_features(target, mode):
     """After a conversation and a follow-up turn (KV reuse), the drafter's feature of every committed
-    position equals the target's own final hidden state there, computed afresh."""
+    position equals the target's own final hidden state there, computed afresh. sync-gated: the target's
+    step looks so short that drafting never pays, so most rounds skip it (PaybackGate) and the verified
+    tokens pile up as pending until the next expansion; the output is still ar's."""
     t = TargetState(target, 512)
     drafter = HeadDrafter(random_head(target), 1024)
-    state = DraftState(drafter, TreeParams(bs=8, w=4))
+    gated = mode == "sync-gated"
+    state = DraftState(drafter, TreeParams(bs=8, w=4), **(
+        {"verify_cost": [1.0 + 0.05 * i for i in range(8)], "step_ms": 1e-4} if gated else {}))
+    mode = mode.removesuffix("-gated")
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    first = [tok for s in generate(t, state, PROMPTS[0], replace(params, mode=mode), 2) for tok in s.tokens]
+    steps = generate(t, state, PROMPTS[0], replace(params, mode=mode), 2)
+    first = [tok for s in steps for tok in s.tokens]
+    if gated:
+        assert first == [tok for s in generate(t, None, PROMPTS[0], replace(params, mode="ar")) for tok in s.tokens]
+        rounds = [s for s in steps if s.tree_size]
+        assert 0 < sum(s.draft_ms > 0 for s in rounds) < len(rounds) / 2
     follow = PROMPTS[0] + first + [7, 8, 9]
     list(generate(t, state, follow, replace(params, mode=mode), 2))
     n = drafter.n_committed

@@ -16,7 +16,7 @@ from swiftspec.config import ConfigError, SamplingParams, TreeParams
 from swiftspec.engine.decode import DraftState, TargetState, profile_verify_cost
 from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter
 from swiftspec.engine.loader import load_model
-from swiftspec.engine.loop import generate
+from swiftspec.engine.loop import PaybackGate, generate
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.tree_cache import ContextFull, causal_mask, prefill_forward
 from swiftspec.engine.worker.wire import features_from_wire, features_to_wire
@@ -98,13 +98,33 @@ def timed_runs(tiny, mode: str):
 
 def test_sync_rounds_count_the_drafts_time(tiny):
     """A sync round that knows the target's step time weighs its expansions against it: where one costs
-    thousands of steps, every round stops after its first expansion; where they are free, rounds expand
-    while the expected yield grows and verify full subtrees. Either way the output is ar's."""
+    thousands of steps, a round stops after its first expansion, and as that never pays, most rounds do
+    not draft at all (plain steps); where they are free, rounds expand while the expected yield grows and
+    verify full subtrees. Either way the output is ar's."""
     for ar, runs in timed_runs(tiny, "sync"):
         (slow, slow_rate, rounds), (free, free_rate, free_rounds) = runs[1e-4], runs[1e6]
         assert slow == free == ar
-        assert slow_rate <= 1 + 1 / len(rounds) < 2 <= free_rate
+        assert slow_rate < 0.5 < 2 <= free_rate
+        assert sum(s.draft_ms == 0 for s in rounds) > len(rounds) / 2
         assert max(s.tree_size for s in free_rounds) == 8
+        assert all(s.draft_ms > 0 for s in free_rounds)
+
+
+def test_the_payback_gate_backs_off_while_drafting_does_not_pay():
+    gate = PaybackGate(weight=1.0)  # the mean is then the last round's rate
+    waits = []
+    for _ in range(8):
+        gate.judge(0.5)
+        waits.append(gate.wait)
+        sat_out = 0
+        while not gate.open():  # plain-step rounds, then it drafts again
+            sat_out += 1
+        assert sat_out == waits[-1]
+    assert waits == [1, 2, 4, 8, 16, 32, 32, 32]
+    gate.judge(1.2)  # a round that paid: draft every round again
+    assert gate.wait == 0 and gate.misses == 0 and gate.open()
+    gate.judge(0.9)
+    assert gate.wait == 1  # the back-off starts over
 
 
 def test_async_expansions_fit_in_the_verification(tiny):
