@@ -213,11 +213,12 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
 
 
 class PaybackGate:
-    """``sync`` with a draft whose own time is a real share of a step (a head, a draft model; not the
-    suffix drafter): drafting must earn that time back. Each such round's realised rate (tokens per
-    one-node step, its drafting and verification counted; a plain step makes 1) feeds a running mean;
-    while the mean is below 1 the draft sits out 1, 2, 4 ... 32 rounds, which are then plain steps, and
-    tries again. So a draft that does not pay costs about what ar does instead of slowing every round."""
+    """``sync`` with a draft whose own time is a real share of a step (a head, a draft model; rarely the
+    suffix drafter, whose expansions take ~0.1 ms): drafting must earn that time back. Each such round's
+    realised rate (tokens per one-node step, its drafting and verification counted; a plain step makes 1)
+    feeds a running mean; while the mean is below 1 the draft sits out 1, 2, 4 ... 32 rounds, which are
+    then plain steps, and tries again. So a draft that does not pay costs about what ar does instead of
+    slowing every round."""
 
     MIN_DRAFT_SHARE = 0.05  # of a step: below it drafting costs too little to be worth judging
     MAX_WAIT = 32
