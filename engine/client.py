@@ -363,7 +363,8 @@ def _draft_corpus(config: EngineConfig) -> Path | None:
         return Path(config.draft_corpus).expanduser()
     from swiftspec.engine.corpus import builtin_corpus
 
-    return builtin_corpus() if config.target is None and builtin_corpus().is_file() else None
+    shipped = builtin_corpus()
+    return shipped if config.target is None and shipped.is_file() else None
 
 
 def _is_head_dir(path: Path) -> bool:

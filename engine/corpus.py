@@ -60,9 +60,7 @@ def read_metadata(path: Path) -> dict[str, str]:
     """A corpus file's metadata, from its header only; LoadError naming the file if it is none."""
     if not path.is_file():
         raise LoadError(f"draft corpus {str(path)!r} is not a file")
-    check_safetensors(path)
-    with path.open("rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    header = check_safetensors(path)
     meta = header.get("__metadata__") or {}
     if meta.get("format") != FORMAT or "tokens" not in header:
         raise LoadError(f"{path} is not a SwiftSpec draft corpus (made by swiftspec train-draft)")

@@ -186,10 +186,9 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
                     break
                 rate = new
         tell(Op.DRAFT)
-        toks, parents = ds.subtree(exp_ms / ds.step_ms if paying else 0.0)
+        draft_share = exp_ms / ds.step_ms if paying else 0.0  # the round's drafting, in one-node steps
+        toks, parents = ds.subtree(draft_share)
         link.send(Message(Op.SUBTREE, toks, parents, n_exp, round(exp_ms * 1e3)))
-        round_cost = ds.verify_cost[len(toks) - 1] + exp_ms / ds.step_ms if paying else 0.0
-        draft_share = exp_ms / ds.step_ms if paying else 0.0
         n_exp, exp_ms = 0, 0.0
         verdict = link.post_recv()
         if asynchronous:  # grow the tree for the next round while the target verifies this one
@@ -204,7 +203,7 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
                 n_exp += 1
         msg = verdict()
         if draft_share >= PaybackGate.MIN_DRAFT_SHARE:  # a sync round whose drafting cost a real share of a step
-            payback.judge(len(msg.tokens) / round_cost)
+            payback.judge(len(msg.tokens) / (ds.verify_cost[len(toks) - 1] + draft_share))
         tell(Op.REROOT, msg.tokens)  # after a STOP too: the draft then holds what the target committed
         ds.reroot(msg.tokens, link.recv_features(len(msg.tokens), dim) if wants else None)
         if msg.kind == Op.STOP:

@@ -62,9 +62,9 @@ def resolve_draft(spec: str, target_dir: Path, progress: Callable[[str], None] |
     return str(resolve_model_dir(spec, progress))
 
 
-def check_safetensors(path: Path) -> None:
+def check_safetensors(path: Path) -> dict:
     """A LoadError naming the file when it is not safetensors or is cut short: found here, before any
-    worker starts, rather than as a worker's traceback. Reads the header only."""
+    worker starts, rather than as a worker's traceback. Reads the header only, and returns it."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -81,6 +81,7 @@ def check_safetensors(path: Path) -> None:
     if 8 + n + end > size:
         raise LoadError(f"{path} is truncated: its header describes {8 + n + end:,} bytes, the file has "
                         f"{size:,} (copy or download it again)")
+    return header
 
 
 def read_args(model_dir: Path) -> ModelArgs:
