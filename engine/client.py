@@ -125,7 +125,7 @@ class Engine:
             tokenizer = tokenizer or load_tokenizer(target_dir, config.trust_remote_code)
             check_corpus(corpus, tokenizer)
         layout = launcher.plan_layout(config, launcher.visible_gpus(config.device))
-        target_name = _target_name(config, layout, target_dir)
+        target_name = _target_name(config)
         worker = launcher.worker_args(config, layout, target_dir, draft, corpus) + [f"--target-name={target_name}"]
         run_dir = launcher.new_run_dir()
         try:
@@ -344,14 +344,11 @@ class Engine:
         self.close()
 
 
-def _target_name(config: EngineConfig, layout: launcher.Layout, target_dir: Path) -> str:
-    """What the title bar calls the target: its name and the precision it runs at, which for a GGUF is
-    not its quantisation (its blocks are dequantised at load)."""
-    from swiftspec.embedded import EMBEDDED_NAME, precision_label
-    from swiftspec.engine.model_dir import default_dtype_name
+def _target_name(config: EngineConfig) -> str:
+    """What the title bar calls the target (the workers add the precision it runs at)."""
+    from swiftspec.embedded import EMBEDDED_NAME
 
-    name = EMBEDDED_NAME if config.target is None else Path(config.target).name
-    return f"{name} · {precision_label(Path(target_dir), default_dtype_name(layout.cuda, config.dtype))}"
+    return EMBEDDED_NAME if config.target is None else Path(config.target).name
 
 
 def _draft_corpus(config: EngineConfig) -> Path | None:

@@ -16,6 +16,7 @@ from swiftspec.engine.model import Transformer, fbgemm_available, pack_fp16_line
 from swiftspec.engine.model_args import ModelArgs
 from swiftspec.engine.model_dir import LoadError, default_dtype_name, read_args, weight_files
 
+BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # the GGUF types the gguf CPU backend runs from their blocks
 GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}  # values and bytes per block
 
 
@@ -92,12 +93,15 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32, trust_rem
     return model
 
 
-def convert_hf_state_dict(hf: dict[str, torch.Tensor], args: ModelArgs,
-                          kinds: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+def convert_hf_state_dict(hf: dict[str, torch.Tensor], args: ModelArgs, kinds: dict[str, str] | None = None,
+                          keep_blocks: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Maps Hugging Face names onto ours, fusing q/k/v into wqkv and gate/up into w13. GGUF blocks (named
     in ``kinds``) are dequantised here, the fused ones after their blocks are concatenated: one fp32 copy of
-    them instead of two, the costlier half of loading a converted GGUF."""
+    them instead of two, the costlier half of loading a converted GGUF. With ``keep_blocks`` the blocks
+    stay raw (fused parts of one type concatenated, as rows of blocks) for the gguf CPU backend; the
+    second dict names their block types by our names."""
     kinds = kinds or {}
+    kept: dict[str, str] = {}
 
     def raw(name: str) -> torch.Tensor:
         try:
@@ -105,51 +109,59 @@ def convert_hf_state_dict(hf: dict[str, torch.Tensor], args: ModelArgs,
         except KeyError:
             raise LoadError(f"weight {name!r} is missing from the checkpoint") from None
 
-    def take(name: str) -> torch.Tensor:
-        return dequantize(raw(name), kinds[name]) if name in kinds else raw(name)
+    def take(name: str, ours: str | None = None) -> torch.Tensor:
+        if name not in kinds:
+            return raw(name)
+        if keep_blocks and ours is not None and kinds[name] in BLOCK_FORMATS:
+            kept[ours] = kinds[name]
+            return raw(name)
+        return dequantize(raw(name), kinds[name])
 
-    def fuse(names: list[str]) -> torch.Tensor:
+    def fuse(names: list[str], ours: str) -> torch.Tensor:
         if len({kinds.get(n) for n in names}) == 1 and names[0] in kinds:  # rows of blocks of one type
+            if keep_blocks and kinds[names[0]] in BLOCK_FORMATS:
+                kept[ours] = kinds[names[0]]
+                return torch.cat([raw(n) for n in names])
             return dequantize(torch.cat([raw(n) for n in names]), kinds[names[0]])
         return torch.cat([take(n) for n in names])
 
-    out = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
-    out["output.weight"] = out["tok_embeddings.weight"] if args.tie_embeddings else take("lm_head.weight")
+    out = {"tok_embeddings.weight": take("model.embed_tokens.weight", "tok_embeddings.weight"),
+           "norm.weight": take("model.norm.weight")}
+    out["output.weight"] = out["tok_embeddings.weight"] if args.tie_embeddings else take("lm_head.weight", "output.weight")
+    if args.tie_embeddings and "tok_embeddings.weight" in kept:
+        kept["output.weight"] = kept["tok_embeddings.weight"]
     for i in range(args.n_layers):
         p = f"model.layers.{i}."
         a = f"layers.{i}."
-        out[a + "attention.wqkv.weight"] = fuse([p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+        out[a + "attention.wqkv.weight"] = fuse([p + f"self_attn.{n}_proj.weight" for n in "qkv"], a + "attention.wqkv.weight")
         if args.qkv_bias:
             out[a + "attention.wqkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-        out[a + "attention.wo.weight"] = take(p + "self_attn.o_proj.weight")
-        out[a + "feed_forward.w13.weight"] = fuse([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-        out[a + "feed_forward.w2.weight"] = take(p + "mlp.down_proj.weight")
+        out[a + "attention.wo.weight"] = take(p + "self_attn.o_proj.weight", a + "attention.wo.weight")
+        out[a + "feed_forward.w13.weight"] = fuse([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                                                  a + "feed_forward.w13.weight")
+        out[a + "feed_forward.w2.weight"] = take(p + "mlp.down_proj.weight", a + "feed_forward.w2.weight")
         out[a + "attention_norm.weight"] = take(p + "input_layernorm.weight")
         out[a + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
-    return out
+    return out, kept
 
 
 def default_dtype(device: torch.device, dtype: str = "auto") -> torch.dtype:
-    """The dtype a model computes in (its activations and KV cache). On the CPU, float16 is a weight
-    format (see fp16_cpu_weights): the math stays fp32."""
-    name = default_dtype_name(device.type == "cuda", dtype)
-    return torch.float32 if fp16_cpu_weights(device, name) else getattr(torch, name)
+    """The dtype a model computes in (its activations and KV cache): fp32 on the CPU, whatever the
+    weights' format (engine/cpu_backends.py); on GPUs the dtype asked for (bf16 for auto)."""
+    if device.type == "cpu":
+        return torch.float32
+    return getattr(torch, default_dtype_name(True, dtype))
 
 
-def fp16_cpu_weights(device: torch.device, dtype: str) -> bool:
-    """float16 on the CPU means fp16 linear weights multiplied in fp32 by FBGEMM: half the bytes that every
-    decode step streams, and a GEMM whose cost hardly grows with the rows a verification adds. On SmolLM2
-    (EPYC, one thread): a one-row step 44 -> 33 ms, four rows 107 -> 41 ms, eight 120 -> 58 ms. (Plain fp16
-    math on the CPU would be both slow and inexact.)"""
-    return device.type == "cpu" and dtype == "float16"
-
-
-def batch_invariant_default(device: torch.device, dtype: torch.dtype) -> bool:
-    """On, except for fp32 math on the CPU (fp32 or fp16 weights; ``dtype`` is the compute dtype): 16-bit and
-    GPU GEMMs round differently by row count often enough to flip greedy tokens between a verification and
-    a step, fp32 CPU GEMMs differ by ~1e-6 of the output (an argmax flip needs a near-tie), and there the
-    one-row forwards would cost the speed that the CPU is used for."""
-    return device.type == "cuda" or dtype != torch.float32
+def cpu_backend(dtype: str, has_blocks: bool, tp_world: int = 1) -> str:
+    """The CPU backend a --dtype names (int4: the gguf backend on blocks quantised at load); "auto" without
+    a measured choice (engine/worker/profiling.py makes one at a worker's start): a GGUF's own blocks where
+    the checkpoint has them and one rank holds the whole model, else fp32."""
+    if dtype == "auto":
+        return "gguf" if has_blocks and tp_world == 1 else "float32"
+    if dtype in ("gguf", "int4") and tp_world > 1:
+        raise LoadError(f"--dtype {dtype} runs a target of one rank: use --target-procs 1, or a float --dtype")
+    return "gguf" if dtype == "int4" else dtype
 
 
 def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str = "auto",
@@ -157,20 +169,44 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str =
                int8: bool = False, batch_invariant: bool | None = None) -> Transformer:
     """Builds our Transformer from a Hugging Face directory, sharded for tensor parallelism if asked.
 
+    On the CPU ``dtype`` names a backend of engine/cpu_backends.py (float32, float16, bfloat16, gguf; auto:
+    see cpu_backend), row-invariant by construction; int4 packs a checkpoint's linears as 4-bit blocks
+    at load (the gguf backend; opt-in, never chosen by auto). ``batch_invariant=False`` on the CPU keeps torch's own linears (MKL
+    fp32, FBGEMM fp16 weights): faster to build, rows not invariant (train-draft, comparisons).
+    Without a C compiler the CPU falls back to torch's linears with one-row forwards (exact, slow).
     ``int8``: dynamic int8 linears (FBGEMM, CPU only), for a fast approximate copy of a model that
     serves as a draft: its proposals are verified, so the approximation never reaches the output.
-    ``batch_invariant``: see Transformer.make_batch_invariant; None = batch_invariant_default.
+    On CUDA ``batch_invariant``: see Transformer.make_batch_invariant; None = on.
     """
-    from swiftspec.engine import tp
+    from swiftspec.engine import cpu_backends, tp
 
     device = torch.device(device)
     args = read_args(model_dir)
     hf, kinds = read_weights(model_dir)
-    state = convert_hf_state_dict(hf, args, kinds)
+    cpu = device.type == "cpu"
+    quantize = dtype == "int4"
+    if dtype in ("gguf", "int4") and not cpu:
+        raise LoadError(f"--dtype {dtype} is a CPU backend; on GPUs use auto, bfloat16, float16 or float32")
+    backend = None
+    if cpu and not int8 and batch_invariant is not False:
+        backend = cpu_backend(dtype, bool(kinds), tp_world)
+        if backend not in cpu_backends.CPU_BACKENDS:
+            raise LoadError(f"unknown CPU dtype {dtype!r}: use one of auto, {', '.join(cpu_backends.CPU_BACKENDS)}, int4")
+        if (why := cpu_backends.kernels_available(args, tp_world)) is not None:
+            if backend == "gguf":
+                raise LoadError(f"the gguf backend needs the CPU kernels, which cannot be built here: {why}")
+            backend = None  # torch's linears, exact through one-row forwards
+    elif cpu and dtype in ("gguf", "int4"):
+        raise LoadError(f"--dtype {dtype} runs through the row-invariant kernels: it cannot be combined with "
+                        "int8 or --batch-invariant off")
+    state, kept = convert_hf_state_dict(hf, args, kinds, keep_blocks=backend == "gguf" and not quantize)
+    blocks = cpu_backends.unpack_gguf({k: state.pop(k) for k in list(kept)}, kept)
     if tp_world > 1:
         state = tp.shard_state_dict(state, args, tp_rank, tp_world)
     with torch.device("meta"):
         model = Transformer(args, tp_group=tp_group, tp_world=tp_world)
+    for name, b in blocks.items():  # placeholders the packed modules replace: no memory behind them
+        state[name] = torch.empty(()).expand(b.shape)
     torch_dtype = default_dtype(device, dtype)
     try:
         model.load_state_dict(state, strict=True, assign=True)
@@ -180,17 +216,23 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str =
         model.output.weight = model.tok_embeddings.weight
     model = model.to(device=device, dtype=torch_dtype)
     if int8:
-        if device.type != "cpu" or torch_dtype != torch.float32:
+        if not cpu:
             raise LoadError("the int8 draft is a CPU (fp32) feature; on GPUs pass a draft model path")
         quantize_int8(model)
-    elif fp16_cpu_weights(device, dtype):  # ("auto" is never float16 on the CPU)
-        if not fbgemm_available():
-            raise LoadError("float16 on the CPU needs FBGEMM (x86 with AVX2), which this torch build lacks; "
-                            "use --dtype float32")
-        pack_fp16_linears(model)  # the lm_head too (a copy of its own when tied)
-    elif device.type == "cpu":
-        model.transpose_cpu_weights()
-    if batch_invariant_default(device, torch_dtype) if batch_invariant is None else batch_invariant:
+    elif backend is not None:
+        model.precision = cpu_backends.apply(model, backend, blocks, quantize)
+        model.batch_invariant = True
+    elif cpu:
+        if dtype == "float16":
+            if not fbgemm_available():
+                raise LoadError("float16 on the CPU needs FBGEMM (x86 with AVX2), which this torch build lacks; "
+                                "use --dtype float32")
+            pack_fp16_linears(model)  # the lm_head too (a copy of its own when tied)
+        else:
+            model.transpose_cpu_weights()
+        if batch_invariant is not False:
+            model.make_batch_invariant()  # no kernels: exact through one-row forwards
+    elif batch_invariant is not False:
         model.make_batch_invariant()
     model.eval()
     model.setup_cache(max_slots)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -64,7 +65,7 @@ class Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(args.head_dim)
 
     def forward(self, x: Tensor, rope: Callable[[Tensor], Tensor], slots: Tensor, mask: Tensor | KeyList,
-                k_cache: Tensor, v_cache: Tensor) -> Tensor:
+                k_cache: Tensor, v_cache: Tensor, attend: Callable = kernels.tree_attention) -> Tensor:
         t = x.shape[0]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         qk, v = self.wqkv(x).split_with_sizes([(nh + nkv) * hd, nkv * hd], dim=-1)
@@ -73,7 +74,7 @@ class Attention(nn.Module):
         v_cache.index_copy_(1, slots, v.view(t, nkv, hd).transpose(0, 1))
         # mask: kernels.prepare_mask's form of the [t, kv_len] bool mask
         kv_len = (mask.slots if isinstance(mask, KeyList) else mask).shape[-1]
-        out = kernels.tree_attention(q, k_cache.narrow(1, 0, kv_len), v_cache.narrow(1, 0, kv_len), mask, self.scale)
+        out = attend(q, k_cache.narrow(1, 0, kv_len), v_cache.narrow(1, 0, kv_len), mask, self.scale)
         return self.wo(out.reshape(t, nh * hd))
 
 
@@ -112,8 +113,8 @@ def fbgemm_available() -> bool:
 
 class FP16WeightLinear(nn.Module):
     """A CPU linear with fp16 weights in FBGEMM's packed layout, multiplied in fp32 (inputs and outputs
-    fp32): the target's float16 on the CPU (engine/loader.py, fp16_cpu_weights), a draft head's CPU
-    linears, and train-draft's data generation."""
+    fp32); its rows are not independent of each other: a draft head's CPU linears, train-draft's data
+    generation, and the target's float16 where the row-invariant kernels are off."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
         super().__init__()
@@ -132,6 +133,19 @@ def pack_fp16_linears(module: nn.Module) -> None:
                 setattr(mod, name, FP16WeightLinear(child.weight, child.bias))
 
 
+@dataclass
+class LayerInputs:
+    """What every layer of one forward shares."""
+
+    rope: Callable[[Tensor], Tensor]
+    cos: Tensor  # [T, head_dim] fp32: the RoPE tables behind ``rope``
+    sin: Tensor
+    slots: Tensor
+    mask: Tensor | KeyList  # in the form attention_ops.prepare_mask made
+    attend: Callable  # attention_ops.tree_attention
+    all_reduce: Callable[[Tensor], Tensor]  # sums the tensor-parallel partials
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, n_heads: int, n_kv_heads: int, inter: int):
         super().__init__()
@@ -139,6 +153,14 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args, inter)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: Tensor, residual: Tensor | None, inp: LayerInputs, k_cache: Tensor,
+                v_cache: Tensor) -> tuple[Tensor, Tensor]:
+        """The layer's output and the residual stream before it (added into the next layer's norm)."""
+        h, residual = self.attention_norm(x, residual)
+        x = inp.all_reduce(self.attention(h, inp.rope, inp.slots, inp.mask, k_cache, v_cache, inp.attend))
+        h, residual = self.ffn_norm(x, residual)
+        return inp.all_reduce(self.feed_forward(h)), residual
 
 
 class Transformer(nn.Module):
@@ -165,6 +187,10 @@ class Transformer(nn.Module):
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
         self.batch_invariant = False
+        # prepare_mask and tree_attention: kernels' (Triton on CUDA, torch elsewhere), or the CPU backends'
+        # row-invariant ones (engine/cpu_backends.py)
+        self.attention_ops = kernels
+        self.precision: str | None = None  # the CPU backend's label, when one is applied
 
     @property
     def max_slots(self) -> int:
@@ -173,7 +199,7 @@ class Transformer(nn.Module):
     def setup_cache(self, max_slots: int) -> None:
         """Allocates the static cache once (its contents are managed by the caller through slots) and
         the RoPE frequencies (fp32, on the weights' device)."""
-        p = self.tok_embeddings.weight
+        p = self.norm.weight  # a parameter in the compute dtype, whatever the embedding is
         self.inv_freq = rope_inv_freq(self.args).to(p.device)
         nkv = self.layers[0].attention.n_kv_heads
         shape = (self.args.n_layers, nkv, max_slots, self.args.head_dim)
@@ -198,10 +224,11 @@ class Transformer(nn.Module):
         verification of n tree nodes then computes, bit for bit, what n one-token steps would (16-bit
         GEMMs and split reductions otherwise round differently by row count, and greedy argmaxes flip).
 
-        On CUDA: batch-invariant Triton linears and attention, elementwise RoPE. Elsewhere a forward of T
-        rows runs as T one-row forwards (invariant by construction; T times the weight reads). Attention
-        reads each row's own key list in both (kernels.KeyList). Exact across ranks only without TP (or
-        with an all-reduce whose summation order is fixed).
+        On CUDA: batch-invariant Triton linears and attention, elementwise RoPE. On the CPU the backends of
+        engine/cpu_backends.py are invariant by construction; without them (no C compiler) a forward of T
+        rows runs as T one-row forwards (T times the weight reads). Attention reads each row's own key list
+        on CUDA and in the one-row fallback (kernels.KeyList). Exact across ranks only without TP (or with
+        an all-reduce whose summation order is fixed).
         """
         self.batch_invariant = True
         if self.tok_embeddings.weight.is_cuda:
@@ -233,24 +260,24 @@ class Transformer(nn.Module):
         """
         assert self.k_cache is not None, "call setup_cache() first"
         invariant = self.batch_invariant
-        if invariant and mask.shape[0] > 1 and not tokens.is_cuda:
+        ops = self.attention_ops
+        if invariant and mask.shape[0] > 1 and not tokens.is_cuda and ops is kernels:
             return self._forward_rows(tokens, positions, slots, mask, logits_rows, return_hidden)
         freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None]
         emb = torch.cat((freqs, freqs), dim=-1)
-        dtype = self.tok_embeddings.weight.dtype
+        dtype = self.norm.weight.dtype
+        cos, sin = emb.cos(), emb.sin()
         if invariant:
-            rope = partial(kernels.rope_rotate_half, cos=emb.cos(), sin=emb.sin())
+            rope = partial(kernels.rope_rotate_half, cos=cos, sin=sin)
         else:
-            rope = partial(kernels.apply_rope, rotation=kernels.rope_rotation(emb.cos().to(dtype), emb.sin().to(dtype)))
+            rope = partial(kernels.apply_rope, rotation=kernels.rope_rotation(cos.to(dtype), sin.to(dtype)))
         attn = self.layers[0].attention
-        attn_mask = kernels.prepare_mask(mask, attn.n_heads // attn.n_kv_heads, dtype, invariant)
+        attn_mask = ops.prepare_mask(mask, attn.n_heads // attn.n_kv_heads, dtype, invariant)
+        inp = LayerInputs(rope, cos, sin, slots, attn_mask, ops.tree_attention, self._all_reduce)
         x = self.tok_embeddings(tokens)
         residual = None
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True):
-            h, residual = layer.attention_norm(x, residual)
-            x = self._all_reduce(layer.attention(h, rope, slots, attn_mask, k_cache, v_cache))
-            h, residual = layer.ffn_norm(x, residual)
-            x = self._all_reduce(layer.feed_forward(h))
+            x, residual = layer(x, residual, inp, k_cache, v_cache)
         hidden, _ = self.norm(x, residual)
         rows = hidden if logits_rows is None else hidden[logits_rows]
         logits = self.output(rows).float()
@@ -258,7 +285,8 @@ class Transformer(nn.Module):
 
     def _forward_rows(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor,
                       logits_rows: Tensor | slice | None, return_hidden: bool):
-        """The batch-invariant forward off CUDA: one one-row forward per row, in order. Rows only attend to
+        """The batch-invariant forward on a CPU without the row-invariant kernels: one one-row forward per
+        row, in order. Rows only attend to
         earlier rows (a prefill is causal, a tree lists parents first), whose KV is then already written.
         The lm_head runs for the rows whose logits are asked for."""
         order = torch.arange(mask.shape[0])

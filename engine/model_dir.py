@@ -97,6 +97,20 @@ def read_args(model_dir: Path) -> ModelArgs:
         raise LoadError(f"{model_dir / 'config.json'} lacks the field {e.args[0]!r}") from None
 
 
+def gguf_block_kinds(model_dir: Path) -> set[str]:
+    """The GGUF block types a converted GGUF kept as blocks (from the safetensors headers only)."""
+    from swiftspec.embedded import GGUF_METADATA
+
+    kinds: set[str] = set()
+    for f in weight_files(model_dir):
+        meta = check_safetensors(f).get("__metadata__") or {}
+        try:
+            kinds |= set(json.loads(meta.get(GGUF_METADATA, "{}")).values())
+        except (ValueError, AttributeError):
+            pass
+    return kinds
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():

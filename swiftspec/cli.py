@@ -17,7 +17,15 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from swiftspec.config import BUILTIN_DRAFTS, MODES, ConfigError, EngineConfig, SamplingParams, TreeParams
+from swiftspec.config import (
+    BUILTIN_DRAFTS,
+    DTYPES,
+    MODES,
+    ConfigError,
+    EngineConfig,
+    SamplingParams,
+    TreeParams,
+)
 from swiftspec.settings import config_path, default_map, env_var, read_config
 
 app = typer.Typer(
@@ -124,11 +132,13 @@ DeviceOpt = Annotated[str, _opt(
     "--device", panel=MODEL, metavar="DEVICE", autocompletion=_complete("auto", "cpu", "cuda"),
     help="auto, cpu or cuda: where the workers run; auto picks CUDA when present.")]
 DTypeOpt = Annotated[str, _opt(
-    "--dtype", panel=MODEL, metavar="DTYPE",
-    autocompletion=_complete("auto", "float32", "bfloat16", "float16"),
-    help="auto, float32, bfloat16 or float16: the weights' dtype; auto is fp32 on CPU, bf16 on CUDA. On the CPU "
-         "float16 means fp16 weights with fp32 math (faster; not batch-invariant, like fp32). bf16 and GPU runs "
-         "use batch-invariant kernels, so every mode stays exact.")]
+    "--dtype", panel=MODEL, metavar="DTYPE", autocompletion=_complete(*DTYPES),
+    help="auto, float32, bfloat16, float16, gguf or int4: how the target's weights are held. On the CPU every "
+         "choice runs row-invariant kernels (each verified node computes what a one-token step would, so every "
+         "mode stays exact) with fp32 activations: float32 / bfloat16 / float16 weights, gguf (a GGUF's own "
+         "4- and 8-bit blocks, int8 activations, as llama.cpp), int4 (any checkpoint packed into 4-bit blocks "
+         "at load); auto measures them at the first start on the machine and keeps the fastest for speculation "
+         "(int4 only when asked). On CUDA: auto is bf16.")]
 ThreadsOpt = Annotated[int | None, _opt(
     "--threads", parser=_whole_number, panel=MODEL, metavar="N",
     help="CPU threads for all workers together. Default: every core but one, which the chat itself uses.")]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MODES = ("ar", "sync", "async")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "gguf", "int4")  # --dtype (gguf, int4: CPU only)
 
 # Drafts named by a word rather than a model path. "int8" runs on the CPU only: a copy of the target with
 # dynamic-int8 linears, ~1.7x faster per step and ~60 % top-1 agreement on SmolLM2.
@@ -127,10 +128,12 @@ class EngineConfig:
     target_procs: int = 1
     draft_procs: int = 1
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # auto | float32 | bfloat16 | float16, and on the CPU gguf (a GGUF's own blocks) | int4 (blocks made at
+    # load); on the CPU auto is measured (engine/worker/profiling.py, choose_cpu_backend)
+    dtype: str = "auto"
     # auto | on | off: the target's rows independent of the forward's size, so that speculation is exact
-    # in 16-bit (engine/model.py, Transformer.make_batch_invariant); auto = on except on the CPU in fp32 or
-    # float16 (fp16 weights, fp32 math).
+    # by construction (engine/model.py, Transformer.make_batch_invariant; on the CPU engine/cpu_backends.py);
+    # auto = on. off: torch's own (faster on a GPU, inexact) kernels.
     batch_invariant: str = "auto"
     max_seq_len: int = 4096
     tree: TreeParams = field(default_factory=TreeParams)
@@ -161,8 +164,8 @@ class EngineConfig:
             raise ConfigError("max-seq-len must be >= 16")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError("device must be auto, cpu or cuda")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError("dtype must be auto, float32, bfloat16 or float16")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}")
         if self.batch_invariant not in ("auto", "on", "off"):
             raise ConfigError("batch-invariant must be auto, on or off")
         if self.draft_corpus not in ("auto", "none") and self.draft != "suffix":

@@ -11,7 +11,7 @@ from tiny_models import single_thread, tiny_model_dir
 from swiftspec.config import EngineConfig, SamplingParams, TreeParams
 from swiftspec.engine.decode import DraftState, TargetState
 from swiftspec.engine.drafters import ModelDrafter
-from swiftspec.engine.loader import batch_invariant_default, load_model
+from swiftspec.engine.loader import load_model
 from swiftspec.engine.loop import generate
 from swiftspec.engine.tree import target_inputs
 from swiftspec.engine.tree_cache import prefill_forward
@@ -103,11 +103,9 @@ def test_key_list_lists_each_rows_keys_in_order():
     assert [keys.slots[t, :n].tolist() for t, n in enumerate(keys.lengths.tolist())] == [[0, 2, 3], [4], [0, 1, 2, 3, 4]]
 
 
-def test_default_is_on_except_for_fp32_on_the_cpu():
-    assert not batch_invariant_default(torch.device("cpu"), torch.float32)
-    assert batch_invariant_default(torch.device("cpu"), torch.bfloat16)
-    assert batch_invariant_default(torch.device("cuda", 0), torch.float32)
+def test_default_is_on():
     assert EngineConfig().batch_invariant == "auto"
+    assert load_model(model_dir(), "cpu", "float32", max_slots=16).batch_invariant
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -257,7 +257,7 @@ def test_the_engine_resolves_the_models_and_plans_the_layout_without_torch(targe
             "read_args, resolve_draft, resolve_model_dir; from swiftspec.config import EngineConfig; "
             f"d = resolve_model_dir({str(target_dir)!r}); resolve_draft('suffix', d); read_args(d); "
             "c = EngineConfig(target=str(d)).validate(); layout = launcher.plan_layout(c, launcher.visible_gpus('auto')); "
-            "client._target_name(c, layout, d); assert 'torch' not in sys.modules, 'torch was imported'")
+            "client._target_name(c); assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
@@ -784,20 +784,26 @@ class _Exited:
         return 1
 
 
-@pytest.mark.parametrize("target, device, dtype, name", [
-    (None, "cpu", "auto", "SmolLM2-135M-Instruct (embedded) · fp32 (from Q4_1 GGUF)"),
-    ("/models/Llama-3.1-8B-Q4_K_M.gguf", "cuda", "auto", "Llama-3.1-8B-Q4_K_M.gguf · bf16 (from Q4_K GGUF)"),
-    ("/models/Qwen2.5-7B", "cuda", "float16", "Qwen2.5-7B · fp16"),
+@pytest.mark.parametrize("gguf_type, device, dtype, backend, name", [
+    ("Q4_1", "cpu", "gguf", "int4 (Q4_1 blocks) · int8 activations · AVX2", "int4 (Q4_1 blocks) · int8 activations · AVX2"),
+    ("Q4_1", "cpu", "float32", None, "fp32 (from Q4_1 GGUF)"),  # torch's linears: no backend label
+    ("Q4_K", "cuda", "auto", None, "bf16 (from Q4_K GGUF)"),
+    (None, "cuda", "float16", None, "fp16"),
 ])
-def test_title_names_the_precision_the_target_runs_at(target, device, dtype, name, tmp_path):
-    """The precision the target runs at, and for a GGUF the type its weights came in (from the conversion)."""
+def test_title_names_the_precision_the_target_runs_at(gguf_type, device, dtype, backend, name, tmp_path):
+    """The CPU backend's own label, else the dtype and, for a GGUF, the type its weights came in."""
+    from types import SimpleNamespace
+
     from safetensors.torch import save_file
 
     from swiftspec.embedded import SOURCE_METADATA
     from swiftspec.engine.client import _target_name
+    from swiftspec.engine.worker.setup import target_precision
 
-    gguf_type = {None: "Q4_1", "/models/Llama-3.1-8B-Q4_K_M.gguf": "Q4_K"}.get(target)
     save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"),
               metadata={SOURCE_METADATA: gguf_type} if gguf_type else None)
-    layout = launcher.Layout(1, 1, [0] if device == "cuda" else None, [] if device == "cuda" else None)
-    assert _target_name(EngineConfig(target=target, dtype=dtype), layout, tmp_path) == name
+    ctx = SimpleNamespace(target=SimpleNamespace(model=SimpleNamespace(precision=backend)), device=torch.device(device),
+                          args=SimpleNamespace(target=str(tmp_path), dtype=dtype))
+    assert target_precision(ctx) == name
+    assert _target_name(EngineConfig()) == "SmolLM2-135M-Instruct (embedded)"
+    assert _target_name(EngineConfig(target="/models/Qwen2.5-7B")) == "Qwen2.5-7B"

@@ -159,14 +159,73 @@ def _read(path: Path, bs: int) -> list[float] | None:
 
 
 def _write(path: Path, t_verify: float, t_expand: float, cost: list[float]) -> None:
+    _write_json(path, {"t_verify_ms": t_verify, "t_expand_ms": t_expand, "verify_cost": cost})
+
+
+def _write_json(path: Path, data: dict) -> None:
     """Written whole or not at all (a temporary file renamed); the oldest beyond MAX_PROFILES go."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"t_verify_ms": t_verify, "t_expand_ms": t_expand, "verify_cost": cost}))
+        tmp.write_text(json.dumps(data))
         tmp.replace(path)
         old = sorted(path.parent.glob("*.json"), key=lambda f: f.stat().st_mtime_ns, reverse=True)
         for f in old[MAX_PROFILES:]:
             f.unlink(missing_ok=True)
     except OSError:
         pass  # a read-only cache: the next start measures again
+
+
+# Expected acceptance of a proposed node, by drafter, for --dtype auto's choice: the suffix drafter yields
+# ~1.4-1.5 tokens a verification on fresh questions (1 + p + p^2 + ... with p ~ 0.35); a learned head or a
+# draft model more.
+ACCEPTANCE_PRIOR = {"none": 0.0, "suffix": 0.35}
+ACCEPTANCE_OTHER = 0.5
+
+
+def expected_rate(costs: list[float], p: float) -> float:
+    """Tokens per millisecond at the best subtree size: (1 + p + ... + p^(n-1)) / cost(n)."""
+    return max(sum(p ** i for i in range(n)) / c for n, c in enumerate(costs, 1))
+
+
+def choose_cpu_backend(ctx: Ctx, say: Callable[[str], None]) -> str:
+    """--dtype auto on the CPU: the backend with the best expected throughput, from each candidate's
+    measured step and verification costs (cpu_backends.synthetic_costs) and the drafter's expected
+    acceptance. Measured once per machine, model shape, threads and drafter, then read from the cache.
+    Decided on the target leader and broadcast to the target group."""
+    from swiftspec.engine import cpu_backends
+    from swiftspec.engine.model_dir import gguf_block_kinds
+
+    args = ctx.args
+    model_args = read_args(Path(args.target))
+    if cpu_backends.kernels_available(model_args, ctx.tp_world) is not None:
+        return "float32"  # torch's linears, exact through one-row forwards (engine/loader.py)
+    candidates = list(cpu_backends.FLOAT_FORMATS)
+    if gguf_block_kinds(Path(args.target)) & set(cpu_backends.BLOCK_FORMATS) and ctx.tp_world == 1:
+        candidates.insert(0, "gguf")
+    choice = torch.zeros(1, dtype=torch.int64)
+    if ctx.tp_rank == 0:
+        key = {"format": PROFILE_FORMAT, "swiftspec": _version("swiftspec"), "torch": torch.__version__,
+               "machine": [platform.machine(), _cpu_name(), os.cpu_count()], "threads": ctx.threads,
+               "shape": [model_args.dim, model_args.n_layers, model_args.n_heads, model_args.n_kv_heads,
+                         model_args.intermediate_size, model_args.vocab_size, ctx.tp_world],
+               "candidates": candidates, "draft": args.draft if args.draft in BUILTIN_DRAFTS else "model",
+               "bs": args.bs}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+        path = cache_dir() / "profiles" / f"backend-{digest}.json"
+        try:
+            costs = {k: [float(c) for c in v] for k, v in json.loads(path.read_text())["costs"].items()}
+            assert set(costs) == set(candidates)
+        except (OSError, ValueError, KeyError, TypeError, AssertionError):
+            say("measuring the CPU backends (" + ", ".join(candidates) + ")")
+            costs = {b: cpu_backends.synthetic_costs(model_args, b, args.bs) for b in candidates}
+            _write_json(path, {"costs": costs})
+        p = ACCEPTANCE_PRIOR.get(args.draft, ACCEPTANCE_OTHER)
+        rates = {b: expected_rate(c, p) for b, c in costs.items()}
+        best = max(rates, key=rates.get)
+        say("CPU backend " + best + " (expected tok/s: "
+            + ", ".join(f"{b} {r * 1e3:.1f}" for b, r in sorted(rates.items(), key=lambda kv: -kv[1])) + ")")
+        choice[0] = candidates.index(best)
+    if ctx.tp_world > 1:
+        dist.broadcast(choice, src=0, group=ctx.target_group)
+    return candidates[int(choice[0])]

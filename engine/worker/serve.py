@@ -18,8 +18,16 @@ from swiftspec.engine.model_dir import load_tokenizer
 from swiftspec.engine.protocol import EngineInfo
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.worker.leader_io import ScriptIO, SocketIO
-from swiftspec.engine.worker.profiling import choose_d, profile
-from swiftspec.engine.worker.setup import Ctx, barrier, gather_ranks, load, parse_args, setup
+from swiftspec.engine.worker.profiling import choose_cpu_backend, choose_d, profile
+from swiftspec.engine.worker.setup import (
+    Ctx,
+    barrier,
+    gather_ranks,
+    load,
+    parse_args,
+    setup,
+    target_precision,
+)
 from swiftspec.engine.worker.wire import DistLink
 
 # Request header, broadcast by the leader to every rank: int64[4] = cmd, mode, prompt length, params length.
@@ -133,13 +141,15 @@ def main(argv: list[str] | None = None) -> int:
             io.progress(f"loading target {args.target_name or Path(args.target).name} on {ctx.n_target} "
                         f"rank(s)" + (f" and {draft} on {ctx.world - ctx.n_target} rank(s)" if args.draft != "none"
                                       else ", no draft"))
+        if ctx.role == "target" and ctx.device.type == "cpu" and args.dtype == "auto" and args.batch_invariant != "off":
+            args.dtype = choose_cpu_backend(ctx, io.progress if io is not None else lambda _text: None)
         load(ctx)
         barrier()
         t_verify, t_expand = profile(ctx, ranks, io.progress if io is not None else lambda _text: None)
         ctx.d = 0 if args.draft == "none" else args.d or choose_d(t_verify, t_expand)
         if io is not None:
             info = EngineInfo(
-                target=args.target_name or Path(args.target).name,
+                target=f"{args.target_name or Path(args.target).name} · {target_precision(ctx)}",
                 draft=(args.draft if args.draft in BUILTIN_DRAFTS else Path(args.draft).name)
                 + (f" + corpus {Path(args.draft_corpus).stem}" if args.draft_corpus else ""),
                 ranks=ranks, context_length=args.max_seq_len, backend=ctx.backend, bs=args.bs, w=args.w,

@@ -227,3 +227,16 @@ def load(ctx: Ctx) -> None:
         if drafter.wants_features and ctx.tp_world > 1:
             raise ConfigError("a draft that reads the target's hidden states runs on one draft rank only")
         ctx.draft = DraftState(drafter, TreeParams(args.bs, args.w, args.d))
+
+
+def target_precision(ctx: Ctx) -> str:
+    """What the title bar says the target runs at: the CPU backend's label ("int4 (Q4_1 blocks) · int8
+    activations · AVX2"), else the dtype, and for a converted GGUF the type its blocks came in."""
+    from swiftspec.embedded import precision_label
+    from swiftspec.engine.model_dir import default_dtype_name
+
+    model = getattr(ctx.target.model, "model", ctx.target.model)  # through a CUDA-graphs wrapper
+    if model.precision:
+        return model.precision
+    return precision_label(Path(ctx.args.target), default_dtype_name(ctx.device.type == "cuda", ctx.args.dtype))
+

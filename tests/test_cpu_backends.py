@@ -1,0 +1,198 @@
+"""The CPU backends (engine/cpu_backends.py over kernels/cpu_linear.c): each row of a multi-row forward
+equals a one-row forward bit for bit, for every backend, row count and tree shape, so every decoding mode's
+greedy output is the target's by construction; the kernels compute what their formats stand for; the
+gguf backend stays close to the fp32 dequantised model; --dtype auto chooses by measurement."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from tiny_models import make_tiny_gguf, single_thread, tiny_model_dir
+
+from swiftspec import embedded
+from swiftspec.config import SamplingParams, TreeParams
+from swiftspec.engine import cpu_backends
+from swiftspec.engine.cpu_backends import Blocks, PackedLinear
+from swiftspec.engine.decode import DraftState, TargetState
+from swiftspec.engine.drafters import ModelDrafter
+from swiftspec.engine.loader import load_model, read_hf_state_dict
+from swiftspec.engine.loop import generate
+from swiftspec.engine.tree import target_inputs
+from swiftspec.engine.tree_cache import prefill_forward
+from swiftspec.kernels import cpu_linear, reference
+from swiftspec.kernels.cpu_linear import Format
+
+PROMPT = [5, 17, 300, 42, 8, 99, 3, 250, 11, 64, 7, 280]
+TREES = {  # parents of each node: a chain, a star, and a root with three branches of unequal depth
+    "chain": [-1, 0, 1, 2, 3, 4, 5, 6],
+    "star": [-1, 0, 0, 0, 0, 0, 0, 0],
+    "branches": [-1, 0, 0, 1, 1, 3, 2, 5],
+}
+BACKENDS = ["float32", "float16", "bfloat16", "gguf", "int4"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory):
+    """A converted tiny GGUF whose layers hold Q4_0, Q4_1 and Q8_0 blocks (and Q5_0 / F16, dequantised)."""
+    root = tmp_path_factory.mktemp("gguf")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SWIFTSPEC_CACHE", str(root / "cache"))
+        return embedded.ensure_converted(make_tiny_gguf(root / "tiny.gguf", layers=3, hidden=128))
+
+
+def float_dir():
+    return tiny_model_dir(seed=4, layers=3, hidden=128, heads=4, kv_heads=2, init_range=0.02, logit_scale=1.0)
+
+
+def model_for(backend: str, gguf_dir, slots: int = 128):
+    return load_model(gguf_dir if backend == "gguf" else float_dir(), "cpu", backend, max_slots=slots)
+
+
+def tree_and_steps(model, parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of one verification of the tree behind PROMPT, and of the one-token steps along each node's
+    path that would have produced the same rows."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 300, (len(parents),), generator=g)
+    prefill_forward(model, PROMPT, 0, logits=False)
+    positions, slots, mask = target_inputs(parents, len(PROMPT))
+    tree = model(tokens, positions, slots, mask)
+    steps = []
+    for node in range(len(parents)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        for depth, i in enumerate(reversed(path)):  # slots behind the prefix are overwritten step by step
+            at = torch.tensor([len(PROMPT) + depth])
+            logits = model(tokens[i:i + 1], at, at, torch.ones(1, len(PROMPT) + depth + 1, dtype=torch.bool))
+        steps.append(logits[0])
+    return tree, torch.stack(steps)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tree", sorted(TREES))
+def test_tree_rows_equal_one_token_steps(backend, tree, gguf_dir):
+    model = model_for(backend, gguf_dir)
+    assert isinstance(model.output, PackedLinear) and model.precision
+    for n in range(1, len(TREES[tree]) + 1):  # every row count 1..bs
+        rows, steps = tree_and_steps(model, TREES[tree][:n])
+        assert torch.equal(rows, steps), (backend, tree, n)
+
+
+def test_the_gguf_backend_runs_the_files_own_blocks(gguf_dir):
+    model = model_for("gguf", gguf_dir)
+    fmts = {name: m.fmt for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert fmts["layers.1.attention.wqkv"] == Format.Q4  # Q4_1 rows fused as blocks
+    assert fmts["layers.0.attention.wqkv"] == Format.F32  # q/k Q4_1 with v Q8_0: dequantised
+    assert fmts["layers.1.feed_forward.w13"] == Format.Q8 and fmts["layers.0.attention.wo"] == Format.Q4  # Q4_0
+    assert fmts["output"] == Format.Q4  # the tiny GGUF's lm_head is Q4_0
+    assert isinstance(model.tok_embeddings, cpu_backends.BlockEmbedding)
+    hf = read_hf_state_dict(gguf_dir)  # dequantised as transformers does
+    emb = model.tok_embeddings(torch.arange(10))
+    assert torch.equal(emb, hf["model.embed_tokens.weight"][:10])
+    assert model.precision.startswith("int4 (Q4_0/Q4_1 blocks) · int8 activations")
+
+
+def test_gguf_logits_stay_close_to_the_fp32_dequantised_model(gguf_dir):
+    """int8 activations (as llama.cpp): within 3 % of the logits' range of the fp32 model's."""
+    ours, fp32 = model_for("gguf", gguf_dir), load_model(gguf_dir, "cpu", "float32", max_slots=128, batch_invariant=False)
+    a, _ = tree_and_steps(ours, TREES["branches"])
+    b, _ = tree_and_steps(fp32, TREES["branches"])
+    assert (a - b).abs().max() < 0.03 * (b.max() - b.min())
+
+
+@pytest.mark.parametrize("fmt", list(Format))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_rows_are_independent_and_compute_the_format(fmt, threads):
+    dll = cpu_backends.library()
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 96, generator=g) * 0.1
+    bias = torch.randn(200, generator=g)
+    if fmt in (Format.Q4, Format.Q8):
+        packed = Blocks.quantize(w, fmt)
+        lin, exact = PackedLinear(dll, packed, fmt, bias), packed.dequantize()
+    else:
+        lin = PackedLinear(dll, w, fmt, bias)
+        exact = w.to({Format.F32: torch.float32, Format.F16: torch.float16, Format.BF16: torch.bfloat16}[fmt]).float()
+    x = torch.randn(11, 96, generator=g)
+    cpu_linear.set_threads(dll, threads)
+    try:
+        out = lin(x)
+        alone = [lin(x[i:i + 1]) for i in range(len(x))]
+    finally:
+        cpu_linear.set_threads(dll, 1)
+    assert all(torch.equal(out[i:i + 1], row) for i, row in enumerate(alone))
+    assert torch.equal(out, lin(x))  # and with one thread
+    want = x @ exact.T + bias
+    tol = 0.02 if fmt in (Format.Q4, Format.Q8) else 1e-5  # int8 activations round to 1/254 of a block's max
+    assert (out - want).abs().max() <= tol * want.abs().max()
+
+
+def test_q4_blocks_dequantise_as_gguf_does():
+    """Q4_0 as d * (q - 8) and Q4_1 as d * q + m, from the file's bytes."""
+    from gguf import GGMLQuantizationType, dequantize, quants
+
+    w = torch.randn(8, 64).numpy()
+    for kind in ("Q4_0", "Q4_1", "Q8_0"):
+        raw = quants.quantize(w, GGMLQuantizationType[kind])
+        want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]))
+        torch.testing.assert_close(Blocks.from_gguf(torch.from_numpy(raw), kind).dequantize(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_attention_rows_are_independent_and_match_the_reference():
+    dll = cpu_backends.library()
+    g = torch.Generator().manual_seed(1)
+    T, H, Hkv, D, P = 8, 8, 2, 64, 300
+    q = torch.randn(T, H, D, generator=g)
+    k, v = (torch.randn(Hkv, P + 16, D, generator=g) for _ in range(2))
+    _, _, mask = target_inputs(TREES["branches"], P)
+    att = cpu_backends.CpuAttention(dll)
+    out = att.tree_attention(q, k[:, :P + T], v[:, :P + T], mask)
+    for t in range(T):
+        assert torch.equal(att.tree_attention(q[t:t + 1], k[:, :P + T], v[:, :P + T], mask[t:t + 1]), out[t:t + 1])
+    want = reference.tree_attention(q, k[:, :P + T], v[:, :P + T], reference.prepare_mask(mask, H // Hkv, torch.float32))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_speculation_equals_ar(backend, gguf_dir):
+    target = TargetState(model_for(backend, gguf_dir, 256), 256)
+    params = SamplingParams(mode="ar", max_new_tokens=40, ignore_eos=True)
+    ar = [t for s in generate(target, None, PROMPT, params) for t in s.tokens]
+    draft_dir = gguf_dir if backend == "gguf" else float_dir()
+    draft = DraftState(ModelDrafter(load_model(draft_dir, "cpu", "float32", max_slots=512, batch_invariant=False)),
+                       TreeParams(bs=8, w=4))
+    for mode in ("sync", "async"):
+        spec = [t for s in generate(target, draft, PROMPT, dataclasses.replace(params, mode=mode), 2) for t in s.tokens]
+        assert spec == ar and len(ar) == 40, (backend, mode)
+
+
+def test_auto_weighs_step_time_against_verification_cost():
+    from swiftspec.engine.worker.profiling import expected_rate
+
+    flat, steep = [10.0, 11.0, 12.0, 13.0], [9.0, 18.0, 27.0, 36.0]
+    assert expected_rate(steep, 0.0) > expected_rate(flat, 0.0)  # plain decoding: the faster step
+    assert expected_rate(flat, 0.5) > expected_rate(steep, 0.5)  # speculation: cheap extra rows
+    assert expected_rate(flat, 0.5) == pytest.approx(1.75 / 12.0)  # three rows: the best subtree
+
+
+def test_synthetic_costs_measure_every_row_count():
+    from swiftspec.engine.model_args import ModelArgs
+
+    args = ModelArgs.from_hf_config(json.loads((float_dir() / "config.json").read_text()))
+    for backend in ("gguf", "float16"):
+        costs = cpu_backends.synthetic_costs(args, backend, 4)
+        assert len(costs) == 4 and all(c > 0 for c in costs)
+
+
+def test_widths_the_kernels_cannot_take_fall_back_to_one_row_forwards():
+    odd = tiny_model_dir(seed=1, layers=1, hidden=48, heads=4, kv_heads=2)
+    model = load_model(odd, "cpu", "auto", max_slots=32)
+    assert not isinstance(model.output, PackedLinear) and model.batch_invariant  # exact, the slow way
+    assert "multiples of 32" in cpu_backends.kernels_available(model.args)
