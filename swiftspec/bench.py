@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import importlib.resources
 import json
+import os
 import platform
 import statistics
 import time
@@ -25,15 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swiftspec.bench_llamacpp import PeerCrashed
 from swiftspec.config import ConfigError, EngineConfig, SamplingParams
 from swiftspec.engine.protocol import EngineAPI, EngineInfo
 
 HF_MODES = ("hf", "hf-assisted")
+PEER_MODES = HF_MODES + ("llama.cpp",)  # other engines: their own kernels, so their tokens may differ
 ENGINE_MODES = ("ar", "sync", "async")
-ALL_MODES = HF_MODES + ENGINE_MODES
+ALL_MODES = PEER_MODES + ENGINE_MODES
 BUILTIN_SETS = ("chat", "code", "math", "qa", "summarisation", "extraction", "fresh")
 HUMANEVAL = "humaneval"
-SPEEDUP_BASELINES = ("hf", "ar")
+SPEEDUP_BASELINES = ("hf", "llama.cpp", "ar")
 WARMUP_TOKENS = 8
 WARMUP = [{"role": "user", "content": "Say hello."}]  # not a bench prompt: no mode may have seen its answer
 FORGET = ([{"role": "system", "content": "-"}, {"role": "user", "content": "-"}], [{"role": "user", "content": "-"}])
@@ -346,16 +349,26 @@ class EngineRunner:
 
 def run_interleaved(runners: dict[str, Runner], prompts: list[Prompt], params: SamplingParams,
                     samples: dict[str, list[Sample]], on_step: Callable[[int, str], None] | None = None,
-                    on_prompt: Callable[[int], None] | None = None) -> None:
+                    on_prompt: Callable[[int], None] | None = None, crashed: dict[str, str] | None = None) -> None:
     """Every mode on prompt i before prompt i+1; the mode order rotates by one per prompt. ``samples`` is
-    filled as answers finish, so that an interrupted run still holds every finished one."""
+    filled as answers finish, so that an interrupted run still holds every finished one. A peer that
+    crashes (PeerCrashed) leaves the run: its samples go, ``crashed`` says why."""
     modes = list(runners)
     for i, prompt in enumerate(prompts):
         k = i % len(modes)
         for mode in modes[k:] + modes[:k]:
+            if mode not in runners:
+                continue
             if on_step:
                 on_step(i, mode)
-            samples.setdefault(mode, []).append(runners[mode](prompt.messages, params))
+            try:
+                samples.setdefault(mode, []).append(runners[mode](prompt.messages, params))
+            except PeerCrashed as e:
+                if crashed is None:
+                    raise
+                crashed[mode] = str(e)
+                del runners[mode]
+                samples.pop(mode, None)
         if on_prompt:
             on_prompt(i)
 
@@ -456,7 +469,11 @@ def render_table(report: dict[str, Any]):
     ref = cfg["reference"] or ("(no target-only mode run)" if "greedy" in cfg["decoding"] else
                                "(not compared: sampled answers differ by design)")
     caption = [f"tok/s = {TOKENS_PER_S}; {cfg['decoding']}.", f"× = {SPEEDUP}.",
-               f"{STEP_MS}.", f"= target: same tokens as {ref} on every prompt."]
+               f"{STEP_MS}.", f"= target: same tokens as {ref} on every prompt (peers, with kernels of their "
+                              "own, show how many prompts agree).",
+               "threads: " + ", ".join(f"{m} {t}" for m, t in cfg.get("threads", {}).items()) + "."]
+    caption += [f"[red]WARNING: {w}[/]" for w in cfg.get("warnings", [])]
+    caption += [f"[red]{m}: {why}[/]" for m, why in report.get("crashed", {}).items()]
     ar = next((r for r in results if r["mode"] == "ar"), None)
     if ar and ar["identical_to_hf"] is not None:
         caption.append(f"ar = hf: {'yes' if ar['identical_to_hf'] else 'NO'} "
@@ -480,9 +497,14 @@ def render_table(report: dict[str, Any]):
             if base in modes:
                 cells.append("1.00×" if base == r["mode"] else _fmt(report["speedup"].get(f"{r['mode']}/{base}"),
                                                                      ".2f", "×"))
-        cells.append("–" if same is None else "[green]yes[/]" if same else
-                     f"[red]NO ({r['identical_prompts']}/{r['prompts']})[/]")
+        if r["mode"] in PEER_MODES and cfg["reference"] not in (None, r["mode"]):
+            cells.append(f"{r['identical_prompts']}/{r['prompts']}")
+        else:
+            cells.append("–" if same is None else "[green]yes[/]" if same else
+                         f"[red]NO ({r['identical_prompts']}/{r['prompts']})[/]")
         table.add_row(*cells)
+    for mode in report.get("crashed", {}):
+        table.add_row(mode, "[red]crashed[/]", *[""] * (len(table.columns) - 2))
     return table
 
 
@@ -560,8 +582,25 @@ def describe_decoding(params: SamplingParams) -> str:
     return f"{how}; every mode stops at EOS, which is not counted"
 
 
+def engine_threads(info: EngineInfo) -> str:
+    """The engine modes' threads, by group: "target 1 × 1 + draft 1 × 1" (ranks × threads each)."""
+    parts = []
+    for role in ("target", "draft"):
+        ranks = [r for r in info.ranks if r.role == role]
+        if ranks:
+            parts.append(f"{role} {len(ranks)} × {max(r.threads for r in ranks)}")
+    return " + ".join(parts)
+
+
+def load_warning(when: str) -> str | None:
+    """A load average above the core count makes every figure of the run suspect: said in the report."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    return f"load average {load:.2f} above {cores} cores at the {when} of the run" if load > cores else None
+
+
 def report_config(config: EngineConfig, info: EngineInfo | None, modes: list[str], prompts: list[Prompt],
-                  params: SamplingParams, assist: dict[str, Any] | None) -> dict[str, Any]:
+                  params: SamplingParams, assist: dict[str, Any] | None, threads: dict[str, str] | None = None,
+                  warnings: list[str] | None = None) -> dict[str, Any]:
     import torch
     import transformers
 
@@ -592,6 +631,8 @@ def report_config(config: EngineConfig, info: EngineInfo | None, modes: list[str
         "hf_assisted": assist,
         "hf_device": "/".join(hf_device(config)),
         "hf_threads": torch.get_num_threads(),
+        "threads": threads or {},
+        "warnings": warnings or [],
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "machine": f"{platform.system()} {platform.machine()}",
@@ -635,6 +676,18 @@ def _load_hf(model_dir: Path, tokenizer, eos: list[int], config: EngineConfig, m
             assist = {"assistant_model": load(assist["assistant_model"])}
         runners["hf-assisted"] = HFRunner(model, tokenizer, eos, assist)
     return runners
+
+
+def llamacpp_gguf(config: EngineConfig) -> Path:
+    """The GGUF file llama.cpp reads: the embedded default's, or the --target file."""
+    from swiftspec import embedded
+
+    if config.target is None:
+        return embedded.embedded_gguf_path()
+    path = Path(config.target).expanduser()
+    if path.suffix.lower() != ".gguf" or not path.is_file():
+        raise BenchError(f"the llama.cpp mode reads a GGUF file; --target {config.target} is not one")
+    return path
 
 
 def _start_engine(config: EngineConfig, err):
@@ -689,6 +742,13 @@ def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompt
             raise BenchError(f"cannot write {out}: {Path(out).parent} is not a directory")
     config.validate()
     assist = hf_assist(config) if "hf-assisted" in mode_list else None
+    if "llama.cpp" in mode_list:
+        from swiftspec import bench_llamacpp
+
+        if (why := bench_llamacpp.available()) is not None:
+            raise BenchError(why)
+        gguf = llamacpp_gguf(config)
+    warnings = [w for w in [load_warning("start")] if w]
     if console is None:
         console = Console()
         if not console.is_terminal:  # piped output: room for every column instead of rich's 80
@@ -702,6 +762,7 @@ def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompt
     from swiftspec.engine.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir
 
     samples: dict[str, list[Sample]] = {}
+    crashed: dict[str, str] = {}
     interrupted = False
     with contextlib.ExitStack() as stack:
         info: EngineInfo | None = None
@@ -709,10 +770,27 @@ def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompt
         model_dir = resolve_model_dir(config.target, say)
         tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
         eos = eos_token_ids(model_dir, config.trust_remote_code)
+        threads: dict[str, str] = {}
         if any(m in HF_MODES for m in mode_list):
             say("loading the target into transformers for the hf baselines")
             with err.status("loading the target into transformers for the hf baselines"):
                 runners.update(_load_hf(model_dir, tokenizer, eos, config, mode_list, assist))
+            import torch
+
+            threads.update({m: str(torch.get_num_threads()) for m in mode_list if m in HF_MODES})
+        if "llama.cpp" in mode_list:
+            from swiftspec.bench_llamacpp import LlamaCppRunner
+
+            say("starting llama.cpp")
+            n = config.threads or bench_llamacpp.default_threads()
+            try:
+                with err.status("starting llama.cpp"):
+                    peer = LlamaCppRunner(gguf, tokenizer, eos, n, config.max_seq_len)
+                stack.callback(peer.close)
+                runners["llama.cpp"] = peer
+            except PeerCrashed as e:
+                crashed["llama.cpp"] = str(e)
+            threads["llama.cpp"] = str(n)
         if any(m in ENGINE_MODES for m in mode_list):
             say("starting the engine")
             engine = _start_engine(config, err)
@@ -720,13 +798,18 @@ def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompt
             info = engine.info
             for mode in (m for m in mode_list if m in ENGINE_MODES):
                 runners[mode] = EngineRunner(engine, mode, eos)
-        runners = {m: runners[m] for m in mode_list}
+                threads[mode] = engine_threads(info)
+        runners = {m: runners[m] for m in mode_list if m in runners}
 
         say(f"warming up; then {len(selected)} prompts x {len(mode_list)} modes, up to "
             f"{params.max_new_tokens} new tokens each")
         with err.status("warming up every mode"):
-            for runner in runners.values():
-                runner(WARMUP, dataclasses.replace(params, max_new_tokens=WARMUP_TOKENS))
+            for mode, runner in list(runners.items()):
+                try:
+                    runner(WARMUP, dataclasses.replace(params, max_new_tokens=WARMUP_TOKENS))
+                except PeerCrashed as e:
+                    crashed[mode] = str(e)
+                    del runners[mode]
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("ETA"), TimeRemainingColumn())
         t0 = time.perf_counter()
@@ -743,17 +826,21 @@ def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompt
                     err.print(eta_line(i + 1, len(selected), time.perf_counter() - t0), highlight=False)
 
             try:
-                run_interleaved(runners, selected, params, samples, on_step, on_prompt)
+                run_interleaved(runners, selected, params, samples, on_step, on_prompt, crashed)
             except KeyboardInterrupt:
                 interrupted = True
 
-    finished = finished_prompts(samples, mode_list)
+    ran = [m for m in mode_list if m not in crashed]
+    finished = finished_prompts(samples, ran)
     if interrupted and not finished:
         raise KeyboardInterrupt
-    samples = {m: samples[m][:finished] for m in mode_list}
+    samples = {m: samples[m][:finished] for m in ran}
     results, speedup = summarise(samples, selected[:finished], params.greedy)
-    report = {"config": report_config(config, info, mode_list, selected[:finished], params, assist),
+    warnings += [w for w in [load_warning("end")] if w]
+    report = {"config": report_config(config, info, mode_list, selected[:finished], params, assist, threads, warnings),
               "results": results, "speedup": speedup}
+    if crashed:
+        report["crashed"] = crashed
     if interrupted:
         report["partial"] = {"finished": finished, "planned": len(selected)}
     console.print(render_table(report))

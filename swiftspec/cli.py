@@ -424,7 +424,8 @@ def bench(
     max_new_tokens: MaxNewTokensOpt = 128,
     modes: Annotated[str, _opt(
         "--modes", panel=BENCH, metavar="MODES",
-        help="Comma-separated: hf, hf-assisted, ar, sync, async.")] = "hf,hf-assisted,ar,sync,async",
+        help="Comma-separated: hf, hf-assisted, llama.cpp, ar, sync, async. llama.cpp runs the same GGUF "
+             "through llama-cpp-python (installed by hand, see the README) on every core.")] = "hf,hf-assisted,ar,sync,async",
     prompts: Annotated[Path | None, _opt(
         "--prompts", panel=BENCH, metavar="FILE",
         help="Prompts from a JSONL file with a 'prompt' field or MT-Bench-style 'turns'.")] = None,
