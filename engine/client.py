@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 from swiftspec.config import BUILTIN_DRAFTS, EngineConfig, SamplingParams, StepEvent
@@ -141,9 +141,7 @@ class Engine:
             launcher.remove_run_dir(run_dir)
             raise
         if tokenizer is None:  # its imports (~2 s) run while the workers start, not before
-            pool = ThreadPoolExecutor(1, "engine-tokenizer", initializer=_lowest_priority)
-            tokenizer = pool.submit(load_tokenizer, target_dir, config.trust_remote_code)
-            pool.shutdown(wait=False)
+            tokenizer = _in_background(load_tokenizer, target_dir, config.trust_remote_code)
         tail = WorkerOutput(proc.stdout, worker_log_path(), layout.n_target)
         pgids = {proc.pid}
         conn = None
@@ -368,6 +366,23 @@ def _is_head_dir(path: Path) -> bool:
     from swiftspec.engine.draft_head import is_head_dir  # imports torch: only for a draft path
 
     return is_head_dir(path)
+
+
+def _in_background(fn, *args) -> Future:
+    """``fn(*args)`` in a daemon thread at the lowest priority. Not a ThreadPoolExecutor: the interpreter
+    joins those at exit, so a start that failed while transformers was still importing at nice 19 on a
+    busy machine kept its process alive for a minute."""
+    future: Future = Future()
+
+    def run() -> None:
+        _lowest_priority()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="engine-tokenizer", daemon=True).start()
+    return future
 
 
 def _lowest_priority() -> None:

@@ -5,7 +5,7 @@ one-row loops. Applied to a built Transformer as module surgery (``apply``), gpt
 * ``float32``, ``float16``, ``bfloat16``: the weights stored at that width, multiplied in fp32;
 * ``gguf``: a GGUF's own blocks, as the file holds them: Q4_0 / Q4_1 as 4-bit blocks (w = d q + m per 32
   weights, the fp16 d and m widened to fp32 exactly), Q8_0 as 8-bit blocks, with the activations
-  quantised to int8 per block of 32 as llama.cpp does. The embedding is looked up from its blocks.
+  quantised to int16 per block of 32 (kernels/cpu_linear.c says why not llama.cpp's int8). The embedding is looked up from its blocks.
   ``--quantize int4`` packs a float checkpoint the same way (Q4_1-style blocks, the lm_head and embedding
   as Q8_0-style ones).
 
@@ -241,7 +241,7 @@ def _linears(model: nn.Module):
 
 def apply(model: nn.Module, backend: str, blocks: dict[str, Blocks] | None = None, quantize: bool = False) -> str:
     """Replaces the model's linears (and, with blocks, its embedding) by packed ones and its attention by
-    the library's; returns the precision label ("int4 (Q4_1 blocks) · int8 activations · AVX2").
+    the library's; returns the precision label ("int4 (Q4_1 blocks) · int16 activations · AVX2").
 
     ``blocks``: the GGUF blocks by our parameter name (``layers.0.attention.wqkv.weight``,
     ``tok_embeddings.weight``); a linear without blocks keeps fp32 weights. ``quantize`` (gguf backend on a
@@ -276,14 +276,14 @@ def apply(model: nn.Module, backend: str, blocks: dict[str, Blocks] | None = Non
 
 
 def label(backend: str, blocks: dict[str, Blocks], dll: ctypes.CDLL) -> str:
-    """What the title bar shows: "int4 (Q4_1 blocks) · int8 activations · AVX2", "float16 weights · fp32
+    """What the title bar shows: "int4 (Q4_1 blocks) · int16 activations · AVX2", "float16 weights · fp32
     math · AVX2"."""
     isa = cpu_linear.isa(dll)
     if backend != "gguf":
         return f"{backend} weights · fp32 math · {isa}"
     kinds = sorted({b.kind for k, b in blocks.items() if b.fmt == Format.Q4 and k != "tok_embeddings.weight"})
     what = f"int4 ({'/'.join(kinds)} blocks)" if kinds else "int8 blocks"
-    return f"{what} · int8 activations · {isa}"
+    return f"{what} · int16 activations · {isa}"
 
 
 def unpack_gguf(state: dict[str, Tensor], kinds: dict[str, str]) -> dict[str, Blocks]:

@@ -13,10 +13,13 @@
  *       high one), d and m [N][nb] fp32: w = d * q + m  (Q4_1 as stored; Q4_0 is m = -8 d)
  *   Q8  qs [N][nb][32] int8, d [N][nb] fp32: w = d * q  (Q8_0)
  *   F16 w [N][K] IEEE half;  BF16 w [N][K] bfloat16;  F32 w [N][K] float
- * Q4 and Q8 multiply integers, as llama.cpp does: each row's blocks of 32 are quantised to int8 with
- * one fp32 scale (absmax / 127, round to nearest), the block's integer dot product is scaled by both
- * scales, and Q4's offset term is m . (the exact fp32 sums of the row's blocks). The 16- and 32-bit
- * formats multiply in fp32.
+ * Q4 and Q8 multiply integers: each row's blocks of 32 are quantised to int16 with one fp32 scale
+ * (absmax / 32767, round to nearest), the block's integer dot product (exact in int32, and in the fp32
+ * it is converted to) is scaled by both scales, and Q4's offset term is m . (the exact fp32 sums of the
+ * row's blocks). int16 rather than llama.cpp's int8: a block with one large activation (small models
+ * have such channels) would leave the others a few levels of int8, and the error compounds over the
+ * layers (5-6 % of the logits' range on SmolLM2 with int8, ~0.1 % with int16), at ~20 % more work per
+ * row. The 16- and 32-bit formats multiply in fp32.
  *
  * Tree attention (ss_attention) follows the same rule: each (row, head) is one fixed pass over the
  * row's allowed keys (scores, a max, exponentials and the weighted sum of values, in key order).
@@ -43,7 +46,7 @@ enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_F16 = 2, FMT_BF16 = 3, FMT_F32 = 4 };
 typedef struct {
     int fmt, M, K, N;
     const float *x;      /* [M][K] fp32: the float formats */
-    const int8_t *qx;    /* [M][nb][32]: Q4 and Q8 */
+    const int16_t *qx;   /* [M][nb][32]: Q4 and Q8 */
     const float *dx;     /* [M][nb] scales of qx */
     const float *xsum;   /* [M][nb] fp32 block sums of x: Q4 */
     const void *w;
@@ -61,12 +64,12 @@ static inline float hsum(__m256 s) {
 
 #endif
 
-/* Each row's int8 blocks, their scales and (Q4) exact block sums, into one buffer per thread. Rounding
+/* Each row's int16 blocks, their scales and (Q4) exact block sums, into one buffer per thread. Rounding
  * is to nearest even (the FPU's default mode, on either path). */
 static int prepare_rows(job_t *j) {
     static _Thread_local void *buf;
     static _Thread_local size_t cap;
-    const size_t blocks = (size_t)j->M * (j->K / 32), need = blocks * (32 + 2 * sizeof(float));
+    const size_t blocks = (size_t)j->M * (j->K / 32), need = blocks * (32 * sizeof(int16_t) + 2 * sizeof(float));
     if (need > cap) {
         free(buf);
         buf = malloc(need);
@@ -74,7 +77,7 @@ static int prepare_rows(job_t *j) {
         if (!buf) return -1;
     }
     float *dx = buf, *xsum = dx + blocks;
-    int8_t *qx = (int8_t *)(xsum + blocks);
+    int16_t *qx = (int16_t *)(xsum + blocks);
     for (size_t i = 0; i < blocks; i++) {
         const float *v = j->x + i * 32;
 #ifdef SS_AVX2
@@ -89,22 +92,23 @@ static int prepare_rows(job_t *j) {
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
         const float amax = _mm_cvtss_f32(h);
         xsum[i] = hsum(_mm256_add_ps(_mm256_add_ps(x[0], x[1]), _mm256_add_ps(x[2], x[3])));
-        const float scale = amax / 127.0f;
+        const float scale = amax / 32767.0f;
         const __m256 inv = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
         __m256i q[4];
         for (int l = 0; l < 4; l++) q[l] = _mm256_cvtps_epi32(_mm256_mul_ps(x[l], inv));
-        /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back */
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(qx + i * 32), p);
+        /* int32 -> int16 in order: packs interleave 128-bit lanes, the permute puts them back */
+        for (int l = 0; l < 2; l++) {
+            __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * l], q[2 * l + 1]), 0xD8);
+            _mm256_storeu_si256((__m256i *)(qx + i * 32 + 16 * l), p);
+        }
         dx[i] = scale;
 #else
         float amax = 0.0f, s[4] = {0};
         for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
         for (int k = 0; k < 32; k += 4)
             for (int l = 0; l < 4; l++) s[l] += v[k + l];
-        const float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-        for (int k = 0; k < 32; k++) qx[i * 32 + k] = (int8_t)nearbyintf(v[k] * inv);
+        const float scale = amax / 32767.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        for (int k = 0; k < 32; k++) qx[i * 32 + k] = (int16_t)nearbyintf(v[k] * inv);
         dx[i] = scale;
         xsum[i] = (s[0] + s[1]) + (s[2] + s[3]);
 #endif
@@ -128,20 +132,26 @@ static inline void store(const job_t *j, int r, int n, float s) {
 }
 
 #ifdef SS_AVX2
-/* One block's weights as 32 bytes: Q4's nibbles in value order (unsigned), or Q8's int8. */
-static inline __attribute__((always_inline)) __m256i int_block(const job_t *j, const int fmt, int n, int b) {
+/* One block's 32 weights as int16: values 0..15 in w[0], 16..31 in w[1] (Q4's nibbles, Q8's int8). */
+static inline __attribute__((always_inline)) void int_block(const job_t *j, const int fmt, int n, int b, __m256i w[2]) {
     const int nb = j->K / 32;
     if (fmt == FMT_Q4) {
         __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)j->w + ((size_t)n * nb + b) * 16));
-        return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+        w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0F)));
+        w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
+        return;
     }
-    return _mm256_loadu_si256((const __m256i *)((const int8_t *)j->w + ((size_t)n * nb + b) * 32));
+    const int8_t *q = (const int8_t *)j->w + ((size_t)n * nb + b) * 32;
+    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
 }
 
-/* The block's integer dot product with a row's int8 block, as 8 fp32 partial sums. */
-static inline __attribute__((always_inline)) __m256 int_dot(const int fmt, __m256i wq, __m256i wabs, __m256i xq) {
-    __m256i pairs = fmt == FMT_Q4 ? _mm256_maddubs_epi16(wq, xq) : _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xq, wq));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+/* The block's integer dot product with a row's int16 block, as 8 fp32 partial sums (each the exact sum
+ * of 4 products: at most 4 * 128 * 32767 < 2^24, so the conversion is exact too). */
+static inline __attribute__((always_inline)) __m256 int_dot(const __m256i w[2], const int16_t *x) {
+    __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)x)),
+                                 _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
+    return _mm256_cvtepi32_ps(s);
 }
 
 /* Integer formats: rows r0 .. r0 + R - 1 of column n (R and fmt constant where inlined). Even and odd
@@ -151,26 +161,25 @@ static inline __attribute__((always_inline)) void int_tile(const job_t *j, const
     __m256 even[MAX_R], odd[MAX_R];
     for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps();
     const float *dn = j->d + (size_t)n * nb;
-    const int8_t *qx = j->qx + (size_t)r0 * nb * 32;
+    const int16_t *qx = j->qx + (size_t)r0 * nb * 32;
     const float *dx = j->dx + (size_t)r0 * nb;
     int b = 0;
     for (; b + 2 <= nb; b += 2) {
-        __m256i w0 = int_block(j, fmt, n, b), w1 = int_block(j, fmt, n, b + 1);
-        __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
+        __m256i w0[2], w1[2];
+        int_block(j, fmt, n, b, w0);
+        int_block(j, fmt, n, b + 1, w1);
         for (int r = 0; r < R; r++) {
             const size_t at = (size_t)r * nb + b;
-            __m256 p0 = int_dot(fmt, w0, a0, _mm256_loadu_si256((const __m256i *)(qx + at * 32)));
-            __m256 p1 = int_dot(fmt, w1, a1, _mm256_loadu_si256((const __m256i *)(qx + at * 32 + 32)));
-            even[r] = _mm256_fmadd_ps(p0, _mm256_set1_ps(dn[b] * dx[at]), even[r]);
-            odd[r] = _mm256_fmadd_ps(p1, _mm256_set1_ps(dn[b + 1] * dx[at + 1]), odd[r]);
+            even[r] = _mm256_fmadd_ps(int_dot(w0, qx + at * 32), _mm256_set1_ps(dn[b] * dx[at]), even[r]);
+            odd[r] = _mm256_fmadd_ps(int_dot(w1, qx + at * 32 + 32), _mm256_set1_ps(dn[b + 1] * dx[at + 1]), odd[r]);
         }
     }
     if (b < nb) {
-        __m256i w0 = int_block(j, fmt, n, b), a0 = _mm256_sign_epi8(w0, w0);
+        __m256i w0[2];
+        int_block(j, fmt, n, b, w0);
         for (int r = 0; r < R; r++) {
             const size_t at = (size_t)r * nb + b;
-            __m256 p0 = int_dot(fmt, w0, a0, _mm256_loadu_si256((const __m256i *)(qx + at * 32)));
-            even[r] = _mm256_fmadd_ps(p0, _mm256_set1_ps(dn[b] * dx[at]), even[r]);
+            even[r] = _mm256_fmadd_ps(int_dot(w0, qx + at * 32), _mm256_set1_ps(dn[b] * dx[at]), even[r]);
         }
     }
     for (int r = 0; r < R; r++) store(j, r0 + r, n, hsum(_mm256_add_ps(even[r], odd[r])));
@@ -277,7 +286,7 @@ static void columns(const job_t *j, int n0, int n1) {
             if (j->fmt == FMT_Q4 || j->fmt == FMT_Q8) {
                 for (int b = 0; b < nb; b++) {
                     const size_t blk = (size_t)n * nb + b;
-                    const int8_t *xq = j->qx + ((size_t)r * nb + b) * 32;
+                    const int16_t *xq = j->qx + ((size_t)r * nb + b) * 32;
                     int32_t dot = 0;
                     for (int k = 0; k < 32; k++) {
                         const int wq = j->fmt == FMT_Q8 ? ((const int8_t *)j->w)[blk * 32 + k]

@@ -30,8 +30,8 @@ SOURCE = Path(__file__).with_name("cpu_linear.c")
 class Format(IntEnum):
     """A packed weight's format, as cpu_linear.c numbers them."""
 
-    Q4 = 0  # GGUF Q4_0 / Q4_1 blocks: 16 bytes of nibbles, fp32 d and m per 32 weights; int8 activations
-    Q8 = 1  # GGUF Q8_0 blocks: 32 int8, fp32 d per 32 weights; int8 activations
+    Q4 = 0  # GGUF Q4_0 / Q4_1 blocks: 16 bytes of nibbles, fp32 d and m per 32 weights; int16 activations
+    Q8 = 1  # GGUF Q8_0 blocks: 32 int8, fp32 d per 32 weights; int16 activations
     F16 = 2
     BF16 = 3
     F32 = 4
@@ -123,7 +123,7 @@ def linear(dll: ctypes.CDLL, fmt: Format, x: Tensor, n: int, w: Tensor, d: Tenso
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
     if dll.ss_linear(int(fmt), x2.shape[0], x2.shape[1], n, x2.data_ptr(), w.data_ptr(), _ptr(d), _ptr(m),
                      _ptr(bias), out.data_ptr()) != 0:
-        raise MemoryError("cpu_linear: out of memory for the activations' int8 copy")
+        raise MemoryError("cpu_linear: out of memory for the activations' int16 copy")
     return out.view(*shape[:-1], n)
 
 

@@ -136,7 +136,7 @@ DTypeOpt = Annotated[str, _opt(
     help="auto, float32, bfloat16, float16, gguf or int4: how the target's weights are held. On the CPU every "
          "choice runs row-invariant kernels (each verified node computes what a one-token step would, so every "
          "mode stays exact) with fp32 activations: float32 / bfloat16 / float16 weights, gguf (a GGUF's own "
-         "4- and 8-bit blocks, int8 activations, as llama.cpp), int4 (any checkpoint packed into 4-bit blocks "
+         "4- and 8-bit blocks, int16 activations), int4 (any checkpoint packed into 4-bit blocks "
          "at load); auto measures them at the first start on the machine and keeps the fastest for speculation "
          "(int4 only when asked). On CUDA: auto is bf16.")]
 ThreadsOpt = Annotated[int | None, _opt(

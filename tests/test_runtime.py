@@ -493,7 +493,9 @@ def test_step_times_are_measured_once_then_read_from_the_profile_cache(target_di
     first = start(target_dir, "self", progress=said.append)
     first.close()
     assert any(line.startswith("profiling") for line in said)
+    assert any(line.startswith("measuring the CPU backends") for line in said)
     (profile,) = (tmp_path / "profiles").glob("*.json")
+    (choice,) = (tmp_path / "profiles" / "backends").glob("*.json")  # --dtype auto's measured backends
     stored = json.loads(profile.read_text())
     assert stored["t_verify_ms"] == first.info.t_verify_ms and stored["t_expand_ms"] == first.info.t_expand_ms
     # figures no measurement would give: the next start must take them from the file, d and tree sizes too
@@ -501,6 +503,8 @@ def test_step_times_are_measured_once_then_read_from_the_profile_cache(target_di
     said.clear()
     with start(target_dir, "self", progress=said.append) as eng:
         assert "step times from the profile cache" in said
+        assert not any(line.startswith("measuring the CPU backends") for line in said)
+        assert any(line.startswith("CPU backend ") for line in said)
         assert (eng.info.t_verify_ms, eng.info.t_expand_ms, eng.info.d) == (50.0, 10.0, choose_d(50.0, 10.0))
         _, _, events = answer(eng, PROMPTS[0], mode="sync", max_new_tokens=16, ignore_eos=True)
         assert {e.stats.tree_size for e in events if e.stats.tree_size} == {1}  # 2+ nodes "cost" 99 steps
@@ -785,7 +789,7 @@ class _Exited:
 
 
 @pytest.mark.parametrize("gguf_type, device, dtype, backend, name", [
-    ("Q4_1", "cpu", "gguf", "int4 (Q4_1 blocks) · int8 activations · AVX2", "int4 (Q4_1 blocks) · int8 activations · AVX2"),
+    ("Q4_1", "cpu", "gguf", "int4 (Q4_1 blocks) · int16 activations · AVX2", "int4 (Q4_1 blocks) · int16 activations · AVX2"),
     ("Q4_1", "cpu", "float32", None, "fp32 (from Q4_1 GGUF)"),  # torch's linears: no backend label
     ("Q4_K", "cuda", "auto", None, "bf16 (from Q4_K GGUF)"),
     (None, "cuda", "float16", None, "fp16"),

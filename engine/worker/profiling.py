@@ -212,7 +212,7 @@ def choose_cpu_backend(ctx: Ctx, say: Callable[[str], None]) -> str:
                "candidates": candidates, "draft": args.draft if args.draft in BUILTIN_DRAFTS else "model",
                "bs": args.bs}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-        path = cache_dir() / "profiles" / f"backend-{digest}.json"
+        path = cache_dir() / "profiles" / "backends" / f"{digest}.json"
         try:
             costs = {k: [float(c) for c in v] for k, v in json.loads(path.read_text())["costs"].items()}
             assert set(costs) == set(candidates)
