@@ -218,7 +218,8 @@ def choose_cpu_backend(ctx: Ctx, say: Callable[[str], None]) -> str:
             assert set(costs) == set(candidates)
         except (OSError, ValueError, KeyError, TypeError, AssertionError):
             say("measuring the CPU backends (" + ", ".join(candidates) + ")")
-            costs = {b: cpu_backends.synthetic_costs(model_args, b, args.bs) for b in candidates}
+            rows = 1 if args.draft == "none" else args.bs  # plain decoding: only the one-row step counts
+            costs = {b: cpu_backends.synthetic_costs(model_args, b, rows) for b in candidates}
             _write_json(path, {"costs": costs})
         p = ACCEPTANCE_PRIOR.get(args.draft, ACCEPTANCE_OTHER)
         rates = {b: expected_rate(c, p) for b, c in costs.items()}
