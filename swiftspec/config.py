@@ -268,3 +268,9 @@ class StepEvent:
             "finished": self.finished,
             "finish_reason": self.finish_reason,
         }
+
+
+# The chat's sampling defaults (TUI and chat -p) for the embedded model and GGUF files; a model directory's
+# generation_config.json replaces the sampling ones. Chosen by benchmarks/loop_rate.py (loop rate and speed
+# on the fresh set and its dev questions; docs/ARCHITECTURE.md has the figures). bench stays greedy.
+CHAT_DEFAULTS = SamplingParams(temperature=0.7, min_p=0.05, repeat_penalty=1.1, loop_guard=64)
