@@ -40,7 +40,7 @@ SETTINGS = {
     "greedy+repeat1.3": SamplingParams(repeat_penalty=1.3),
     "ollama": SamplingParams(temperature=0.8, top_k=40, top_p=0.9, repeat_penalty=1.1),
     "t0.7+minp0.05+repeat1.1": SamplingParams(temperature=0.7, min_p=0.05, repeat_penalty=1.1),
-    "t0.6+topp0.9+repeat1.2": SamplingParams(temperature=0.6, top_p=0.9, repeat_penalty=1.2),
+    "t0.7+minp0.05+repeat1.2": SamplingParams(temperature=0.7, min_p=0.05, repeat_penalty=1.2),
     "chat": CHAT_DEFAULTS,
 }
 # Dev questions, besides the fresh set: the two that looped when tried as a new user would, and others of

@@ -15,18 +15,19 @@ from torch import Tensor
 from swiftspec.config import SamplingParams
 
 
-def window_counts(history: list[int], tokens: list[int], ancestors: Tensor, last_n: int, vocab: int) -> Tensor:
-    """[n, vocab] fp32: how often each token occurs in the last ``last_n`` tokens of each node's context,
-    ``history`` followed by the node's path (``ancestors`` [n, n] bool: node i's ancestors and itself)."""
-    tail = history[-last_n:] if last_n else []
-    seq = torch.tensor(tail + tokens, dtype=torch.long)
+def window_counts(history: list[int], tokens: list[int], ancestors: Tensor, last_n: int) -> tuple[Tensor, Tensor]:
+    """The tokens occurring in the last ``last_n`` tokens of any node's context, ``history`` followed by the
+    node's path (``ancestors`` [n, n] bool: node i's ancestors and itself), and how often in each node's:
+    (ids [u], counts [n, u] fp32). Only these u <= last_n + n columns of the logits change."""
+    tail = history[-last_n:]
+    ids, column = torch.tensor(tail + tokens, dtype=torch.long).unique(return_inverse=True)
     length = ancestors.sum(1)  # path length, root included
     # A path longer than the window keeps its last last_n nodes; the history fills what the path leaves.
     in_path = ancestors & (length[None, :] > length[:, None] - last_n)
     first_hist = length[:, None] - last_n + len(tail)  # the history positions >= this are in the window
     in_hist = torch.arange(len(tail))[None, :] >= first_hist
     members = torch.cat([in_hist, in_path], dim=1).float()
-    return torch.zeros(len(tokens), vocab).scatter_add_(1, seq.expand(len(tokens), -1), members)
+    return ids, torch.zeros(len(tokens), len(ids)).scatter_add_(1, column.expand(len(tokens), -1), members)
 
 
 class Sampler:
@@ -45,13 +46,14 @@ class Sampler:
         p = self.params
         if not p.penalised:
             return logits
-        counts = window_counts(history, tokens, ancestors.cpu(), p.repeat_last_n, logits.shape[-1]
-                               ).to(logits.device)
-        seen = counts > 0
-        x = logits.float()
+        ids, counts = window_counts(history, tokens, ancestors.cpu(), p.repeat_last_n)
+        ids, counts = ids.to(logits.device), counts.to(logits.device)
+        out = logits.float().clone()
+        x, seen = out[:, ids], counts > 0
         if p.repeat_penalty != 1:
             x = torch.where(seen, torch.where(x > 0, x / p.repeat_penalty, x * p.repeat_penalty), x)
-        return x - p.frequency_penalty * counts - p.presence_penalty * seen.float()
+        out[:, ids] = x - p.frequency_penalty * counts - p.presence_penalty * seen.float()
+        return out
 
     def probs(self, logits: Tensor) -> Tensor:
         """[..., V] (penalised) logits -> the fp32 distribution to sample from (temperature, then top-k,
