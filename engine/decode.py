@@ -76,7 +76,8 @@ class TargetState:
         self._committed = list(prompt_ids)
         self.cache.prefix_len = len(prompt_ids)
         self.prefill_tokens = len(prompt_ids) - reuse
-        return sampler.sample(logits)
+        one = torch.ones(1, 1, dtype=torch.bool)
+        return sampler.sample(sampler.logits(logits[None], prompt_ids[:-1], prompt_ids[-1:], one)[0])
 
     def decode_step(self, token: int, sampler: Sampler) -> int:
         """``ar`` mode: computes the KV of ``token``, commits it and returns the next token."""
@@ -95,6 +96,7 @@ class TargetState:
         out = self.model(torch.tensor(tokens, device=dev), positions.to(dev), slots.to(dev), mask.to(dev),
                          return_hidden=hidden)
         logits, states = out if hidden else (out, None)
+        logits = sampler.logits(logits, self._committed, tokens, mask[:, p0:])
         path, bonus = verify_tree(logits, tokens, parents, sampler)
         self.cache.commit([p0] + [p0 + i for i in path], 1 + len(path))
         self._committed += [tokens[0]] + [tokens[i] for i in path]

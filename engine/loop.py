@@ -81,9 +81,32 @@ class Request:
     params: SamplingParams
 
 
+class LoopGuard:
+    """Notices an answer caught in a loop: its last ``window`` tokens are one span repeated ``repeats``
+    times or more (the span at most window / repeats tokens long). ``run[L]`` counts how many tokens in a
+    row have equalled the one L before, so each new token costs window / repeats comparisons."""
+
+    def __init__(self, window: int, repeats: int):
+        self.window = window
+        self.periods = range(1, window // repeats + 1)
+        self.run = [0] * (window // repeats + 1)
+        self.answer: list[int] = []
+
+    def add(self, token: int) -> bool:
+        """Takes the answer's next token; True once the answer loops."""
+        a = self.answer
+        a.append(token)
+        looping = False
+        for span in self.periods:
+            self.run[span] = self.run[span] + 1 if len(a) > span and a[-1 - span] == token else 0
+            looping |= self.run[span] >= self.window - span
+        return looping
+
+
 class Finisher:
     """Where an answer ends: after an EOS token (kept), at max_new_tokens ("length") or at the context's
-    end ("context"), or at the first step after a cancel. The Engine matches stop strings and cancels."""
+    end ("context"), after the token that shows the answer looping ("repetition", with a loop guard), or
+    at the first step after a cancel. The Engine matches stop strings and cancels."""
 
     def __init__(self, req: Request, max_seq_len: int, eos: set[int], cancelled: Callable[[], bool]):
         p = req.params
@@ -92,13 +115,17 @@ class Finisher:
         self.cut_reason = "context" if self.budget < p.max_new_tokens else "length"
         self.cancelled = cancelled
         self.generated = 0
+        self.guard = LoopGuard(p.loop_guard, p.loop_repeats) if p.loop_guard else None
 
     def cut(self, tokens: list[int]) -> tuple[list[int], str | None]:
-        """A step's tokens trimmed after EOS and at the budget, and the finish reason if any."""
+        """A step's tokens trimmed after EOS, a loop and at the budget, and the finish reason if any."""
         reason = None
         for i, t in enumerate(tokens):
             if t in self.eos:
                 tokens, reason = tokens[:i + 1], "eos"
+                break
+            if self.guard and self.guard.add(t):
+                tokens, reason = tokens[:i + 1], "repetition"
                 break
         room = self.budget - self.generated
         if len(tokens) >= room:

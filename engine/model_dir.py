@@ -111,6 +111,30 @@ def gguf_block_kinds(model_dir: Path) -> set[str]:
     return kinds
 
 
+# transformers' GenerationConfig defaults for the sampling fields we read, and their SamplingParams names
+GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": 0.0, "repetition_penalty": 1.0}
+GENERATION_NAMES = {"repetition_penalty": "repeat_penalty"}
+
+
+def generation_defaults(model_dir: Path) -> dict | None:
+    """A model directory's sampling defaults from its generation_config.json, read as transformers reads
+    them: greedy unless do_sample, transformers' own defaults for what the file leaves out, and the
+    repetition penalty in greedy mode too. None without the file."""
+    path = model_dir / "generation_config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoadError(f"cannot read {path}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LoadError(f"{path} is not a JSON object")
+    out = {GENERATION_NAMES.get(k, k): v if cfg.get(k) is None else cfg[k] for k, v in GENERATION_DEFAULTS.items()}
+    if not cfg.get("do_sample"):
+        out["temperature"] = 0.0
+    return out
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():

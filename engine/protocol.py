@@ -191,7 +191,7 @@ class Step:
     """One decoding step as the target leader reports it: token ids and figures, no text."""
 
     tokens: list[int]  # new tokens, already cut by the finisher
-    finish: str | None = None  # "eos" | "length" | "context" | "cancelled" on the last step
+    finish: str | None = None  # "eos" | "length" | "context" | "repetition" | "cancelled" on the last step
     accepted: int = 0  # draft tokens accepted (the bonus token not counted)
     tree_size: int = 0  # nodes verified (0 for the prefill's token and in ar)
     draft_ms: float = 0.0  # mean draft expansion time since the previous subtree

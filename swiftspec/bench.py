@@ -259,9 +259,12 @@ class HFRunner:
         from transformers import GenerationConfig
 
         from swiftspec.engine.client import encode_chat
+        from swiftspec.engine.sampling import Sampler
 
         sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p,
-                                             "top_k": params.top_k}
+                                             "top_k": params.top_k, "min_p": params.min_p or None}
+        if params.penalised and not params.greedy:  # the processor below does it all, in our order
+            sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
         gen = GenerationConfig(do_sample=not params.greedy, max_new_tokens=params.max_new_tokens,
                                eos_token_id=self.eos, pad_token_id=self.eos[0] if self.eos else None,
                                **sampling, **self.assist_config())
@@ -276,6 +279,8 @@ class HFRunner:
             x = torch.tensor([ids], device=self.model.device)
             streamer = _Arrivals(t0)
             kwargs = {"assistant_model": draft_model} if draft_model is not None else {}
+            if params.penalised:  # our penalty window, not transformers' whole-context repetition_penalty
+                kwargs["logits_processor"] = [PenaltyProcessor(Sampler(params))]
             out = self.model.generate(x, attention_mask=torch.ones_like(x), generation_config=gen,
                                       streamer=streamer, **kwargs)
         chunks = streamer.chunks
@@ -294,6 +299,23 @@ class HFRunner:
 
     def assist_config(self) -> dict[str, Any]:
         return {k: v for k, v in self.assist.items() if k != "assistant_model"}
+
+
+@dataclass
+class PenaltyProcessor:
+    """A transformers logits processor that penalises each row from its ids as our Sampler does (and, when
+    sampling, applies the rest of our distribution too, as log-probabilities: transformers would run its
+    temperature and top-k/p before a processor of ours)."""
+
+    sampler: Any
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        one, s = torch.ones(1, 1, dtype=torch.bool), self.sampler
+        rows = torch.cat([s.logits(row[None], ids[:-1].tolist(), ids[-1:].tolist(), one)
+                          for ids, row in zip(input_ids, scores, strict=True)])
+        return (rows if s.greedy else s.probs(rows).log()).to(scores.dtype)
 
 
 @dataclass
@@ -577,8 +599,7 @@ def hf_assist(config: EngineConfig) -> dict[str, Any]:
 
 
 def describe_decoding(params: SamplingParams) -> str:
-    how = "greedy" if params.greedy else (f"sampled: temperature {params.temperature}, top-p {params.top_p}, "
-                                          f"top-k {params.top_k}, seed {params.seed}")
+    how = params.summary() + ("" if params.greedy else f", seed {params.seed}")
     return f"{how}; every mode stops at EOS, which is not counted"
 
 

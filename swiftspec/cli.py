@@ -19,6 +19,7 @@ import typer
 
 from swiftspec.config import (
     BUILTIN_DRAFTS,
+    CHAT_DEFAULTS,
     DTYPES,
     MODES,
     ConfigError,
@@ -171,6 +172,31 @@ TopPOpt = Annotated[float, _opt(
 TopKOpt = Annotated[int, _opt(
     "--top-k", parser=_whole_number, panel=DECODING, metavar="N",
     help="Sample from the k most likely tokens; 0 = off.")]
+MinPOpt = Annotated[float, _opt(
+    "--min-p", parser=_number, panel=DECODING, metavar="NUMBER",
+    help="Keep only the tokens at least this fraction as likely as the most likely one; 0 = off.")]
+RepeatPenaltyOpt = Annotated[float, _opt(
+    "--repeat-penalty", parser=_number, panel=DECODING, metavar="NUMBER",
+    help="Divide the logit of each token seen in the last --repeat-last-n tokens (a negative one: multiply) "
+         "by this, as transformers' repetition_penalty does; 1 = off. Applies in greedy mode too.")]
+RepeatLastNOpt = Annotated[int, _opt(
+    "--repeat-last-n", parser=_whole_number, panel=DECODING, metavar="N",
+    help="The penalties look at the last N tokens of the conversation, the prompt included.")]
+PresencePenaltyOpt = Annotated[float, _opt(
+    "--presence-penalty", parser=_number, panel=DECODING, metavar="NUMBER",
+    help="Subtract this from the logit of each token seen in the last --repeat-last-n tokens (OpenAI's "
+         "rule), in [-2, 2]; 0 = off.")]
+FrequencyPenaltyOpt = Annotated[float, _opt(
+    "--frequency-penalty", parser=_number, panel=DECODING, metavar="NUMBER",
+    help="Subtract this times its count in the last --repeat-last-n tokens from each token's logit "
+         "(OpenAI's rule), in [-2, 2]; 0 = off.")]
+LoopGuardOpt = Annotated[int, _opt(
+    "--loop-guard", parser=_whole_number, panel=DECODING, metavar="N",
+    help="End an answer (finish reason 'repetition') once its last N tokens are one span repeated "
+         "--loop-repeats times; 0 = off.")]
+LoopRepeatsOpt = Annotated[int, _opt(
+    "--loop-repeats", parser=_whole_number, panel=DECODING, metavar="K",
+    help="How many repeats of a span the loop guard waits for (>= 2).")]
 SeedOpt = Annotated[int | None, _opt(
     "--seed", parser=_whole_number, panel=DECODING, metavar="N",
     help="Seed for sampling, so a run can be reproduced.")]
@@ -198,6 +224,20 @@ def engine_config(
     ).validate()
 
 
+def chat_defaults(target: str | None) -> SamplingParams:
+    """The chat's sampling defaults: a model directory's generation_config.json over CHAT_DEFAULTS (measured
+    on the embedded model: its loop guard and its penalty window stay), CHAT_DEFAULTS for the embedded
+    default, a GGUF file and a directory without the file."""
+    from swiftspec.engine.model_dir import generation_defaults
+
+    path = Path(target).expanduser() if target else None
+    found = generation_defaults(path) if path is not None and path.is_dir() else None
+    try:
+        return dataclasses.replace(CHAT_DEFAULTS, **(found or {})).validate()
+    except ConfigError as e:
+        raise ConfigError(f"{path / 'generation_config.json'}: {e}") from None
+
+
 def _fail(message: str, code: int) -> typer.Exit:
     typer.echo(f"swiftspec: {message}", err=True)
     return typer.Exit(code)
@@ -208,7 +248,14 @@ SOURCES = (f"Every option but -p and --resume can also be set by an environment 
            "a value is taken from, in order: the flag, the environment variable, the config file, the default.")
 
 
-@app.command(no_args_is_help=False, epilog=SOURCES)
+CHAT_SAMPLING = (f"Sampling defaults (the flags left out): a model directory's generation_config.json, read as "
+                 "transformers reads it, with a loop guard and penalty window as below; for the embedded model, "
+                 f"a GGUF file or a directory without that file, the ones measured for a chat: "
+                 f"{CHAT_DEFAULTS.summary()} (repeat-last-n {CHAT_DEFAULTS.repeat_last_n}, loop-repeats "
+                 f"{CHAT_DEFAULTS.loop_repeats}). bench stays greedy unless asked.")
+
+
+@app.command(no_args_is_help=False, epilog=CHAT_SAMPLING + "\n\n" + SOURCES)
 def chat(
     prompt_arg: Annotated[str | None, typer.Argument(
         metavar="PROMPT", show_default=False,
@@ -232,9 +279,16 @@ def chat(
              "at least as fast as sync); sync: draft then verify; ar: target only, and no draft is started "
              "(so that session cannot switch to sync or async: start it again for those).")
     ] = "async",
-    temperature: TemperatureOpt = 0.0,
-    top_p: TopPOpt = 1.0,
-    top_k: TopKOpt = 0,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    repeat_penalty: RepeatPenaltyOpt = None,
+    repeat_last_n: RepeatLastNOpt = None,
+    presence_penalty: PresencePenaltyOpt = None,
+    frequency_penalty: FrequencyPenaltyOpt = None,
+    loop_guard: LoopGuardOpt = None,
+    loop_repeats: LoopRepeatsOpt = None,
     seed: SeedOpt = None,
     max_new_tokens: MaxNewTokensOpt = SamplingParams().max_new_tokens,
     system: SystemOpt = None,
@@ -281,9 +335,13 @@ def chat(
                                draft_procs, device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
         if mode == "ar":  # nothing would ever ask the draft for a token
             config = dataclasses.replace(config, draft="none", draft_corpus="none")
-        params = SamplingParams(mode=mode, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                max_new_tokens=max_new_tokens, stop=stop or []).validate()
-    except ConfigError as e:
+        given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
+                     repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+                     frequency_penalty=frequency_penalty, loop_guard=loop_guard, loop_repeats=loop_repeats)
+        params = dataclasses.replace(
+            chat_defaults(config.target), mode=mode, seed=seed, max_new_tokens=max_new_tokens, stop=stop or [],
+            **{name: value for name, value in given.items() if value is not None}).validate()
+    except ValueError as e:  # a ConfigError, or a generation_config.json that cannot be read
         raise _fail(str(e), 2) from None
 
     scripted = prompt is not None or each_line or jsonl or not _interactive()
@@ -419,6 +477,11 @@ def bench(
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    repeat_last_n: RepeatLastNOpt = SamplingParams().repeat_last_n,
+    presence_penalty: PresencePenaltyOpt = 0.0,
+    frequency_penalty: FrequencyPenaltyOpt = 0.0,
     seed: SeedOpt = None,
     system: SystemOpt = None,
     max_new_tokens: MaxNewTokensOpt = 128,
@@ -442,15 +505,17 @@ def bench(
 ) -> None:
     """Measure decoding modes and peers side by side on the same prompts, interleaved.
 
-    Greedy unless --temperature is given (then the "= target" check is left out: sampled answers differ by design). Ctrl-C stops the run and still reports the prompts every mode finished, marked partial.
+    Greedy and unpenalised unless asked (a penalty keeps the "= target" check; a --temperature leaves it out: sampled answers differ by design). Ctrl-C stops the run and still reports the prompts every mode finished, marked partial.
 
     Example: [bold]swiftspec bench --set chat,code --limit 2 --max-new-tokens 64 --json bench.json[/bold]
     """
     try:
         config = engine_config(target, draft, draft_corpus, target_devices, draft_devices, gpus, target_procs,
                                draft_procs, device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                  max_new_tokens=max_new_tokens).validate()
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                  repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                  seed=seed, max_new_tokens=max_new_tokens).validate()
     except ConfigError as e:
         raise _fail(str(e), 2) from None
     from swiftspec.bench import bench_command

@@ -48,16 +48,31 @@ def _from_dict(cls, data: dict[str, Any]):
 
 @dataclass
 class SamplingParams:
-    """How one answer is generated. temperature 0 means greedy."""
+    """How one answer is generated. temperature 0 means greedy.
+
+    The penalties (engine/sampling.py) count the tokens in the last ``repeat_last_n`` of the context, the
+    prompt included, as llama.cpp does: ``repeat_penalty`` is transformers' multiplicative rule (1 = off),
+    ``presence_penalty`` / ``frequency_penalty`` OpenAI's additive ones (0 = off). They apply in greedy
+    mode too; ``min_p`` (0 = off) keeps the tokens at least that fraction as likely as the most likely one.
+    ``loop_guard`` (0 = off) ends an answer, finish reason "repetition", once its last ``loop_guard``
+    tokens are one span repeated ``loop_repeats`` times or more (engine/loop.py, LoopGuard).
+    """
 
     mode: str = "async"
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     max_new_tokens: int = 512
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    loop_guard: int = 0
+    loop_repeats: int = 3
 
     def validate(self) -> SamplingParams:
         """Every entry point (TUI, CLI, bench, Engine.generate, the worker) checks a request here, before
@@ -70,6 +85,20 @@ class SamplingParams:
             raise ConfigError(f"top-p must be in (0, 1], not {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ConfigError(f"top-k must be an integer >= 0 (0 = off), not {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min-p must be in [0, 1] (0 = off), not {self.min_p!r}")
+        if not _is_number(self.repeat_penalty) or not 0 < self.repeat_penalty < math.inf:
+            raise ConfigError(f"repeat-penalty must be a finite number > 0 (1 = off), not {self.repeat_penalty!r}")
+        if not _is_int(self.repeat_last_n) or self.repeat_last_n < 1:
+            raise ConfigError(f"repeat-last-n must be an integer >= 1, not {self.repeat_last_n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ConfigError(f"{name.replace('_', '-')} must be in [-2, 2] (0 = off), not {value!r}")
+        if not _is_int(self.loop_guard) or self.loop_guard < 0:
+            raise ConfigError(f"loop-guard must be an integer >= 0 (0 = off), not {self.loop_guard!r}")
+        if not _is_int(self.loop_repeats) or self.loop_repeats < 2:
+            raise ConfigError(f"loop-repeats must be an integer >= 2, not {self.loop_repeats!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise ConfigError(f"seed must be an integer in 0..{MAX_SEED}, not {self.seed!r}")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -83,6 +112,27 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty changes the logits (then every tree node needs its own path's counts)."""
+        return self.repeat_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    def summary(self) -> str:
+        """The settings in force, short, for a title bar or a report: "greedy · repeat 1.1/64"."""
+        if self.greedy:
+            parts = ["greedy"]
+        else:
+            parts = [f"temp {self.temperature:g}"]
+            parts += [f"top-k {self.top_k}"] if self.top_k else []
+            parts += [f"top-p {self.top_p:g}"] if self.top_p < 1 else []
+            parts += [f"min-p {self.min_p:g}"] if self.min_p else []
+        if self.repeat_penalty != 1:
+            parts.append(f"repeat {self.repeat_penalty:g}/{self.repeat_last_n}")
+        parts += [f"presence {self.presence_penalty:g}"] if self.presence_penalty else []
+        parts += [f"frequency {self.frequency_penalty:g}"] if self.frequency_penalty else []
+        parts += [f"loop guard {self.loop_guard}"] if self.loop_guard else []
+        return " · ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -210,7 +260,8 @@ class StepEvent:
     text: str
     stats: StepStats
     finished: bool = False
-    finish_reason: str | None = None  # "eos" | "stop" | "length" (max_new_tokens) | "context" | "cancelled"
+    # "eos" | "stop" | "length" (max_new_tokens) | "context" | "repetition" (the loop guard) | "cancelled"
+    finish_reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -220,3 +271,9 @@ class StepEvent:
             "finished": self.finished,
             "finish_reason": self.finish_reason,
         }
+
+
+# The chat's sampling defaults (TUI and chat -p) for the embedded model and GGUF files; a model directory's
+# generation_config.json replaces the sampling ones. Chosen by benchmarks/loop_rate.py (loop rate and speed
+# on the fresh set and its dev questions; docs/ARCHITECTURE.md has the figures). bench stays greedy.
+CHAT_DEFAULTS = SamplingParams(temperature=0.7, min_p=0.05, repeat_penalty=1.1, loop_guard=64)

@@ -40,7 +40,7 @@ class FakeEngine:
     """Streams ``answer`` in small pieces, a few "tokens" per step, with stats from a fixed cycle.
 
     step_delay slows each step (for Esc tests); die_after makes the engine die (EngineError) after that
-    many steps; refuse makes generate() raise EngineError while the engine stays alive; factory's
+    many steps; loops_at makes an answer asked with a loop guard stop there ("repetition"); refuse makes generate() raise EngineError while the engine stays alive; factory's
     start_error makes the start fail and start_gate, when given, holds it until set.
 
     A "token" is a 4-character chunk of the answer, and a message counts one token per word plus 4, so
@@ -52,8 +52,10 @@ class FakeEngine:
     ACCEPT_CYCLE = (3, 1, 0, 2)
 
     def __init__(self, answer: str = ANSWER, step_delay: float = 0.0, die_after: int | None = None,
-                 refuse: str | None = None, context_length: int = INFO.context_length) -> None:
+                 refuse: str | None = None, context_length: int = INFO.context_length,
+                 loops_at: int | None = None) -> None:
         self.answer = answer
+        self.loops_at = loops_at
         self.step_delay = step_delay
         self.die_after = die_after
         self.refuse = refuse
@@ -107,6 +109,8 @@ class FakeEngine:
         budget = min(params.max_new_tokens, self.info.context_length - prompt_tokens)
         cut_reason = "context" if budget < params.max_new_tokens else "length"
         pieces = rest[:budget]
+        if params.loop_guard and self.loops_at is not None and self.loops_at < len(pieces):
+            pieces, cut_reason = pieces[:self.loops_at], "repetition"
         produced = accepted_total = verified = steps = 0
         i = 0
         while i < len(pieces):

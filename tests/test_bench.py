@@ -489,3 +489,28 @@ def test_real_engine_every_mode_equals_the_target(tiny, tmp_path):
     # the bench makes the engine prefill every prompt afresh (the template's first tokens aside)
     assert by["async"]["prefill_tokens"] >= by["hf"]["prefill_tokens"] - 3 * 2
     assert by["async"]["mean_accepted"] >= 1 and by["ar"]["mean_accepted"] == 1.0
+
+
+def test_hf_modes_penalise_as_the_engine_does(tiny):
+    """A penalised greedy bench: hf and hf-assisted (prompt lookup) decode through PenaltyProcessor, so
+    they give our penalised target's tokens, as the Engine's modes do."""
+    from transformers import AutoModelForCausalLM
+
+    from swiftspec.engine.client import encode_chat
+    from swiftspec.engine.decode import TargetState
+    from swiftspec.engine.loader import load_model
+    from swiftspec.engine.loop import generate
+    from swiftspec.engine.model_dir import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(tiny))
+    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    target = TargetState(load_model(Path(tiny), max_slots=256), 256)
+    params = SamplingParams(mode="ar", repeat_penalty=1.6, repeat_last_n=12, frequency_penalty=0.4, max_new_tokens=24)
+    messages = [{"role": "user", "content": "Question: what is 17 times 23?"}]
+    ours = [t for s in generate(target, None, encode_chat(tokenizer, messages), params, eos={2}) for t in s.tokens]
+    plain = [t for s in generate(target, None, encode_chat(tokenizer, messages), SamplingParams(
+        mode="ar", max_new_tokens=24), eos={2}) for t in s.tokens]
+    assert ours != plain
+    for assist in ({}, {"prompt_lookup_num_tokens": 4}):
+        sample = bench.HFRunner(model, tokenizer, [2], assist)(messages, params)
+        assert sample.token_ids == bench.strip_eos(ours, [2]), assist

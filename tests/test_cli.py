@@ -14,7 +14,7 @@ from fake_engine import ANSWER, FakeEngine
 from typer.testing import CliRunner
 
 from swiftspec import cli
-from swiftspec.config import EngineConfig
+from swiftspec.config import CHAT_DEFAULTS, EngineConfig, SamplingParams
 from swiftspec.history import HistoryStore
 
 
@@ -92,6 +92,12 @@ def test_one_metavar_style():
     (["--threads", "0"], "threads must be >= 1"),
     (["--target-procs", "0"], "at least one process"),
     (["--max-seq-len", "8"], "max-seq-len must be >= 16"),
+    (["--min-p", "1.5"], "min-p must be in [0, 1]"),
+    (["--repeat-penalty", "0"], "repeat-penalty must be a finite number > 0"),
+    (["--repeat-last-n", "0"], "repeat-last-n must be an integer >= 1"),
+    (["--presence-penalty", "3"], "presence-penalty must be in [-2, 2]"),
+    (["--frequency-penalty", "nan"], "frequency-penalty must be in [-2, 2]"),
+    (["--loop-repeats", "1"], "loop-repeats must be an integer >= 2"),
 ])
 def test_usage_errors_exit_2(args, message, fake, data_dir):
     """Out-of-range values are worded for people (what the value means), not as a validator's range."""
@@ -138,7 +144,7 @@ def test_env_and_config_file_precedence(fake, data_dir, monkeypatch, tmp_path):
     assert config_seen.tree.bs == 4  # env over file
     assert config_seen.tree.w == 6 and seen[0].stop == ["END"]  # [chat] over the top level
     assert config_seen.draft == "int8"  # file over default
-    assert config_seen.tree.d is None and seen[0].temperature == 0.0  # default
+    assert config_seen.tree.d is None and seen[0].temperature == CHAT_DEFAULTS.temperature  # default
     assert "[default: int8]" in invoke(["chat", "--help"]).output  # the help shows the file's values
 
 
@@ -192,6 +198,46 @@ def test_sampling_flags_reach_the_engine(fake, data_dir, monkeypatch):
     p = seen[0]
     assert (p.mode, p.temperature, p.top_p, p.top_k, p.seed, p.max_new_tokens, p.stop) == (
         "sync", 0.8, 0.9, 40, 7, 5, ["END", "###"])
+    result = invoke(["chat", "-p", "hi", "--min-p", "0.1", "--repeat-penalty", "1.2", "--repeat-last-n", "32",
+                     "--presence-penalty", "0.5", "--frequency-penalty", "-0.5", "--loop-guard", "40",
+                     "--loop-repeats", "4", "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    p = seen[1]
+    assert (p.min_p, p.repeat_penalty, p.repeat_last_n, p.presence_penalty, p.frequency_penalty, p.loop_guard,
+            p.loop_repeats, p.temperature) == (0.1, 1.2, 32, 0.5, -0.5, 40, 4, 0.0)
+
+
+def test_chat_sampling_defaults_come_from_the_model(fake, data_dir, monkeypatch, tmp_path):
+    """The embedded default and GGUF files: the measured chat defaults, which --help states; a model
+    directory: its generation_config.json as transformers reads it (greedy unless do_sample, its own
+    defaults for what the file leaves out); a flag wins over both; a broken file is a usage error."""
+    seen = []
+    generate = FakeEngine.generate
+    monkeypatch.setattr(FakeEngine, "generate", lambda self, m, p: seen.append(p) or generate(self, m, p))
+    assert invoke(["chat", "-p", "hi"]).exit_code == 0
+    assert invoke(["chat", "-p", "hi", "-m", str(tmp_path / "x.gguf")]).exit_code == 0
+    defaults = {f: getattr(CHAT_DEFAULTS, f) for f in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
+                                                       "repeat_last_n", "loop_guard", "loop_repeats")}
+    for p in seen:
+        assert {f: getattr(p, f) for f in defaults} == defaults
+    assert CHAT_DEFAULTS.summary() in " ".join(invoke(["chat", "--help"]).output.split())
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.05, "eos_token_id": 2}))
+    assert invoke(["chat", "-p", "hi", "-m", str(model)]).exit_code == 0
+    p = seen[-1]
+    assert (p.temperature, p.top_p, p.top_k, p.repeat_penalty, p.min_p) == (0.6, 0.9, 50, 1.05, 0.0)
+    assert (p.loop_guard, p.repeat_last_n) == (CHAT_DEFAULTS.loop_guard, CHAT_DEFAULTS.repeat_last_n)
+    assert invoke(["chat", "-p", "hi", "-m", str(model), "--top-k", "5", "--temperature", "1"]).exit_code == 0
+    assert (seen[-1].top_k, seen[-1].temperature, seen[-1].top_p) == (5, 1.0, 0.9)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "repetition_penalty": 1.2}))
+    assert invoke(["chat", "-p", "hi", "-m", str(model)]).exit_code == 0
+    assert (seen[-1].temperature, seen[-1].repeat_penalty) == (0.0, 1.2)  # no do_sample: greedy, penalised
+    for text, message in (("{", "cannot read"), ('{"do_sample": true, "top_p": 7}', "top-p must be in (0, 1]")):
+        (model / "generation_config.json").write_text(text)
+        result = invoke(["chat", "-p", "hi", "-m", str(model)])
+        assert result.exit_code == 2 and message in result.stderr and "generation_config.json" in result.stderr
 
 
 def test_piped_stdin_answers_on_stdout(fake, data_dir):
@@ -346,6 +392,11 @@ def test_bench_passes_its_options_through(monkeypatch, tmp_path):
     assert seen["config"].tree.bs == 4
     assert (seen["json_path"], seen["plot_path"]) == (tmp_path / "r.json", tmp_path / "r.png")
     assert seen["config"].target_procs == 2 and seen["prompts"] is None
+    assert invoke(["bench", "--repeat-penalty", "1.3", "--presence-penalty", "0.2", "--min-p", "0.1"]).exit_code == 0
+    s = seen["sampling"]
+    assert (s.repeat_penalty, s.presence_penalty, s.min_p, s.temperature) == (1.3, 0.2, 0.1, 0.0)
+    assert invoke(["bench"]).exit_code == 0  # a benchmark is greedy and unpenalised unless asked
+    assert seen["sampling"] == SamplingParams(max_new_tokens=128)
 
 
 def test_bench_interrupted_exits_130(monkeypatch):

@@ -364,9 +364,9 @@ def test_tp_logits_equal_tp1(world, tmp_path):
 
 # ------------------------------------------------------------------------------------ engines (slow)
 
-def reference(model_dir, messages, n: int) -> list[int]:
-    """Greedy target-only decoding in this process, one token per forward and no loop code of the
-    engine's: what every mode must reproduce."""
+def reference(model_dir, messages, n: int, params: SamplingParams = SamplingParams()) -> list[int]:
+    """Greedy target-only decoding in this process (penalised as ``params`` says), one token per forward
+    and no loop code of the engine's: what every mode must reproduce."""
     from swiftspec.engine.decode import TargetState
     from swiftspec.engine.loader import load_model
     from swiftspec.engine.model_dir import load_tokenizer
@@ -374,7 +374,7 @@ def reference(model_dir, messages, n: int) -> list[int]:
 
     ids = encode_chat(load_tokenizer(model_dir), messages)
     target = TargetState(load_model(model_dir, max_slots=len(ids) + n + 16), len(ids) + n + 16)
-    sampler = Sampler(SamplingParams())
+    sampler = Sampler(params)
     tokens = [target.prefill(ids, sampler)]
     while len(tokens) < n:
         tokens.append(target.decode_step(tokens[-1], sampler))
@@ -412,9 +412,19 @@ def target_dir():
     return tiny_model_dir(seed=0, layers=2)
 
 
+PENALISED = SamplingParams(repeat_penalty=1.5, repeat_last_n=24, frequency_penalty=0.5)
+
+
 @pytest.fixture(scope="module")
 def references(target_dir):
     return [reference(target_dir, m, N_TOKENS) for m in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def penalised_references(target_dir, references):
+    out = [reference(target_dir, m, N_TOKENS, PENALISED) for m in PROMPTS]
+    assert out != references  # the penalty changes the answers
+    return out
 
 
 def echo_head_dir(target_dir) -> Path:
@@ -454,6 +464,18 @@ def engine(request, target_dir):
     yield eng
     eng.close()
     assert no_processes_left(eng)
+
+
+@pytest.mark.slow
+def test_every_mode_equals_target_greedy_penalised(engine, penalised_references):
+    """Each tree node penalised by its own path, on every layout (TP 2 included): every mode keeps the
+    penalised target's greedy tokens."""
+    for messages, ref in zip(PROMPTS, penalised_references, strict=True):
+        for mode in ("async", "ar", "sync"):
+            tokens, _, _ = answer(engine, messages, mode=mode, max_new_tokens=N_TOKENS, ignore_eos=True,
+                                  repeat_penalty=PENALISED.repeat_penalty, repeat_last_n=PENALISED.repeat_last_n,
+                                  frequency_penalty=PENALISED.frequency_penalty)
+            assert tokens == ref, (mode, messages)
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """The shipped loops (engine/loop.py) in one process: ``sync`` and ``async`` against ``ar``, identical
 greedy output on tiny random models with a different draft model, with the target as its own draft and
-with the suffix drafter, and on the embedded model with the suffix drafter; the finisher's stopping
-rules, multi-turn KV reuse, validation, and the target's hidden states reaching a drafter that reads
-them."""
+with the suffix drafter, and on the embedded model with the suffix drafter, plain and penalised (and
+penalised as transformers does); the finisher's stopping rules and loop guard, multi-turn KV reuse,
+validation, and the target's hidden states reaching a drafter that reads them."""
 
 import json
 from dataclasses import replace
@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_models import single_thread, tiny_model_dir
 
 from swiftspec.config import ConfigError, SamplingParams, TreeParams
 from swiftspec.engine.decode import DraftState, TargetState, profile_verify_cost
 from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter
 from swiftspec.engine.loader import load_model
-from swiftspec.engine.loop import PaybackGate, generate
+from swiftspec.engine.loop import LoopGuard, PaybackGate, generate
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.tree_cache import ContextFull, causal_mask, prefill_forward
 from swiftspec.engine.worker.wire import features_from_wire, features_to_wire
@@ -60,6 +62,78 @@ def test_speculation_greedy_equals_ar_tiny(tiny, draft, bs, w, d, mode):
         spec, steps = run(target, state, prompt, params, mode, d)
         assert spec == ar and len(ar) == 48
         assert all(s.tree_size <= bs for s in steps)
+
+
+PENALISED = {  # strong enough to change the tiny models' greedy answers
+    "repeat": SamplingParams(repeat_penalty=1.8, repeat_last_n=16),
+    "presence+frequency": SamplingParams(presence_penalty=1.5, frequency_penalty=0.7, repeat_last_n=32),
+}
+
+
+@pytest.mark.parametrize("draft", ["self", "suffix"])
+@pytest.mark.parametrize("setting", sorted(PENALISED))
+def test_penalised_greedy_speculation_equals_ar_tiny(tiny, draft, setting):
+    """Each tree node is penalised by its own path, so sync and async keep ar's tokens, which the
+    penalty did change."""
+    target = TargetState(tiny["target"], 512)
+    params = replace(PENALISED[setting], max_new_tokens=48, ignore_eos=True)
+    accepted = 0
+    for prompt in PROMPTS:
+        plain, _ = run(target, None, prompt, SamplingParams(max_new_tokens=48, ignore_eos=True))
+        ar, _ = run(target, None, prompt, params)
+        assert ar != plain
+        for mode, bs, d in (("sync", 8, 2), ("async", 4, 1), ("sync", 16, 3)):
+            spec, steps = run(target, DraftState(tiny[draft](), TreeParams(bs=bs, w=4)), prompt, params, mode, d)
+            assert spec == ar, (mode, bs)
+            accepted += sum(s.accepted for s in steps)
+    # The self draft's trees get deep nodes accepted, each verified with its own path's penalty (the suffix
+    # drafter proposes repeats, which strong penalties rule out).
+    assert accepted > 20 or draft == "suffix"
+
+
+def test_repeat_penalty_over_the_whole_context_is_transformers_greedy(tiny):
+    """With a window longer than the context, --repeat-penalty is transformers' repetition_penalty."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir(seed=1), torch_dtype=torch.float32)
+    target = TargetState(tiny["target"], 512)
+    params = SamplingParams(repeat_penalty=1.8, repeat_last_n=4096, max_new_tokens=32, ignore_eos=True)
+    for prompt in PROMPTS:
+        ours, _ = run(target, DraftState(tiny["self"](), TreeParams()), prompt, params, "sync")
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, repetition_penalty=1.8, max_new_tokens=32,
+                          min_new_tokens=32, pad_token_id=0)
+        assert ours == out[0, len(prompt):].tolist()
+
+
+def loops(a: list[int], n: int, k: int) -> bool:
+    """Brute force: the last n tokens of ``a`` are one span, at most n / k long, repeated."""
+    return len(a) >= n and any(a[-n:] == (a[-span:] * n)[-n:] for span in range(1, n // k + 1))
+
+
+@given(st.lists(st.integers(0, 2), max_size=60), st.integers(2, 12), st.integers(2, 4))
+@settings(max_examples=300, deadline=None)
+def test_the_loop_guard_notices_exactly_the_repeated_spans(tokens, n, k):
+    guard = LoopGuard(n, k)
+    assert [guard.add(t) for t in tokens] == [loops(tokens[:i + 1], n, k) for i in range(len(tokens))]
+
+
+def test_the_loop_guard_ends_the_answer_at_the_same_token_in_every_mode(tiny):
+    """With a guard the answer ends, reason "repetition", right after the first token that shows the loop,
+    in every mode at the same token; an answer that never loops runs to its length."""
+    target = TargetState(tiny["target"], 512)
+    drafts = {"ar": lambda: None, "sync": lambda: DraftState(SuffixDrafter(), TreeParams()),
+              "async": lambda: DraftState(tiny["self"](), TreeParams())}
+    caught = 0
+    for prompt in PROMPTS:
+        full, _ = run(target, None, prompt, SamplingParams(max_new_tokens=80, ignore_eos=True))
+        for n, k in ((3, 3), (4, 2), (6, 2)):
+            end = next((i for i in range(1, len(full) + 1) if loops(full[:i], n, k)), None)
+            caught += end is not None
+            params = SamplingParams(max_new_tokens=80, ignore_eos=True, loop_guard=n, loop_repeats=k)
+            for mode, draft in drafts.items():
+                out, steps = run(target, draft(), prompt, params, mode)
+                assert out == full[:end] and steps[-1].finish == ("repetition" if end else "length"), (mode, n)
+    assert caught >= 2
 
 
 def test_cost_aware_subtrees_keep_the_output(tiny):
@@ -264,6 +338,11 @@ def test_sync_greedy_equals_ar_embedded(embedded_dir, embedded_tokenizer):
         accepted += sum(s.accepted for s in steps)
         verifications += len(steps) - 1
     assert accepted / verifications > 0.3  # the suffix drafter does find repeats
+    penalised = replace(params, repeat_penalty=1.3, repeat_last_n=64, frequency_penalty=0.3, max_new_tokens=64)
+    for prompt in embedded_prompts(embedded_tokenizer, 3):
+        ar, _ = run(target, None, prompt, penalised)
+        assert run(target, draft, prompt, penalised, "sync", 4)[0] == ar
+        assert run(target, draft, prompt, penalised, "async", 4)[0] == ar
 
 
 class FeatureReader(ModelDrafter):

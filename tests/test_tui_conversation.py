@@ -120,6 +120,22 @@ async def test_continue_an_answer_cut_by_length(store):
         assert len(engine.calls) == len(chunks(ANSWER)) // 5 + 1
 
 
+async def test_a_loop_guard_stop_says_so_and_continues(store):
+    factory = FakeEngine.factory(loops_at=3)
+    app = make_app(store, factory, loop_guard=64)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "hi")
+        await idle(pilot)
+        assert boxes(app)[-1][1] == ANSWER[:12] and app.last_finish == "repetition"
+        assert any("repeating itself" in n and "/continue" in n for n in notes(app))
+        assert store.messages(app.conversation_id)[-1].stats["finish_reason"] == "repetition"
+        await type_and_send(pilot, "/continue")
+        await idle(pilot)
+        assert factory.started[0].calls[1][0][-1] == {"role": "assistant", "content": ANSWER[:12]}
+        assert boxes(app) == [("user", "hi"), ("assistant", ANSWER[:24])]
+
+
 async def test_retry_greedy_and_sampled(store):
     factory = FakeEngine.factory()
     app = make_app(store, factory)

@@ -1,9 +1,11 @@
 """Verification: greedy against a brute-force walk; sampling is lossless (chi-square against the target's
-distribution on synthetic targets, for chains and for trees with siblings); the Sampler's distribution
-equals transformers' logits processors."""
+distribution on synthetic targets, for chains and for trees with siblings, with and without penalties,
+and a planted path bug that the test catches); each node's penalty counts its own path; the Sampler's
+distribution equals transformers' logits processors."""
 
 import functools
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swiftspec.config import SamplingParams
-from swiftspec.engine.sampling import Sampler
+from swiftspec.engine import sampling
+from swiftspec.engine.sampling import Sampler, window_counts
+from swiftspec.engine.tree import tree_mask
 from swiftspec.engine.verify import verify_greedy, verify_sampling
 
 V = 5  # synthetic vocabulary
@@ -40,6 +44,39 @@ def test_greedy_follows_the_argmax_path(data):
     assert path == want and bonus == int(logits[u].argmax())
 
 
+def random_tree(data, n_max: int = 12) -> tuple[list[int], list[int]]:
+    """(parents, tokens) of a random tree, distinct tokens among siblings as in the draft tree."""
+    n = data.draw(st.integers(1, n_max))
+    parents = [-1] + [data.draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = [data.draw(st.integers(0, V - 1))] + [0] * (n - 1)
+    for i in range(1, n):
+        used = {tokens[j] for j in range(1, i) if parents[j] == parents[i]}
+        tokens[i] = data.draw(st.integers(0, V - 1).filter(lambda t, used=used: t not in used))
+    return parents, tokens
+
+
+def path_tokens(parents: list[int], tokens: list[int], i: int) -> list[int]:
+    out = []
+    while i >= 0:
+        out.append(tokens[i])
+        i = parents[i]
+    return out[::-1]
+
+
+@given(st.data())
+@settings(max_examples=300, deadline=None)
+def test_each_node_counts_the_window_of_its_own_path(data):
+    parents, tokens = random_tree(data)
+    history = data.draw(st.lists(st.integers(0, V - 1), max_size=10))
+    last_n = data.draw(st.integers(1, 16))
+    ids, found = window_counts(history, tokens, tree_mask(parents), last_n)
+    counts = torch.zeros(len(tokens), V)
+    counts[:, ids] = found
+    for i in range(len(tokens)):
+        window = (history + path_tokens(parents, tokens, i))[-last_n:]
+        assert counts[i].tolist() == [window.count(v) for v in range(V)]
+
+
 @functools.cache
 def synthetic_logits(context: tuple[int, ...], sharp: float) -> torch.Tensor:
     """A fixed, context-dependent target distribution over V tokens (some nearly zero)."""
@@ -62,7 +99,7 @@ def chi_square_p(observed: torch.Tensor, expected_p: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2.0))
 
 
-TREES = {  # (parents, tokens): the root's token is irrelevant, the others are draft candidates
+TREES = {  # (parents, tokens): the root's token counts only for a penalty, the others are draft candidates
     "chain": ([-1, 0, 1, 2], [0, 1, 3, 2]),
     "siblings": ([-1, 0, 0, 0, 0], [0, 2, 0, 4, 1]),
     "tree": ([-1, 0, 0, 1, 1, 2, 3], [0, 3, 1, 0, 4, 2, 1]),
@@ -77,29 +114,77 @@ PARAMS = {
 @pytest.mark.parametrize("shape", sorted(TREES))
 @pytest.mark.parametrize("setting", sorted(PARAMS))
 def test_sampling_is_lossless(shape, setting):
-    """The first two emitted tokens are distributed as p(x1) p(x2 | x1) under the processed target
-    distribution. When a verification emits one token, the second comes from the next step's draw."""
+    p, accepted = first_two_tokens(shape, SamplingParams(**{**PARAMS[setting].to_dict(), "seed": 1234}))
+    assert p > 1e-3
+    assert accepted > 0.2 * 6000  # the draft tokens were really used
+
+
+PENALTIES = {  # strong, so that a node penalised with the wrong path has a visibly wrong distribution
+    "repeat": SamplingParams(temperature=1.0, repeat_penalty=3.0, repeat_last_n=3),
+    "presence+frequency": SamplingParams(temperature=0.8, presence_penalty=1.5, frequency_penalty=1.0, min_p=0.02),
+}
+HISTORY = [3, 3, 4]  # the tokens before the root
+
+
+def first_two_tokens(shape: str, params: SamplingParams, n_trials: int = 6000) -> tuple[float, int]:
+    """Verifies the tree ``shape`` n_trials times over (penalised) synthetic targets; the chi-square
+    p-value of the first two emitted tokens against p(x1) p(x2 | x1) under the processed target
+    distribution, each position penalised by its true context, and the number of draft tokens accepted.
+    When a verification emits one token, the second comes from the next step's draw."""
     parents, tokens = TREES[shape]
-    params = SamplingParams(**{**PARAMS[setting].to_dict(), "seed": 1234})
     sampler = Sampler(params)
     contexts = [()]
     for i in range(1, len(parents)):
         contexts.append(contexts[parents[i]] + (tokens[i],))
-    logits = torch.stack([synthetic_logits(c, 2.0) for c in contexts])
-    n_trials = 6000
+    logits = sampler.logits(torch.stack([synthetic_logits(c, 2.0) for c in contexts]), HISTORY, tokens,
+                            tree_mask(parents))
+    root = tokens[0]
+
+    def true_probs(context: tuple[int, ...]) -> torch.Tensor:  # one position, penalised by brute force
+        window = (HISTORY + [root, *context])[-params.repeat_last_n:]
+        x = synthetic_logits(context, 2.0).clone()
+        seen = torch.tensor([float(v in window) for v in range(V)])
+        count = torch.tensor([float(window.count(v)) for v in range(V)])
+        rp = params.repeat_penalty
+        x = torch.where(seen > 0, torch.where(x > 0, x / rp, x * rp), x)
+        return sampler.probs(x - params.frequency_penalty * count - params.presence_penalty * seen)
+
     counts = torch.zeros(V * V)
     accepted = 0
     for _ in range(n_trials):
         path, bonus = verify_sampling(logits, tokens, parents, sampler)
         out = [tokens[i] for i in path] + [bonus]
         accepted += len(path)
-        if len(out) == 1:
-            out.append(sampler.draw(sampler.probs(synthetic_logits((out[0],), 2.0))))
+        if len(out) == 1:  # the next step: a one-node tree rooted at the bonus token
+            nxt = sampler.logits(synthetic_logits((out[0],), 2.0)[None], HISTORY + [root], out[:1],
+                                 tree_mask([-1]))
+            out.append(sampler.draw(sampler.probs(nxt[0])))
         counts[out[0] * V + out[1]] += 1
-    p1 = sampler.probs(synthetic_logits((), 2.0))
-    expected = torch.stack([p1[a] * sampler.probs(synthetic_logits((a,), 2.0)) for a in range(V)]).flatten()
-    assert chi_square_p(counts, expected) > 1e-3
-    assert accepted > 0.2 * n_trials  # the draft tokens were really used
+    p1 = true_probs(())
+    expected = torch.stack([p1[a] * true_probs((a,)) for a in range(V)]).flatten()
+    return chi_square_p(counts, expected), accepted
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("setting", sorted(PENALTIES))
+def test_penalised_sampling_is_lossless(shape, setting):
+    p, accepted = first_two_tokens(shape, replace(PENALTIES[setting], seed=99))
+    assert p > 1e-3
+    assert accepted > 0.2 * 6000
+
+
+@pytest.mark.parametrize("setting", sorted(PENALTIES))
+def test_a_penalty_from_the_prefix_alone_is_caught(setting, monkeypatch):
+    """The planted bug: every node penalised with the context before the tree and itself, its ancestors
+    ignored. The same test as above must reject it."""
+    real = sampling.window_counts
+    monkeypatch.setattr(sampling, "window_counts", lambda history, tokens, ancestors, last_n: real(
+        history, tokens, torch.eye(len(tokens), dtype=torch.bool), last_n))
+    try:
+        p, _ = first_two_tokens("chain", replace(PENALTIES[setting], seed=99))
+    except AssertionError:  # it even emitted a token that min-p rules out
+        p = 0.0
+    assert p < 1e-6
 
 
 def test_sampling_chain_depth_marginals():
@@ -133,6 +218,23 @@ def test_sampler_matches_transformers_processors():
             x = TopKLogitsWarper(top_k)(None, x)
         if top_p < 1:
             x = TopPLogitsWarper(top_p)(None, x)
+        torch.testing.assert_close(ours, torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
+
+
+def test_penalties_and_min_p_match_transformers_processors():
+    from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(1, 300, generator=g) * 3
+    context = torch.randint(0, 300, (1, 40), generator=g)
+    for penalty, min_p in [(1.1, 0.0), (1.5, 0.05), (0.8, 0.2)]:
+        sampler = Sampler(SamplingParams(temperature=0.7, repeat_penalty=penalty, repeat_last_n=1000, min_p=min_p))
+        ids = context[0].tolist()
+        ours = sampler.probs(sampler.logits(logits, ids[:-1], ids[-1:], tree_mask([-1])))
+        x = RepetitionPenaltyLogitsProcessor(penalty)(context, logits.clone())
+        x = TemperatureLogitsWarper(0.7)(context, x)
+        if min_p:
+            x = MinPLogitsWarper(min_p)(context, x)
         torch.testing.assert_close(ours, torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
 
 

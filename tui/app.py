@@ -110,7 +110,7 @@ class SwiftSpecApp(App[int]):
         Binding("f2", "history", "History"),
         Binding("f1", "help", "Help"),
     ]
-    CUT_SHORT = ("length", "context", "cancelled")  # finish reasons that /continue can pick up
+    CUT_SHORT = ("length", "context", "repetition", "cancelled")  # finish reasons that /continue can pick up
     FLUSH_INTERVAL = 1 / 12  # seconds between UI refreshes while an answer streams
 
     def __init__(self, engine_factory: EngineFactory, params: SamplingParams, system: str | None = None,
@@ -331,6 +331,9 @@ class SwiftSpecApp(App[int]):
         self._update_editable()
         if message.error is not None:
             self._report_failure(message.error, message.fatal)
+        elif self.last_finish == "repetition":
+            self.notify("The answer was stopped: it kept repeating itself (the loop guard) — /continue goes on.",
+                        timeout=6)
         elif self.last_finish in ("length", "context"):
             self.notify(f"The answer was cut by the {'context' if self.last_finish == 'context' else 'token limit'}"
                         " — /continue goes on.", timeout=6)

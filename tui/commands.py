@@ -13,7 +13,7 @@ class SlashCommand(NamedTuple):
 
 SLASH_COMMANDS = [
     SlashCommand("help", "", "show commands and keys"),
-    SlashCommand("continue", "", "go on with the last answer where the token limit, the context or Esc cut it"),
+    SlashCommand("continue", "", "go on with the last answer where the token limit, the context, the loop guard or Esc cut it"),
     SlashCommand("retry", "", "write the last answer again (a new seed when sampling; greedy repeats itself)"),
     SlashCommand("edit", "", "edit your last message (as ↑ on an empty input); sending it re-runs from there"),
     SlashCommand("history", "", "saved conversations: open, rename, delete (F2)"),
