@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 from tiny_models import single_thread, tiny_model_dir
+from tree_steps import tree_and_steps as verified_and_stepped
 
 from swiftspec.config import EngineConfig, SamplingParams, TreeParams
 from swiftspec.engine.decode import DraftState, TargetState
@@ -14,7 +15,6 @@ from swiftspec.engine.drafters import ModelDrafter
 from swiftspec.engine.loader import load_model
 from swiftspec.engine.loop import generate
 from swiftspec.engine.tree import target_inputs
-from swiftspec.engine.tree_cache import prefill_forward
 from swiftspec.kernels import reference
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -35,25 +35,9 @@ def model_dir():
 
 
 def tree_and_steps(device: str, dtype: str, invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of one verification of a 10-node tree behind PROMPT, and of the one-token steps along each
-    node's path that would have produced the same rows."""
+    """Logits of one verification of a 10-node tree behind PROMPT, and of the matching one-token steps."""
     model = load_model(model_dir(), device, dtype, max_slots=64, batch_invariant=invariant)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, 512, (len(PARENTS),), generator=g)
-    prefill_forward(model, PROMPT, 0, logits=False)
-    positions, slots, mask = target_inputs(PARENTS, len(PROMPT))
-    tree = model(tokens.to(device), positions.to(device), slots.to(device), mask.to(device))
-    steps = []
-    for node in range(len(PARENTS)):
-        path = [node]
-        while PARENTS[path[-1]] >= 0:
-            path.append(PARENTS[path[-1]])
-        for depth, i in enumerate(reversed(path)):  # slots behind the prefix are overwritten step by step
-            at = torch.tensor([len(PROMPT) + depth], device=device)
-            mask = torch.ones(1, len(PROMPT) + depth + 1, dtype=torch.bool, device=device)
-            logits = model(tokens[i:i + 1].to(device), at, at, mask)
-        steps.append(logits[0])
-    return tree, torch.stack(steps)
+    return verified_and_stepped(model, PROMPT, PARENTS, 512, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from tiny_models import make_tiny_gguf, single_thread, tiny_model_dir
+from tree_steps import tree_and_steps as verified_and_stepped
 
 from swiftspec import embedded
 from swiftspec.config import SamplingParams, TreeParams
@@ -19,7 +20,6 @@ from swiftspec.engine.drafters import ModelDrafter
 from swiftspec.engine.loader import load_model, read_hf_state_dict
 from swiftspec.engine.loop import generate
 from swiftspec.engine.tree import target_inputs
-from swiftspec.engine.tree_cache import prefill_forward
 from swiftspec.kernels import cpu_linear, reference
 from swiftspec.kernels.cpu_linear import Format
 
@@ -56,23 +56,7 @@ def model_for(backend: str, gguf_dir, slots: int = 128):
 
 
 def tree_and_steps(model, parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of one verification of the tree behind PROMPT, and of the one-token steps along each node's
-    path that would have produced the same rows."""
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, 300, (len(parents),), generator=g)
-    prefill_forward(model, PROMPT, 0, logits=False)
-    positions, slots, mask = target_inputs(parents, len(PROMPT))
-    tree = model(tokens, positions, slots, mask)
-    steps = []
-    for node in range(len(parents)):
-        path = [node]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        for depth, i in enumerate(reversed(path)):  # slots behind the prefix are overwritten step by step
-            at = torch.tensor([len(PROMPT) + depth])
-            logits = model(tokens[i:i + 1], at, at, torch.ones(1, len(PROMPT) + depth + 1, dtype=torch.bool))
-        steps.append(logits[0])
-    return tree, torch.stack(steps)
+    return verified_and_stepped(model, PROMPT, parents, 300)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
