@@ -206,8 +206,9 @@ def load(ctx: Ctx) -> None:
 
     def model_for(path: Path, n_slots: int, group, int8: bool = False, batch_invariant: bool | None = False):
         """Our model on this rank's device; on CUDA wrapped in CUDA graphs (one more slot: the graphs'
-        scratch slot, hidden from the caller). Drafts skip the batch-invariant mode: their rounding only
-        changes what is proposed, never what is output."""
+        scratch slot, hidden from the caller). Drafts skip the batch-invariant mode on CUDA (their rounding
+        only changes what is proposed, never what is output); on the CPU the invariant kernels are also
+        the fast ones, and a draft runs them too."""
         cuda = ctx.device.type == "cuda"
         model = load_model(path, ctx.device, args.dtype, max_slots=n_slots + cuda, tp_group=group,
                            tp_rank=ctx.tp_rank, tp_world=ctx.tp_world, int8=int8, batch_invariant=batch_invariant)
@@ -221,7 +222,8 @@ def load(ctx: Ctx) -> None:
             ctx.eos = set(eos_token_ids(target_dir, args.trust_remote_code))
     else:
         drafter = make_drafter(args.draft, target_dir, args.trust_remote_code, args.draft_history,
-                               lambda path, int8: model_for(path, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8),
+                               lambda path, int8: model_for(path, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8,
+                                                            None if ctx.device.type == "cpu" else False),
                                ctx.device, default_dtype(ctx.device, args.dtype), slots + DRAFT_TREE_SLOTS,
                                Path(args.draft_corpus) if args.draft_corpus else None)
         if drafter.wants_features and ctx.tp_world > 1:
