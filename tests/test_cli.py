@@ -318,7 +318,9 @@ def test_terminal_runs_the_tui(monkeypatch, data_dir, tmp_path):
     result = invoke(["chat", "--mode", "sync", "--temperature", "0.5", "--system", "Be kind.", "--resume"])
     assert result.exit_code == 0, result.output
     app = apps[0]
-    assert (app.params.mode, app.params.temperature, app.system, app._resume) == ("sync", 0.5, "Be kind.", old)
+    conversation = app.conversation
+    assert (conversation.params.mode, conversation.params.temperature, conversation.settings.system,
+            conversation.id) == ("sync", 0.5, "Be kind.", old)
 
 
 def test_missing_model_is_a_usage_error_before_the_tui(monkeypatch, data_dir, tmp_path):

@@ -45,7 +45,8 @@ def test_list_show_export_delete(saved, data_dir, tmp_path):  # noqa: F811
     assert (tmp_path / "chat.md").read_text() == shown.stdout
 
     refused = invoke(["history", "delete", str(first)], stdin=b"n\n")
-    assert refused.exit_code == 1 and len(HistoryStore().list()) == 2  # asked, and kept
+    assert refused.exit_code == 0 and len(HistoryStore().list()) == 2  # asked, and kept: no error
+    assert refused.stderr.endswith(f"Kept #{first}: How do I sort a list?\n") and "Aborted" not in refused.output
     deleted = invoke(["history", "delete", str(first)], stdin=b"y\n")
     assert deleted.exit_code == 0 and [c.id for c in HistoryStore().list()] == [second]
     assert invoke(["history", "delete", "-y", str(second)]).exit_code == 0

@@ -12,6 +12,7 @@ from rich.console import Console
 from textual import events
 
 from swiftspec.config import SamplingParams
+from swiftspec.conversation import Conversation, Settings
 from swiftspec.history import HistoryStore
 from swiftspec.tui.app import SwiftSpecApp
 from swiftspec.tui.dialogs import ConfirmScreen
@@ -30,7 +31,13 @@ def store(tmp_path):
 
 
 def make_app(store, factory=None, **params) -> SwiftSpecApp:
-    return SwiftSpecApp(factory or FakeEngine.factory(), SamplingParams(**params), store=store, model_line="fake")
+    return SwiftSpecApp(factory or FakeEngine.factory(), Settings(params=SamplingParams(**params)), store=store,
+                        model_line="fake")
+
+
+def resumed_app(store, conversation_id: int, factory=None) -> SwiftSpecApp:
+    conversation = Conversation.resume(store, conversation_id, Settings())
+    return SwiftSpecApp(factory or FakeEngine.factory(), Settings(), store=store, conversation=conversation)
 
 
 async def wait_for(pilot, condition, timeout: float = 10.0) -> None:
@@ -47,7 +54,7 @@ async def ready(pilot, timeout: float = 10.0) -> None:
 
 
 async def idle(pilot, timeout: float = 10.0) -> None:
-    await wait_for(pilot, lambda: pilot.app._buffer is None, timeout)
+    await wait_for(pilot, lambda: pilot.app._turn is None, timeout)
     await pilot.pause()
 
 
@@ -98,7 +105,7 @@ async def test_type_send_stream_stats_and_history(store, monkeypatch):
         assert panel.query_one("Sparkline").data  # latency of recent steps
         assert "fake-target" in text_of(panel.query_one("#layout"))
         assert "async" in app.query_one(ChatView).query(MessageBox).last().border_subtitle
-    saved = store.messages(app.conversation_id)
+    saved = store.messages(app.conversation.id)
     assert [(m.role, m.content) for m in saved] == [("user", "hello"), ("assistant", ANSWER)]
     assert saved[1].stats["finish_reason"] == "eos"
     assert engine.closed  # leaving the app closes the engine
@@ -167,8 +174,8 @@ async def test_slash_commands(store, tmp_path):
         for command in ("/mode sync", "/temp 0.7", "/max 3", "/system Be brief."):
             await type_and_send(pilot, command)
             assert prompt.text == ""
-        assert (app.params.mode, app.params.temperature, app.params.max_new_tokens) == ("sync", 0.7, 3)
-        assert "sync" in app.sub_title and "T=0.7" in app.sub_title
+        assert (app.conversation.params.mode, app.conversation.params.temperature, app.conversation.params.max_new_tokens) == ("sync", 0.7, 3)
+        assert "sync" in app.sub_title and "T0.7" in app.sub_title
         await type_and_send(pilot, "/mode turbo")
         assert prompt.text == "/mode turbo"  # a failed command keeps what was typed
         await type_and_send(pilot, "/nonsense")
@@ -182,15 +189,15 @@ async def test_slash_commands(store, tmp_path):
         assert (params.mode, params.temperature, params.max_new_tokens) == ("sync", 0.7, 3)
 
         await type_and_send(pilot, "/save My title")
-        assert store.get(app.conversation_id).title == "My title"
+        assert store.get(app.conversation.id).title == "My title"
         out = tmp_path / "chat.md"
         await type_and_send(pilot, f"/export {out}")
         exported = out.read_text()
         assert exported.startswith("# My title") and "**System:** Be brief." in exported and "## You\n\nhi" in exported
 
-        first = app.conversation_id
+        first = app.conversation.id
         await type_and_send(pilot, "/new")
-        assert boxes(app) == [] and app.messages == [] and app.conversation_id is None
+        assert boxes(app) == [] and app.conversation.messages == [] and app.conversation.id is None
         assert len(store.messages(first)) == 2  # the old conversation stays saved
 
         await type_and_send(pilot, "/help")
@@ -200,7 +207,7 @@ async def test_slash_commands(store, tmp_path):
 
         await type_and_send(pilot, "again")
         await idle(pilot)
-        second = app.conversation_id
+        second = app.conversation.id
         await type_and_send(pilot, "/clear")  # asks first: Esc keeps everything
         assert isinstance(app.screen, ConfirmScreen) and "from the history" in str(app.screen.question)
         await pilot.press("escape")
@@ -208,7 +215,7 @@ async def test_slash_commands(store, tmp_path):
         await type_and_send(pilot, "/clear")
         await pilot.click("#confirm")
         await pilot.pause()
-        assert boxes(app) == [] and store.messages(second) == [] and app.messages == []
+        assert boxes(app) == [] and store.messages(second) == [] and app.conversation.messages == []
 
         await type_and_send(pilot, "/quit")
         await pilot.pause()
@@ -231,10 +238,10 @@ async def test_history_resume(store):
         await ready(pilot)
         await type_and_send(pilot, "remember 42")
         await idle(pilot)
-    conversation = app.conversation_id
+    conversation = app.conversation.id
 
     factory = FakeEngine.factory()
-    resumed = SwiftSpecApp(factory, SamplingParams(), store=store, resume=conversation)
+    resumed = resumed_app(store, conversation, factory)
     async with resumed.run_test() as pilot:
         await ready(pilot)
         assert boxes(resumed) == [("user", "remember 42"), ("assistant", ANSWER)]
@@ -259,14 +266,16 @@ async def test_resume_from_command_palette(store):
         await pilot.press("ctrl+p", *"resume #", "enter")
         await wait_for(pilot, lambda: boxes(app))
         assert boxes(app) == [("user", "old question"), ("assistant", "old answer")]
-        assert app.conversation_id == conversation
+        assert app.conversation.id == conversation
 
 
-async def test_engine_death_keeps_typed_text_and_restarts(store):
+async def test_engine_death_keeps_the_turn_and_restarts(store):
+    """The question was accepted and saved: a death mid-answer keeps it and what was answered (marked
+    "error", so /continue or /retry go on after the restart), and keeps what the user typed meanwhile."""
     starts = []
 
     def factory(progress):
-        engine = FakeEngine(die_after=1 if not starts else None)
+        engine = FakeEngine(die_after=1 if not starts else None, step_delay=0.2 if not starts else 0)
         starts.append(engine)
         return engine
 
@@ -274,16 +283,23 @@ async def test_engine_death_keeps_typed_text_and_restarts(store):
     async with app.run_test() as pilot:
         await ready(pilot)
         await type_and_send(pilot, "this prompt must survive")
+        app.query_one(PromptInput).insert("typed meanwhile")
         await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen))
         assert "exited with signal 9" in text_of(app.screen.query_one("#error-cause Static"))
-        assert app.query_one(PromptInput).text == "this prompt must survive"
-        assert boxes(app) == [] and app.messages == []
+        assert app.query_one(PromptInput).text == "typed meanwhile"
+        partial = ANSWER[:16]  # the one step before the death
+        assert boxes(app) == [("user", "this prompt must survive"), ("assistant", partial)]
+        saved = store.messages(app.conversation.id)
+        assert [m.content for m in saved] == ["this prompt must survive", partial]
+        assert saved[1].stats["finish_reason"] == "error"
         await pilot.press("r")
         await ready(pilot)
         assert starts[0].closed and len(starts) == 2
-        await pilot.press("enter")
+        app.query_one(PromptInput).clear()
+        await type_and_send(pilot, "/continue")
         await idle(pilot)
         assert boxes(app) == [("user", "this prompt must survive"), ("assistant", ANSWER)]
+    assert [m.content for m in store.messages(app.conversation.id)] == ["this prompt must survive", ANSWER]
 
 
 async def test_start_failure_shows_cause_then_restart(store):
@@ -323,7 +339,7 @@ async def test_refused_answer_keeps_engine_and_prompt(store):
         await type_and_send(pilot, "too long")
         await wait_for(pilot, lambda: app.query_one(PromptInput).text == "too long")
         assert not isinstance(app.screen, ErrorScreen) and app.engine is factory.started[0]
-        assert boxes(app) == [] and app.messages == []
+        assert boxes(app) == [] and app.conversation.messages == []
 
 
 async def test_quitting_while_loading_abandons_the_start(store):

@@ -9,12 +9,10 @@ import stat
 
 import pytest
 from fake_engine import ANSWER, FakeEngine, chunks
-from test_tui import boxes, idle, make_app, ready, type_and_send, wait_for
+from test_tui import boxes, idle, make_app, ready, resumed_app, type_and_send, wait_for
 
 from swiftspec import history
-from swiftspec.config import SamplingParams
 from swiftspec.history import HistoryStore
-from swiftspec.tui.app import SwiftSpecApp
 from swiftspec.tui.dialogs import ConfirmScreen, TextPromptScreen
 from swiftspec.tui.history_screen import HistoryScreen
 from swiftspec.tui.widgets.chat_view import ChatView
@@ -68,7 +66,7 @@ async def test_ten_turns_in_a_small_context_drop_the_oldest_with_notices(store):
         same_window = [(a, b) for (a, _), (b, _) in zip(engine.calls, engine.calls[1:], strict=False)
                        if a[0] == b[0]]
         assert same_window and all(b[:len(a)] == a for a, b in same_window)
-    saved = store.messages(app.conversation_id)  # history keeps everything the user saw
+    saved = store.messages(app.conversation.id)  # history keeps everything the user saw
     assert len(saved) == 20 and saved[0].content == "question number 0"
 
 
@@ -80,7 +78,7 @@ async def test_a_message_that_cannot_fit_is_given_back(store):
         await type_and_send(pilot, "long " * 80)
         await pilot.pause()
         assert any("more than the context of 100 tokens" in n for n in notes(app))
-        assert app.query_one(PromptInput).text == ("long " * 80).strip() and boxes(app) == []
+        assert app.query_one(PromptInput).text == "long " * 80 and boxes(app) == []  # the input keeps it
         assert factory.started[0].calls == [] and store.list() == []
 
 
@@ -92,7 +90,7 @@ async def test_answer_cut_by_context_says_context(store):
         await type_and_send(pilot, "go")
         await idle(pilot)
         assert "context" in app.query_one(ChatView).query(MessageBox).last().border_subtitle
-        assert store.messages(app.conversation_id)[-1].stats["finish_reason"] == "context"
+        assert store.messages(app.conversation.id)[-1].stats["finish_reason"] == "context"
         assert any("/continue" in n for n in notes(app))
 
 
@@ -106,14 +104,14 @@ async def test_continue_an_answer_cut_by_length(store):
         await type_and_send(pilot, "hi")
         await idle(pilot)
         assert boxes(app)[-1][1] == ANSWER[:20]
-        first_id = app.message_ids[-1]
-        while app.last_finish == "length":
+        first_id = app.conversation.messages[-1].id
+        while app.conversation.last_finish == "length":
             await type_and_send(pilot, "/continue")
             await idle(pilot)
         engine = factory.started[0]
         assert engine.calls[1][0][-1] == {"role": "assistant", "content": ANSWER[:20]}  # the model continues it
-        assert boxes(app) == [("user", "hi"), ("assistant", ANSWER)] and app.last_finish == "eos"
-        saved = store.messages(app.conversation_id)
+        assert boxes(app) == [("user", "hi"), ("assistant", ANSWER)] and app.conversation.last_finish == "eos"
+        saved = store.messages(app.conversation.id)
         assert [(m.content, m.id) for m in saved[1:]] == [(ANSWER, first_id)]  # one answer, updated in place
         await type_and_send(pilot, "/continue")
         assert any("complete (eos)" in n for n in notes(app))
@@ -140,8 +138,8 @@ async def test_retry_greedy_and_sampled(store):
         await idle(pilot)
         seed = engine.calls[2][1].seed
         assert seed is not None and any(f"seed {seed}" in n for n in notes(app))
-        assert app.params.seed is None  # the new seed was for that answer only
-    saved = store.messages(app.conversation_id)
+        assert app.conversation.params.seed is None  # the new seed was for that answer only
+    saved = store.messages(app.conversation.id)
     assert [(m.role, m.content) for m in saved] == [("user", "hello"), ("assistant", ANSWER)]
 
 
@@ -162,7 +160,7 @@ async def test_edit_last_message_with_up_and_slash_edit(store):
         await idle(pilot)
         assert boxes(app) == [("user", "first"), ("assistant", ANSWER), ("user", "second"), ("assistant", ANSWER)]
         assert factory.started[0].calls[-1][0][-1] == {"role": "user", "content": "second"}
-        assert [m.content for m in store.messages(app.conversation_id)] == ["first", ANSWER, "second", ANSWER]
+        assert [m.content for m in store.messages(app.conversation.id)] == ["first", ANSWER, "second", ANSWER]
         await type_and_send(pilot, "/edit")
         assert prompt.text == "second" and prompt.editing
         await pilot.press("up")  # further up browses earlier prompts: those are sent as new messages
@@ -176,11 +174,15 @@ async def test_each_message_is_saved_when_it_exists(store):
         await ready(pilot)
         await type_and_send(pilot, "saved before the answer")
         await wait_for(pilot, lambda: boxes(app)[-1][1])
-        # mid-answer, a kill -9 would lose only the answer in flight
-        assert [m.content for m in HistoryStore(store.path).messages(app.conversation_id)] == ["saved before the answer"]
+        # mid-answer the question is saved, and the answer as it streams (at most SAVE_EVERY_S behind)
+        await wait_for(pilot, lambda: len(store.messages(app.conversation.id)) == 2)
+        question, answer = HistoryStore(store.path).messages(app.conversation.id)
+        assert question.content == "saved before the answer" and answer.stats["finish_reason"] == "partial"
+        await wait_for(pilot, lambda: HistoryStore(store.path).messages(app.conversation.id)[1].content, 5)
         await pilot.press("escape")
         await idle(pilot)
-    assert len(store.messages(app.conversation_id)) == 2
+        saved = store.messages(app.conversation.id)
+        assert saved[1].stats["finish_reason"] == "cancelled" and saved[1].content == boxes(app)[-1][1]
 
 
 async def test_history_screen_open_rename_delete(store):
@@ -214,7 +216,7 @@ async def test_history_screen_open_rename_delete(store):
         assert table.row_count == 1 and [c.id for c in store.list()] == [old]
         await pilot.press("enter")
         await wait_for(pilot, lambda: boxes(app))
-        assert not isinstance(app.screen, HistoryScreen) and app.conversation_id == old
+        assert not isinstance(app.screen, HistoryScreen) and app.conversation.id == old
         assert boxes(app) == [("user", "old question"), ("assistant", "old answer")]
 
         await pilot.press("f2")  # deleting the open conversation leaves a new, empty one
@@ -224,7 +226,7 @@ async def test_history_screen_open_rename_delete(store):
         assert app.screen.query_one("#history-title").content == "No saved conversations yet"
         await pilot.press("escape")
         await pilot.pause()
-        assert boxes(app) == [] and app.conversation_id is None and store.list() == []
+        assert boxes(app) == [] and app.conversation.id is None and store.list() == []
 
 
 @pytest.mark.parametrize("fault", ["locked", "read-only"])
@@ -267,7 +269,7 @@ async def test_damaged_history_is_moved_aside_and_said(tmp_path):
         assert any("damaged" in n and "started a new one" in n for n in notes(app))
         await type_and_send(pilot, "hello")
         await idle(pilot)
-    assert len(store.messages(app.conversation_id)) == 2
+    assert len(store.messages(app.conversation.id)) == 2
     assert len(list(tmp_path.glob("history.sqlite3.damaged-*"))) == 1
 
 
@@ -333,7 +335,7 @@ async def test_resumed_conversation_can_continue_its_cut_answer(store):
     store.add(conv, "user", "hi")
     store.add(conv, "assistant", ANSWER[:8], {"finish_reason": "length", "generated": 2})
     factory = FakeEngine.factory()
-    app = SwiftSpecApp(factory, SamplingParams(), store=store, resume=conv)
+    app = resumed_app(store, conv, factory)
     async with app.run_test() as pilot:
         await ready(pilot)
         await type_and_send(pilot, "/continue")
@@ -362,7 +364,7 @@ async def test_conversation_deleted_elsewhere_is_saved_anew(store):
         await ready(pilot)
         await type_and_send(pilot, "first")
         await idle(pilot)
-        first = app.conversation_id
+        first = app.conversation.id
         other = HistoryStore(store.path)  # e.g. `swiftspec history delete` in another terminal
         other.delete(first)
         other.close()
@@ -370,8 +372,8 @@ async def test_conversation_deleted_elsewhere_is_saved_anew(store):
         assert any(f"/save: no conversation with id {first}" in n for n in notes(app))
         await type_and_send(pilot, "second")
         await idle(pilot)
-        assert app.conversation_id != first and any("deleted elsewhere" in n for n in notes(app))
-    saved = store.messages(app.conversation_id)
+        assert app.conversation.id != first and any("deleted elsewhere" in n for n in notes(app))
+    saved = store.messages(app.conversation.id)
     assert [m.content for m in saved] == ["first", ANSWER, "second", ANSWER]
 
 
@@ -388,5 +390,5 @@ async def test_an_edit_that_cannot_fit_keeps_the_turn_it_would_replace(store):
         await pilot.press("enter")
         await pilot.pause()
         assert any("more than the context" in n for n in notes(app))
-        assert boxes(app) == [("user", "short"), ("assistant", ANSWER)] and len(store.messages(app.conversation_id)) == 2
+        assert boxes(app) == [("user", "short"), ("assistant", ANSWER)] and len(store.messages(app.conversation.id)) == 2
         assert prompt.editing and prompt.text.startswith("short much longer")

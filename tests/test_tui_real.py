@@ -13,6 +13,7 @@ import pytest
 from test_tui import boxes, figures, idle, ready, text_of, type_and_send, wait_for
 
 from swiftspec.config import EngineConfig, SamplingParams
+from swiftspec.conversation import Conversation, Settings
 from swiftspec.history import HistoryStore
 from swiftspec.tui.app import SwiftSpecApp
 from swiftspec.tui.widgets.chat_view import ChatView
@@ -67,12 +68,14 @@ def store(tmp_path):
     s.close()
 
 
-def app_on(engine, store, **kw) -> SwiftSpecApp:
+def app_on(engine, store, resume: int | None = None) -> SwiftSpecApp:
     def start(progress):
         progress("lent by the test module")
         return Shared(engine)
 
-    return SwiftSpecApp(start, SamplingParams(max_new_tokens=24), store=store, **kw)
+    conversation = Conversation.resume(store, resume, Settings()) if resume is not None else None
+    return SwiftSpecApp(start, Settings(params=SamplingParams(max_new_tokens=24)), store=store,
+                        conversation=conversation)
 
 
 def last_answer(app) -> MessageBox:
@@ -105,18 +108,18 @@ async def test_chat_stream_stats_stop_slash_and_history(engine, store):
         # Esc stops a long answer; the engine answers again afterwards
         await type_and_send(pilot, "/mode async")
         await type_and_send(pilot, "/max 3500")  # long enough that Esc lands first, even at 300+ tok/s
-        app.params.ignore_eos = True
+        await type_and_send(pilot, "/set ignore-eos on")
         await type_and_send(pilot, "tell me everything")
         await wait_for(pilot, lambda: last_answer(app).text, timeout=60)
         await pilot.press("escape")
         await idle(pilot, ANSWER_S)
         assert "cancelled" in last_answer(app).border_subtitle
-        app.params.ignore_eos = False
+        await type_and_send(pilot, "/set ignore-eos off")
         await type_and_send(pilot, "/max 8")
         await type_and_send(pilot, "and again")
         await idle(pilot, ANSWER_S)
         assert "cancelled" not in last_answer(app).border_subtitle and last_answer(app).text
-        conversation = app.conversation_id
+        conversation = app.conversation.id
         saved = store.messages(conversation)
         assert [m.role for m in saved] == ["user", "assistant"] * 3
         assert saved[3].stats["finish_reason"] == "cancelled"
@@ -152,7 +155,7 @@ async def test_worker_killed_shows_error_and_restart(store):
         return eng
 
     # long enough that the kill lands mid-answer, even at 300+ tok/s under load
-    app = SwiftSpecApp(start, SamplingParams(max_new_tokens=3500, ignore_eos=True), store=store)
+    app = SwiftSpecApp(start, Settings(params=SamplingParams(max_new_tokens=3500, ignore_eos=True)), store=store)
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot, STARTUP_S)
         await type_and_send(pilot, "a long answer please")
@@ -169,7 +172,7 @@ async def test_worker_killed_shows_error_and_restart(store):
         await pilot.press("r")
         await ready(pilot, STARTUP_S)
         assert len(started) == 2 and started[1].alive and not started[0].alive
-        app.params.max_new_tokens = 8
+        app.conversation.params.max_new_tokens = 8
         await pilot.press("enter")
         await idle(pilot, ANSWER_S)
         assert boxes(app)[0] == ("user", "a long answer please") and last_answer(app).text
@@ -186,10 +189,10 @@ async def test_small_context_overflow_context_reason_and_continue(small_engine, 
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot, STARTUP_S)
         await type_and_send(pilot, "/max 2000")  # more than the context holds
-        app.params.ignore_eos = True
+        await type_and_send(pilot, "/set ignore-eos on")
         await type_and_send(pilot, "a very long one")
         await idle(pilot, ANSWER_S)
-        assert "context" in last_answer(app).border_subtitle and app.last_finish == "context"
+        assert "context" in last_answer(app).border_subtitle and app.conversation.last_finish == "context"
 
         await type_and_send(pilot, "/max 6")
         await type_and_send(pilot, "next")

@@ -14,22 +14,32 @@ class ChatView(VerticalScroll):
     def on_mount(self) -> None:
         self.anchor()
 
-    async def add(self, role: str, text: str = "", footer: str = "", streaming: bool = False) -> MessageBox:
-        box = MessageBox(role, text, footer, streaming=streaming)
+    async def add(self, role: str, text: str = "", footer: str = "", streaming: bool = False,
+                  key: int | None = None) -> MessageBox:
+        box = MessageBox(role, text, footer, streaming=streaming, key=key)
         await self.mount(box)
         self.anchor()
         return box
 
-    async def add_notice(self, text: str) -> Notice:
+    async def add_notice(self, text: str, before: MessageBox | None = None) -> Notice:
         notice = Notice(text)
-        await self.mount(notice)
+        await self.mount(notice, before=before)
         self.anchor()
         return notice
 
     @property
     def messages(self) -> list[MessageBox]:
-        """The message boxes, oldest first; they match the app's messages one to one."""
+        """The message boxes, oldest first."""
         return list(self.query(MessageBox))
+
+    def box(self, key: int) -> MessageBox:
+        return next(b for b in self.query(MessageBox) if b.key == key)
+
+    async def keep_only(self, keys: set[int]) -> None:
+        """Removes the boxes of messages that are no longer in the conversation."""
+        for box in self.query(MessageBox):
+            if box.key is not None and box.key not in keys:
+                await box.remove()
 
     async def clear(self) -> None:
         await self.remove_children()
