@@ -50,6 +50,8 @@ def test_jsonl_schema():
     assert "".join(e["text"] for e in tokens) == ANSWER
     assert [i for e in tokens for i in e["token_ids"]] == list(range(len(chunks(ANSWER))))
     assert done["event"] == "done" and done["finish_reason"] == "eos"
+    assert "accepted" not in done["stats"]  # the last step's count: the answer's figures are the two below
+    assert all(e["text"] for e in tokens)  # the EOS that ended it is no token event of its own
     for key in ("acceptance_rate", "mean_accepted", "tokens_per_s", "token_latency_ms", "tree_size", "draft_ms",
                 "target_ms", "d", "generated", "ms_per_token_p50", "mode"):
         assert key in done["stats"], key
@@ -132,3 +134,26 @@ def test_prompt_that_cannot_fit_is_a_usage_error(jsonl):
 def test_answer_cut_by_the_context_says_context():
     code, _, err = run(["q"], FakeEngine(answer="word " * 200, context_length=200))
     assert code == 0 and "context" in err.splitlines()[-1]
+
+
+def test_each_line_answers_are_separated_by_a_blank_line():
+    code, out, err = run(["first", "second"], FakeEngine(answer="one\ntwo"))
+    assert code == 0 and out == "one\ntwo\n\none\ntwo\n"
+
+
+def test_quiet_prints_no_figures():
+    code, out, err = run(["hello"], quiet=True)
+    assert code == 0 and out == ANSWER + "\n" and err == ""
+
+
+def test_saved_prompts_are_turns_of_one_conversation(tmp_path):
+    """With a store (--save, --resume) each prompt sees the earlier ones: the saved record is what the
+    model was shown."""
+    from swiftspec.history import HistoryStore
+
+    store = HistoryStore(tmp_path / "h.sqlite3")
+    engine = FakeEngine(answer="ok")
+    code, _, _ = run(["first", "second"], engine, store=store)
+    assert code == 0 and [m["content"] for m in engine.calls[1][0]] == ["first", "ok", "second"]
+    (saved,) = store.list()
+    assert [m.content for m in store.messages(saved.id)] == ["first", "ok", "second", "ok"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import threading
 import time
@@ -360,3 +361,112 @@ async def test_quitting_while_loading_abandons_the_start(store):
         await wait_for(pilot, lambda: isinstance(app.screen, LoadingScreen))
         await pilot.press("ctrl+q")
     assert abandoned.wait(5) and app.engine is None
+
+
+async def test_ctrl_c_stops_the_answer_and_does_not_quit(store):
+    factory = FakeEngine.factory(step_delay=0.05, answer="word " * 200)
+    app = make_app(store, factory)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "long please")
+        await wait_for(pilot, lambda: boxes(app)[-1][1])
+        await pilot.press("ctrl+c")  # was: asked about quitting while the answer went on
+        await idle(pilot)
+        assert "cancelled" in app.query_one(ChatView).query(MessageBox).last().border_subtitle
+        assert not any("quit" in str(n.title).lower() for n in app._notifications)
+        await pilot.press("ctrl+c")  # idle: says how to quit, and stays
+        await pilot.pause()
+        assert app.is_running and any("to quit" in str(n.message) for n in app._notifications)
+
+
+async def test_a_refused_prompt_comes_back_with_the_cursor_at_its_end(store):
+    app = make_app(store, FakeEngine.factory(refuse="no"))
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "first line\nsecond")
+        prompt = app.query_one(PromptInput)
+        await wait_for(pilot, lambda: prompt.text == "first line\nsecond")
+        assert prompt.cursor_location == (1, 6)  # was: (0, 0)
+        await pilot.press("!")
+        assert prompt.text == "first line\nsecond!"
+
+
+async def test_keys_typed_a_few_ms_apart_keep_their_order(store):
+    factory = FakeEngine.factory()
+    app = make_app(store, factory)
+    text = "the quick brown fox jumps over the lazy dog"
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        for gap in (0.0, 0.002, 0.008):
+            app.query_one(PromptInput).clear()
+            for ch in text:
+                app._driver.send_message(events.Key("space" if ch == " " else ch, ch))
+                await asyncio.sleep(gap)
+            await pilot.pause(0.2)
+            assert app.query_one(PromptInput).text == text, gap
+
+
+async def test_the_title_bar_keeps_the_settings_readable_at_80_columns(store):
+    app = make_app(store)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        for command in ("/temp 0.7", "/set top-p 0.9", "/set top-k 40", "/max 256"):
+            await type_and_send(pilot, command)
+        await pilot.pause()
+        header = app.query_one("HeaderTitle").render()
+        shown = str(header) if not hasattr(header, "plain") else header.plain
+        assert "T0.7 p0.9 k40" in shown and "max 256" in shown and "async" in shown, shown
+
+
+async def test_f3_shows_and_hides_the_stats_at_any_width(store):
+    app = make_app(store)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await ready(pilot)
+        panel = app.query_one(StatsPanel)
+        assert not panel.display
+        await pilot.press("f3")
+        assert panel.display  # was: impossible below 72 columns
+        await pilot.press("f3")
+        assert not panel.display
+        await pilot.resize_terminal(100, 30)
+        await pilot.pause()
+        assert not panel.display  # hidden by the user: it stays so
+        await pilot.press("f3")
+        assert panel.display
+
+
+async def test_a_click_on_a_code_block_copies_that_block(store):
+    from textual.widgets.markdown import MarkdownFence
+
+    app = make_app(store)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "code please")
+        await idle(pilot)
+        await pilot.click(MarkdownFence)
+        assert app.clipboard == "def add(a, b):\n    return a + b"
+        await type_and_send(pilot, "/copy 1")
+        assert app.clipboard == "def add(a, b):\n    return a + b"
+        await type_and_send(pilot, "/copy 2")
+        await pilot.pause()
+        assert any("1 code block" in str(n.message) for n in app._notifications)
+
+
+async def test_the_panel_names_figures_as_everything_else_does(store):
+    app = make_app(store)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "hello")
+        await idle(pilot)
+        assert "tok/verify" in figures(app) and "mean accepted" not in figures(app)
+
+
+async def test_the_chosen_theme_is_kept(store):
+    app = make_app(store)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        app.theme = "nord"
+    again = make_app(store)
+    async with again.run_test() as pilot:
+        await ready(pilot)
+        assert again.theme == "nord"

@@ -12,6 +12,7 @@ from fake_engine import ANSWER, FakeEngine, chunks
 from test_tui import boxes, idle, make_app, ready, resumed_app, type_and_send, wait_for
 
 from swiftspec import history
+from swiftspec.config import SamplingParams
 from swiftspec.history import HistoryStore
 from swiftspec.tui.dialogs import ConfirmScreen, TextPromptScreen
 from swiftspec.tui.history_screen import HistoryScreen
@@ -392,3 +393,108 @@ async def test_an_edit_that_cannot_fit_keeps_the_turn_it_would_replace(store):
         assert any("more than the context" in n for n in notes(app))
         assert boxes(app) == [("user", "short"), ("assistant", ANSWER)] and len(store.messages(app.conversation.id)) == 2
         assert prompt.editing and prompt.text.startswith("short much longer")
+
+
+async def test_a_refused_retry_keeps_the_answer_on_screen_and_saved(store):
+    factory = FakeEngine.factory()
+    app = make_app(store, factory)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "hello")
+        await idle(pilot)
+        factory.started[0].refuse = "the workers are busy"
+        await type_and_send(pilot, "/retry")
+        await idle(pilot)
+        assert any("the workers are busy" in n for n in notes(app))
+        assert boxes(app) == [("user", "hello"), ("assistant", ANSWER)]
+        assert [m.content for m in store.messages(app.conversation.id)] == ["hello", ANSWER]
+        await type_and_send(pilot, "/max 5000")  # the retry no longer fits: refused before anything changes
+        factory.started[0].refuse = None
+        factory.started[0].info.context_length = 8  # room for the answer: half of it
+        await type_and_send(pilot, "/retry")
+        assert any("Does not fit" in str(n.title) for n in app._notifications)
+        assert [m.content for m in store.messages(app.conversation.id)] == ["hello", ANSWER]
+
+
+async def test_quitting_mid_answer_keeps_it_for_retry_and_continue(store):
+    factory = FakeEngine.factory(step_delay=0.05, answer="word " * 200)
+    app = make_app(store, factory)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "a long one")
+        await wait_for(pilot, lambda: len(boxes(app)[-1][1]) > 20)
+        await pilot.press("ctrl+q")
+    (question, answer) = store.messages(app.conversation.id)
+    assert answer.content and answer.stats["finish_reason"] == "cancelled"  # was: no answer saved at all
+    again = resumed_app(store, app.conversation.id, FakeEngine.factory(answer="word " * 200))
+    async with again.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "/continue")
+        await idle(pilot)
+        assert boxes(again)[-1] == ("assistant", "word " * 200)
+        await type_and_send(pilot, "/retry")
+        await idle(pilot)
+        assert not any("no answer to" in n for n in notes(again))
+    assert [m.content for m in store.messages(app.conversation.id)] == ["a long one", "word " * 200]
+
+
+async def test_settings_belong_to_the_conversation(store, tmp_path):
+    app = make_app(store)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "/temp 0.7")
+        await type_and_send(pilot, "/system Be brief.")
+        await type_and_send(pilot, "hello")
+        await idle(pilot)
+        first = app.conversation.id
+        await type_and_send(pilot, "/new")  # was: the settings carried over
+        assert app.conversation.params.temperature == 0.0 and app.conversation.settings.system is None
+        assert "greedy" in app.sub_title
+        await pilot.press("f2")
+        await pilot.press("enter")  # the most recent: the first conversation
+        await wait_for(pilot, lambda: boxes(app))
+        assert app.conversation.id == first and app.conversation.params.temperature == 0.7
+        assert app.conversation.settings.system == "Be brief." and "T0.7" in app.sub_title
+        await type_and_send(pilot, "/system Be verbose.")  # set mid-chat: exported where it was set
+        out = tmp_path / "chat.md"
+        await type_and_send(pilot, f"/export {out}")
+        exported = out.read_text()
+        assert exported.index("Be brief.") < exported.index(ANSWER[:10]) < exported.index("Be verbose.")
+
+
+async def test_clear_removes_the_conversation_from_the_history(store):
+    app = make_app(store)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "hello")
+        await idle(pilot)
+        await type_and_send(pilot, "/clear")
+        await pilot.click("#confirm")
+        await pilot.pause()
+        assert boxes(app) == [] and store.list() == []  # was: listed under its old title with 0 turns
+
+
+async def test_a_mode_the_engine_cannot_run_is_refused_and_not_offered(store):
+    app = make_app(store, FakeEngine.factory(draft="none"), mode="ar")
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "/mode sync")
+        assert app.query_one(PromptInput).text == "/mode sync"  # refused: what was typed stays
+        assert any("needs a draft" in n and "--mode sync" in n for n in notes(app))
+        assert app.conversation.params.mode == "ar"
+        offered = [c.title for c in app.get_system_commands(app.screen)]
+        assert "Mode: ar" in offered and "Mode: sync" not in offered and "Mode: async" not in offered
+        app.query_one(PromptInput).clear()
+        await type_and_send(pilot, "hello")
+        await idle(pilot)
+        assert boxes(app)[-1] == ("assistant", ANSWER)
+
+
+async def test_a_resumed_conversation_in_a_mode_the_engine_cannot_run_answers_in_ar(store):
+    conversation = store.create("async chat", settings=SamplingParams(mode="async").to_dict())
+    store.add(conversation, "user", "hi")
+    store.add(conversation, "assistant", "hello", {"finish_reason": "eos"})
+    app = resumed_app(store, conversation, FakeEngine.factory(draft="none"))
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        assert app.conversation.params.mode == "ar" and any("ar only" in n for n in notes(app))

@@ -387,6 +387,7 @@ class SwiftSpecApp(App[int]):
 
     def on_message_box_copy_code(self, message: MessageBox.CopyCode) -> None:
         self.copy(message.code, "the code block")
+        self.query_one(PromptInput).focus()  # typing goes on where it was
 
     def copy(self, text: str, what: str) -> None:
         """OSC 52 through the terminal, and the system clipboard tool where there is one: only a tool can
