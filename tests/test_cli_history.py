@@ -120,3 +120,10 @@ def test_resume_on_a_locked_history_is_a_clear_usage_error(fake, data_dir, monke
     finally:
         other.rollback()
         other.close()
+
+
+@pytest.mark.parametrize("command", ["show", "export", "delete"])
+def test_an_id_that_is_not_a_number_is_one_line(saved, command):  # noqa: F811
+    result = invoke(["history", command, "abc"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "not 'abc'" in result.stderr
+    assert "╭" not in result.output  # was: a Typer box

@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import threading
 from collections.abc import Callable, Iterable
-from functools import partial
 from pathlib import Path
 
 from textual import work
@@ -26,9 +25,8 @@ from swiftspec import window
 from swiftspec.config import MODES
 from swiftspec.conversation import CannotAnswer, Conversation, Kind, Settings, describe
 from swiftspec.engine.protocol import EngineAPI
-from swiftspec.history import HistoryStore, local_time, stats_line
-from swiftspec.tui import commands, preferences
-from swiftspec.tui.clipboard import copy_with_tools
+from swiftspec.history import HistoryStore, stats_line
+from swiftspec.tui import clipboard, commands, preferences
 from swiftspec.tui.history_screen import HistoryResult, HistoryScreen
 from swiftspec.tui.messages import (
     AnswerAccepted,
@@ -253,10 +251,7 @@ class SwiftSpecApp(App[int]):
             turn.question.key = messages[-2].key
         await chat.keep_only({m.key for m in messages})
         if reply.left_out:
-            what = "the oldest turn" if reply.left_out == 1 else f"the {reply.left_out} oldest turns"
-            turn.notice = await chat.add_notice(
-                f"Context full: left out {what} (still shown here and saved); the model sees the last "
-                f"{_turns(reply.kept)}.", before=turn.question or turn.box)
+            turn.notice = await chat.add_context_notice(reply.left_out, reply.kept, before=turn.question or turn.box)
         if reply.question is not None:
             prompt = self.query_one(PromptInput)
             if turn.edited is not None:  # the edited message replaces the last one in the recall list too
@@ -277,7 +272,7 @@ class SwiftSpecApp(App[int]):
             await turn.box.remove()
             if turn.question is not None:
                 await turn.question.remove()
-                self._give_back(reply.question, editing=reply.kind == "edit")
+                self.query_one(PromptInput).give_back(reply.question, editing=reply.kind == "edit")
         self._update_editable()
         finish = self.conversation.last_finish
         if reply.error is not None:
@@ -285,17 +280,6 @@ class SwiftSpecApp(App[int]):
         elif finish in ("length", "context"):
             self.notify(f"The answer was cut by the {'context' if finish == 'context' else 'token limit'}"
                         " — /continue goes on.", timeout=6)
-
-    def _give_back(self, text: str, editing: bool) -> None:
-        """A question the engine did not take goes back into the input, before anything typed since,
-        with the cursor at its end."""
-        prompt = self.query_one(PromptInput)
-        typed = prompt.text
-        if editing:
-            prompt.start_edit(text)
-        else:
-            prompt.load_text(text + ("\n" + typed if typed else ""))
-        prompt.move_cursor((text.count("\n"), len(text.split("\n")[-1])))
 
     def _report_failure(self, cause: str, fatal: bool) -> None:
         if fatal:
@@ -305,22 +289,16 @@ class SwiftSpecApp(App[int]):
 
     # --- the conversation on screen ---------------------------------------------------------------
 
-    async def show_conversation(self) -> None:
-        """Shows ``self.conversation`` afresh: its messages, settings, recall list."""
-        chat = self.query_one(ChatView)
-        await chat.clear()
-        for m in self.conversation.messages:
-            await chat.add(m.role, m.content, footer=stats_line(m.stats, short=True) if m.stats else "", key=m.key)
+    async def show_conversation(self, conversation: Conversation | None = None) -> None:
+        """Shows ``conversation`` (now the app's), or the app's own afresh: messages, settings, recall list."""
+        self.conversation = conversation or self.conversation
+        await self.query_one(ChatView).show(self.conversation.messages)
         self.query_one(PromptInput).recall = [m.content for m in self.conversation.messages if m.role == "user"]
         self._update_editable()
         self._notify_warnings()
         if self.engine is not None:
             self.fit_mode()
         self.update_title()
-
-    async def replace_conversation(self, conversation: Conversation) -> None:
-        self.conversation = conversation
-        await self.show_conversation()
 
     def _update_editable(self) -> None:
         editable = self.conversation.editable
@@ -383,29 +361,14 @@ class SwiftSpecApp(App[int]):
         if text is None:
             self.notify("No answer to copy yet.", severity="warning")
             return
-        self.copy(text, "the last answer")
+        clipboard.copy(self, text, "the last answer")
 
     def on_message_box_copy_code(self, message: MessageBox.CopyCode) -> None:
-        self.copy(message.code, "the code block")
+        clipboard.copy(self, message.code, "the code block")
         self.query_one(PromptInput).focus()  # typing goes on where it was
 
-    def copy(self, text: str, what: str) -> None:
-        """OSC 52 through the terminal, and the system clipboard tool where there is one: only a tool can
-        confirm that the text arrived, so only then does the notice say "copied"."""
-        self.copy_to_clipboard(text)
-        self._copy_with_tools(text, what)
-
-    @work(thread=True, group="clipboard")
-    def _copy_with_tools(self, text: str, what: str) -> None:
-        self.post_message(CopyDone(what, *copy_with_tools(text)))
-
     def on_copy_done(self, message: CopyDone) -> None:
-        if message.tool is not None:
-            self.notify(f"Copied {message.what} to the clipboard ({message.tool}).")
-            return
-        why = f"{message.error}; " if message.error else "no clipboard tool (wl-copy, xclip, pbcopy) found; "
-        self.notify(f"Could not copy for sure: {why}{message.what} was sent to the terminal (OSC 52), which "
-                    "copies it only if the terminal supports that.", severity="warning", markup=False, timeout=10)
+        clipboard.report(self, message)
 
     def action_toggle_stats(self) -> None:
         """Shows or hides the stats panel at any width (by default it hides below 72 columns)."""
@@ -432,7 +395,7 @@ class SwiftSpecApp(App[int]):
         if result is None:
             return
         if self.conversation.id in result.deleted:
-            await self.replace_conversation(Conversation(self.store, self.defaults.copy()))
+            await self.show_conversation(Conversation(self.store, self.defaults.copy()))
             self.notify("The open conversation was deleted; this is a new one.")
         if result.open is not None:
             await self.resume_conversation(result.open)
@@ -440,31 +403,9 @@ class SwiftSpecApp(App[int]):
     async def resume_conversation(self, conversation_id: int) -> None:
         if self.idle("resume"):
             conversation = Conversation.resume(self.store, conversation_id, self.defaults)
-            await self.replace_conversation(conversation)
+            await self.show_conversation(conversation)
             self.notify(f"Resumed #{conversation.id}: {conversation.title}", markup=False)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        yield SystemCommand("New conversation", "Start afresh; this one stays saved", self.action_new_chat)
-        yield SystemCommand("History", "Saved conversations: open, rename, delete (F2)", self.action_history)
-        yield SystemCommand("Stop the answer", "Cancel the answer being generated (Esc)", self.action_stop)
-        yield SystemCommand("Continue the answer", "Go on where the last answer was cut (/continue)",
-                            partial(commands.run, self, "/continue"))
-        yield SystemCommand("Retry the answer", "Write the last answer again (/retry)",
-                            partial(commands.run, self, "/retry"))
-        yield SystemCommand("Copy last answer", "To the clipboard", self.action_copy_last)
-        yield SystemCommand("Show or hide the stats", "The live stats panel (F3)", self.action_toggle_stats)
-        yield SystemCommand("Export to Markdown", "Write this conversation to a .md file",
-                            partial(commands.run, self, "/export"))
-        yield SystemCommand("Help", "Slash commands and keys", self.action_help)
-        for mode in self.available_modes():
-            yield SystemCommand(f"Mode: {mode}", "Decoding mode for the next answers",
-                                partial(commands.run, self, f"/mode {mode}"))
-        for conv in self.store.list(20):
-            yield SystemCommand(f"Resume #{conv.id}: {conv.title}", f"Saved {local_time(conv.updated)}, "
-                                f"{_turns(conv.turns)}", partial(self.resume_conversation, conv.id),
-                                discover=False)
-
-
-def _turns(n: int) -> str:
-    return f"{n} turn{'s' if n != 1 else ''}"
+        yield from commands.palette(self)

@@ -4,18 +4,21 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from textual.app import SystemCommand
 from textual.widgets.markdown import MarkdownFence
 
 from swiftspec.config import ConfigError
 from swiftspec.conversation import Conversation
-from swiftspec.history import HistoryError, exports_dir
+from swiftspec.history import HistoryError, exports_dir, local_time
+from swiftspec.tui import clipboard
 from swiftspec.tui.dialogs import ConfirmScreen
 from swiftspec.tui.sampling import listing, with_setting
-from swiftspec.tui.widgets.chat_view import ChatView
+from swiftspec.tui.widgets.chat_view import ChatView, turns
 from swiftspec.tui.widgets.prompt_input import PromptInput
 
 if TYPE_CHECKING:
@@ -96,7 +99,7 @@ async def _clear(app: SwiftSpecApp, arg: str) -> bool:
 async def _new(app: SwiftSpecApp, arg: str) -> bool:
     if not app.idle("start a new conversation"):
         return False
-    await app.replace_conversation(Conversation(app.store, app.defaults.copy()))
+    await app.show_conversation(Conversation(app.store, app.defaults.copy()))
     app.notify("New conversation.")
     return True
 
@@ -178,7 +181,7 @@ async def _copy(app: SwiftSpecApp, arg: str) -> bool:
     if not arg.isdigit() or not 1 <= int(arg) <= len(blocks):
         raise ConfigError(f"the last answer has {len(blocks)} code block(s): /copy 1 .. /copy {len(blocks)}"
                           if blocks else "the last answer has no code block")
-    app.copy(blocks[int(arg) - 1], "the code block")
+    clipboard.copy(app, blocks[int(arg) - 1], "the code block")
     return True
 
 
@@ -226,6 +229,25 @@ KEYS = [
     ("f1", "this help"),
     ("ctrl+q", "quit"),
 ]
+
+
+def palette(app: SwiftSpecApp) -> Iterator[SystemCommand]:
+    """The command palette's own entries (besides Textual's: theme, screenshot, quit)."""
+    yield SystemCommand("New conversation", "Start afresh; this one stays saved", app.action_new_chat)
+    yield SystemCommand("History", "Saved conversations: open, rename, delete (F2)", app.action_history)
+    yield SystemCommand("Stop the answer", "Cancel the answer being generated (Esc)", app.action_stop)
+    yield SystemCommand("Continue the answer", "Go on where the last answer was cut (/continue)",
+                        partial(run, app, "/continue"))
+    yield SystemCommand("Retry the answer", "Write the last answer again (/retry)", partial(run, app, "/retry"))
+    yield SystemCommand("Copy last answer", "To the clipboard", app.action_copy_last)
+    yield SystemCommand("Show or hide the stats", "The live stats panel (F3)", app.action_toggle_stats)
+    yield SystemCommand("Export to Markdown", "Write this conversation to a .md file", partial(run, app, "/export"))
+    yield SystemCommand("Help", "Slash commands and keys", app.action_help)
+    for mode in app.available_modes():  # only what this engine can run
+        yield SystemCommand(f"Mode: {mode}", "Decoding mode for the next answers", partial(run, app, f"/mode {mode}"))
+    for conv in app.store.list(20):
+        yield SystemCommand(f"Resume #{conv.id}: {conv.title}", f"Saved {local_time(conv.updated)}, "
+                            f"{turns(conv.turns)}", partial(app.resume_conversation, conv.id), discover=False)
 
 
 def help_markdown() -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from textual.containers import VerticalScroll
 
+from swiftspec.conversation import Message
+from swiftspec.history import stats_line
 from swiftspec.tui.widgets.message import MessageBox
 from swiftspec.tui.widgets.notice import Notice
 
@@ -21,8 +23,17 @@ class ChatView(VerticalScroll):
         self.anchor()
         return box
 
-    async def add_notice(self, text: str, before: MessageBox | None = None) -> Notice:
-        notice = Notice(text)
+    async def show(self, messages: list[Message]) -> None:
+        """A conversation afresh: one box per message, named by its key, with an answer's figures."""
+        await self.clear()
+        for m in messages:
+            await self.add(m.role, m.content, footer=stats_line(m.stats, short=True) if m.stats else "", key=m.key)
+
+    async def add_context_notice(self, left_out: int, kept: int, before: MessageBox) -> Notice:
+        """Above the message it made room for: how many turns the model no longer sees."""
+        what = "the oldest turn" if left_out == 1 else f"the {left_out} oldest turns"
+        notice = Notice(f"Context full: left out {what} (still shown here and saved); the model sees the last "
+                        f"{turns(kept)}.")
         await self.mount(notice, before=before)
         self.anchor()
         return notice
@@ -48,3 +59,7 @@ class ChatView(VerticalScroll):
     def last_answer(self) -> str | None:
         answers = [box.text for box in self.query(MessageBox) if box.role == "assistant" and box.text]
         return answers[-1] if answers else None
+
+
+def turns(n: int) -> str:
+    return f"{n} turn{'s' if n != 1 else ''}"
