@@ -461,7 +461,8 @@ async def test_the_panel_names_figures_as_everything_else_does(store):
         assert "tok/verify" in figures(app) and "mean accepted" not in figures(app)
 
 
-async def test_the_chosen_theme_is_kept(store):
+async def test_the_chosen_theme_is_kept(store, tmp_path, monkeypatch):
+    monkeypatch.setenv("SWIFTSPEC_DATA_DIR", str(tmp_path))  # the other tests keep the default theme
     app = make_app(store)
     async with app.run_test() as pilot:
         await ready(pilot)

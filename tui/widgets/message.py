@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from rich.text import Text
@@ -63,8 +64,13 @@ class MessageBox(Vertical):
 
     async def finish(self, footer: str) -> None:
         """Ends the stream (flushing what it still holds) and shows the answer's figures under it."""
-        if self._stream is not None:
-            await self._stream.stop()
-            self._stream = None
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            try:
+                await stream.stop()
+            except asyncio.CancelledError:  # its task was cancelled before it first ran (a race in Textual's
+                if asyncio.current_task().cancelling():  # MarkdownStream.stop) and dropped what it held
+                    raise
+                await self.query_one(Markdown).update(self.text)
         self.border_subtitle = footer
         self.remove_class("-streaming")
