@@ -286,6 +286,7 @@ async def test_engine_death_keeps_the_turn_and_restarts(store):
         await type_and_send(pilot, "this prompt must survive")
         app.query_one(PromptInput).insert("typed meanwhile")
         await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen))
+        await pilot.pause()
         assert "exited with signal 9" in text_of(app.screen.query_one("#error-cause Static"))
         assert app.query_one(PromptInput).text == "typed meanwhile"
         partial = ANSWER[:16]  # the one step before the death
