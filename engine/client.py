@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
+from swiftspec import window
 from swiftspec.config import BUILTIN_DRAFTS, EngineConfig, SamplingParams, StepEvent
 from swiftspec.engine import launcher, protocol
 from swiftspec.engine.answer import Answer
@@ -40,6 +41,18 @@ CANCEL_TIMEOUT_S = 10.0
 
 class EngineError(RuntimeError):
     """The engine cannot do what was asked: its workers failed, or the request is impossible."""
+
+
+def _models(config: EngineConfig, say: Callable[[str], None]) -> tuple[Path, str, Path | None, int]:
+    """The target's directory, the draft as resolved, the draft model's directory (None: no model), and
+    the positions both models hold."""
+    from swiftspec.engine.model_dir import read_args, resolve_draft, resolve_model_dir
+
+    target_dir = resolve_model_dir(config.target, say)
+    draft = resolve_draft(config.draft, target_dir, say)
+    draft_model = None if draft in BUILTIN_DRAFTS or _is_head_dir(Path(draft)) else Path(draft)
+    limit = min(read_args(d).context_limit for d in [target_dir] + ([draft_model] if draft_model else []))
+    return target_dir, draft, draft_model, limit
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
@@ -100,15 +113,12 @@ class Engine:
         another vocabulary (before any process starts), LoadError for a tokenizer that cannot be loaded
         (it loads while the workers start; they are ended), EngineError if the workers fail.
         """
-        from swiftspec.engine.model_dir import load_tokenizer, read_args, resolve_draft, resolve_model_dir
+        from swiftspec.engine.model_dir import load_tokenizer
 
         config = (config or EngineConfig()).validate()
         say = progress or (lambda _text: None)
         say("resolving the models")
-        target_dir = resolve_model_dir(config.target, say)
-        draft = resolve_draft(config.draft, target_dir, say)
-        draft_model = None if draft in BUILTIN_DRAFTS or _is_head_dir(Path(draft)) else Path(draft)
-        limit = min(read_args(d).context_limit for d in [target_dir] + ([draft_model] if draft_model else []))
+        target_dir, draft, draft_model, limit = _models(config, say)
         if config.max_seq_len > limit:  # the KV cache is allocated for max_seq_len: never beyond the model
             say(f"max-seq-len {config.max_seq_len} is beyond the models' {limit} positions: using {limit}")
             config = dataclasses.replace(config, max_seq_len=limit)
@@ -148,7 +158,7 @@ class Engine:
         try:
             deadline = time.monotonic() + config.startup_timeout_s
             conn = _accept_worker(listener, key, proc, tail, deadline)
-            info = _wait_ready(conn, proc, tail, deadline, pgids, say)
+            info = dataclasses.replace(_wait_ready(conn, proc, tail, deadline, pgids, say), max_context=limit)
             if isinstance(tokenizer, Future):
                 tokenizer = tokenizer.result()
         except BaseException as e:
@@ -166,6 +176,17 @@ class Engine:
             listener.close()
         say(f"ready: d={info.d}, context {info.context_length} tokens")
         return cls(config, proc, conn, tail, pgids, run_dir, info, tokenizer)
+
+    @staticmethod
+    def context(config: EngineConfig, progress: Callable[[str], None] | None = None) -> window.Context:
+        """The context a started engine would have, from the tokenizer and the model files alone: an
+        over-long prompt is refused in a second instead of after the workers' start."""
+        from swiftspec.engine.model_dir import load_tokenizer
+
+        target_dir, _, _, limit = _models(config.validate(), progress or (lambda _text: None))
+        tokenizer = load_tokenizer(target_dir, config.trust_remote_code)
+        return window.Context(lambda messages: len(encode_chat(tokenizer, messages)), min(config.max_seq_len, limit),
+                              limit)
 
     # ------------------------------------------------------------------------------------- answers
     def generate(self, messages: list[dict], params: SamplingParams | None = None) -> Iterator[StepEvent]:

@@ -11,7 +11,6 @@ import dataclasses
 import os
 import sys
 import threading
-from functools import partial
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -257,6 +256,7 @@ CHAT_SAMPLING = (f"Sampling defaults (the flags left out): a model directory's g
 
 @app.command(no_args_is_help=False, epilog=CHAT_SAMPLING + "\n\n" + SOURCES)
 def chat(
+    ctx: typer.Context,
     prompt_arg: Annotated[str | None, typer.Argument(
         metavar="PROMPT", show_default=False,
         help="Answer this prompt and exit, as -p PROMPT does.")] = None,
@@ -303,7 +303,9 @@ def chat(
         help="Answer this prompt and exit (scripted mode). Piped stdin, if any, is appended as material.")
     ] = None,
     each_line: Annotated[bool, _opt(
-        "--each-line", panel=SCRIPTED, help="Scripted mode: each stdin line is its own prompt.")
+        "--each-line", panel=SCRIPTED,
+        help="Scripted mode: each stdin line is its own prompt, answered on its own (as the next turns of the "
+             "conversation with --save or --resume); plain answers are separated by a blank line.")
     ] = False,
     jsonl: Annotated[bool, _opt(
         "--jsonl", panel=SCRIPTED,
@@ -314,36 +316,39 @@ def chat(
         "--resume", metavar="ID",
         help="Resume saved conversation ID, or the latest one when ID is left out (scripted mode "
         "answers after it and appends the new turns).")] = None,
-    save: Annotated[bool, typer.Option(
-        "--save", rich_help_panel=SCRIPTED,
-        help="Scripted mode: save the prompts and answers as a new conversation (see `swiftspec history`). "
-        "Scripted runs are not saved otherwise, except the turns that --resume appends.")] = False,
+    save: Annotated[bool, _opt(
+        "--save", panel=SCRIPTED,
+        help="Scripted mode: save the prompts and answers as a new conversation, as its turns (see `swiftspec "
+        "history`; the id is printed on stderr). Scripted runs are not saved otherwise, except the turns that "
+        "--resume appends.")] = False,
+    quiet: Annotated[bool, _opt(
+        "-q", "--quiet", panel=SCRIPTED,
+        help="Scripted mode: no start-up progress and no figures on stderr; errors and warnings still.")] = False,
 ) -> None:
     """Chat with a model. A TUI in a terminal; scripted mode when stdin or stdout is not a terminal, or with a prompt.
 
-    Scripted mode prints only the answer on stdout and its figures on stderr. Exit codes: 0 ok, 1 engine error, 2 usage error (bad flags, model paths or model files, empty or non-UTF-8 input).
+    Scripted mode prints only the answer on stdout and its figures on stderr. Exit codes: 0 ok, 1 engine error, 2 usage error (bad flags, model paths or model files, empty or non-UTF-8 input, a prompt longer than the context), 130 interrupted (Ctrl-C).
 
     Examples: [bold]swiftspec chat[/bold] · [bold]swiftspec chat "Why is the sky blue?"[/bold] · [bold]echo "Explain RoPE" | swiftspec chat > answer.md[/bold] · [bold]swiftspec chat -p "Summarise:" --jsonl < notes.txt[/bold] · [bold]swiftspec chat --resume[/bold]
     """
     if prompt_arg is not None and prompt is not None:
         raise _fail("give the prompt either as an argument or with -p, not both", 2)
     prompt = prompt_arg if prompt is None else prompt
+    from swiftspec.conversation import Conversation, Settings
     from swiftspec.history import HistoryError, HistoryStore
 
     try:
-        config = engine_config(target, draft, draft_corpus, target_devices, draft_devices, gpus, target_procs,
-                               draft_procs, device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
-        if mode == "ar":  # nothing would ever ask the draft for a token
-            config = dataclasses.replace(config, draft="none", draft_corpus="none")
         given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
                      repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
                      frequency_penalty=frequency_penalty, loop_guard=loop_guard, loop_repeats=loop_repeats)
         params = dataclasses.replace(
-            chat_defaults(config.target), mode=mode, seed=seed, max_new_tokens=max_new_tokens, stop=stop or [],
-            **{name: value for name, value in given.items() if value is not None}).validate()
-    except ValueError as e:  # a ConfigError, or a generation_config.json that cannot be read
+            chat_defaults(str(target) if target else None), mode=mode, seed=seed, max_new_tokens=max_new_tokens,
+            stop=stop or [], **{name: value for name, value in given.items() if value is not None}).validate()
+    except ConfigError as e:
+        raise _fail(_with_origin(ctx, e), 2) from None
+    except ValueError as e:  # a generation_config.json that cannot be read
         raise _fail(str(e), 2) from None
-
+    defaults = Settings(system, params)
     scripted = prompt is not None or each_line or jsonl or not _interactive()
     store = HistoryStore() if resume is not None or save or not scripted else None
     if store is not None and store.notice:
@@ -351,18 +356,25 @@ def chat(
     conversation = None
     if store is not None and resume is not None:
         try:
-            conversation = store.latest() if resume == "latest" else store.get(int(resume))
+            conversation_id = store.latest().id if resume == "latest" else int(resume)
+            conversation = Conversation.resume(store, conversation_id, defaults, prefer=_given(ctx))
         except ValueError:
             raise _fail(f"--resume takes a conversation id (a number), not {resume!r}", 2) from None
         except HistoryError as e:
             raise _fail(str(e), 2) from None
+        for warning in conversation.take_warnings():
+            typer.echo(f"swiftspec: #{conversation.id}: {warning}", err=True)
+    conversation = conversation or Conversation(store if (save or not scripted) else None, defaults)
+    try:
+        config = engine_config(target, draft, draft_corpus, target_devices, draft_devices, gpus, target_procs,
+                               draft_procs, device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
+        if conversation.params.mode == "ar":  # nothing would ever ask the draft for a token
+            config = dataclasses.replace(config, draft="none", draft_corpus="none")
+    except ConfigError as e:
+        raise _fail(_with_origin(ctx, e), 2) from None
+
     if scripted:
-        if store is not None and store.problem:  # --save on a history that cannot be written
-            typer.echo(f"swiftspec: not saved: {store.problem}", err=True)
-        context = store.messages(conversation.id) if conversation else []
-        system = system or (conversation.system if conversation else None)
-        record = partial(_record, store, [conversation.id if conversation else None], system) if store else None
-        raise typer.Exit(_chat_scripted(config, params, system, context, prompt, each_line, jsonl, record))
+        raise typer.Exit(_chat_scripted(config, conversation, prompt, each_line, jsonl, quiet))
 
     try:
         _prepare_models(config)
@@ -370,37 +382,46 @@ def chat(
         raise _fail(str(e), 2) from None
     from swiftspec.tui.app import SwiftSpecApp
 
-    tui = SwiftSpecApp(engine_factory=lambda progress: _start_engine(config, progress), params=params,
-                       system=system, store=store, resume=conversation.id if conversation else None,
-                       model_line=_model_line(config))
+    tui = SwiftSpecApp(lambda progress: _start_engine(config, progress), defaults, store=store,
+                       conversation=conversation, model_line=_model_line(config))
     raise typer.Exit(tui.run() or 0)
 
 
-def _record(store, conversation: list[int | None], system: str | None, role: str, text: str,
-            figures: dict | None) -> None:
-    """Saves one scripted message as soon as it exists, into ``conversation[0]`` (created by the first
-    prompt under --save). A history that cannot be written is said once; the answers go on."""
-    from swiftspec.history import HistoryError, title_from
+def _given(ctx: typer.Context) -> set[str]:
+    """The settings given for this run (flag or environment variable), which win over a resumed
+    conversation's own; the config file and the defaults do not."""
+    return {name for name in ctx.params if _source(ctx, name) in ("COMMANDLINE", "ENVIRONMENT")}
 
-    if store.problem:
-        return
-    if conversation[0] is None:
-        conversation[0] = store.create(title_from(text), system)
-    try:
-        if conversation[0] is not None:
-            store.add(conversation[0], role, text, figures)
-    except HistoryError as e:  # deleted while this run answered: the rest is not saved either
-        store.problem = str(e)
-    if store.problem:
-        typer.echo(f"swiftspec: not saved: {store.problem}", err=True)
+
+def _source(ctx: typer.Context, name: str) -> str | None:
+    """Where a parameter's value came from, by name (typer's own copy of click has its own enum)."""
+    source = ctx.get_parameter_source(name)
+    return source.name if source is not None else None
+
+
+def _with_origin(ctx: typer.Context, error: ConfigError) -> str:
+    """A value refused by validation, said with where it came from when that was not the command line."""
+    import re
+
+    message = str(error)
+    subject = message.split(" must")[0]
+    for name, value in ctx.params.items():
+        flag = name.replace("_", "-")
+        if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", subject):
+            continue
+        if _source(ctx, name) == "DEFAULT_MAP":
+            return f"{config_path()}: {flag} = {value!r}: {message}"
+        if _source(ctx, name) == "ENVIRONMENT":
+            return f"{env_var('--' + flag)}={value!r}: {message}"
+    return message
 
 
 def _interactive() -> bool:
     return sys.stdin.isatty() and sys.stdout.isatty()
 
 
-def _chat_scripted(config, params, system, context, prompt, each_line, jsonl, record) -> int:
-    from swiftspec import scripted
+def _chat_scripted(config, conversation, prompt, each_line, jsonl, quiet) -> int:
+    from swiftspec import scripted, window
 
     data = b""
     if not (prompt is not None and sys.stdin.isatty()):
@@ -412,8 +433,18 @@ def _chat_scripted(config, params, system, context, prompt, each_line, jsonl, re
     except scripted.InputError as e:
         typer.echo(f"swiftspec: {e}", err=True)
         return scripted.EXIT_USAGE
+    say = (lambda line: None) if quiet else (lambda line: typer.echo(f"swiftspec: {line}", err=True))
     try:
-        engine = _start_engine(config, lambda line: typer.echo(f"swiftspec: {line}", err=True))
+        if _may_not_fit(prompts, conversation, config):  # then tell now, not after the workers' start
+            from swiftspec.engine.client import Engine
+
+            context = Engine.context(config, say)
+            for text in prompts:
+                conversation.plan("ask", context, text)
+        engine = _start_engine(config, say)
+    except window.ContextError as e:
+        typer.echo(f"swiftspec: {e}", err=True)
+        return scripted.EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError) as e:  # bad settings or model paths, found before any worker runs
@@ -424,15 +455,33 @@ def _chat_scripted(config, params, system, context, prompt, each_line, jsonl, re
         return scripted.EXIT_ENGINE
     with engine:
         try:
-            code = scripted.run(engine, prompts, params, system=system,
-                                context=[{"role": m.role, "content": m.content} for m in context],
-                                jsonl=jsonl, out=sys.stdout, err=sys.stderr, record=record)
+            code = scripted.run(engine, prompts, conversation, jsonl=jsonl, quiet=quiet, out=sys.stdout,
+                                err=sys.stderr)
             if code == scripted.EXIT_BROKEN_PIPE:  # nothing more can reach the reader, not even at exit
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return code
         except KeyboardInterrupt:
             engine.cancel()
-            return 130
+            code = 130
+    store = conversation.store
+    if store is not None and store.problem:
+        typer.echo(f"swiftspec: not saved: {store.problem}", err=True)
+    elif conversation.id is not None:
+        typer.echo(f"swiftspec: saved as conversation #{conversation.id} (swiftspec chat --resume "
+                   f"{conversation.id})", err=True)
+    return code
+
+
+def _may_not_fit(prompts: list[str], conversation, config: EngineConfig) -> bool:
+    """False when every prompt surely fits: a token is at least one byte, and a chat template adds far
+    fewer than TEMPLATE_ROOM tokens."""
+    from swiftspec import window
+
+    system = len((conversation.settings.system or "").encode())
+    room = window.answer_room(conversation.params.max_new_tokens, config.max_seq_len)
+    return any(len(p.encode()) + system + TEMPLATE_ROOM + room > config.max_seq_len for p in prompts)
+
+
+TEMPLATE_ROOM = 256
 
 
 def _prepare_models(config: EngineConfig) -> None:
@@ -661,13 +710,20 @@ def _history_store():
     return store
 
 
-def _conversation(store, conversation_id: int):
+def _conversation(store, conversation_id: str):
+    """The conversation an ID argument names (taken as text, so that a bad one gets our one-line error)."""
     from swiftspec.history import HistoryError
 
     try:
-        return store.get(conversation_id)
+        return store.get(int(conversation_id))
+    except ValueError:
+        raise _fail(f"a conversation id is a number (swiftspec history list shows them), not {conversation_id!r}",
+                    2) from None
     except HistoryError as e:
         raise _fail(str(e), 2) from None
+
+
+IdArg = Annotated[str, typer.Argument(metavar="ID", show_default=False, help="The conversation's id.")]
 
 
 @history_app.command("list")
@@ -689,24 +745,24 @@ def history_list(
 
 
 @history_app.command("show")
-def history_show(conversation_id: Annotated[int, typer.Argument(metavar="ID")]) -> None:
+def history_show(conversation_id: IdArg) -> None:
     """Print a conversation as Markdown."""
     store = _history_store()
-    _conversation(store, conversation_id)
-    typer.echo(store.export_markdown(conversation_id), nl=False)
+    typer.echo(store.export_markdown(_conversation(store, conversation_id).id), nl=False)
 
 
 @history_app.command("delete")
 def history_delete(
-    conversation_id: Annotated[int, typer.Argument(metavar="ID")],
+    conversation_id: IdArg,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
 ) -> None:
-    """Delete a conversation and its messages (asks first, unless --yes)."""
+    """Delete a conversation and its messages (asks first, unless --yes; declining keeps it, exit 0)."""
     store = _history_store()
     conv = _conversation(store, conversation_id)
-    if not yes:
-        typer.confirm(f"Delete #{conv.id} “{conv.title}” ({conv.turns} turns)?", abort=True, err=True)
-    store.delete(conversation_id)
+    if not yes and not typer.confirm(f"Delete #{conv.id} “{conv.title}” ({conv.turns} turns)?", err=True):
+        typer.echo(f"Kept #{conv.id}: {conv.title}", err=True)
+        return
+    store.delete(conv.id)
     if store.problem:
         raise _fail(store.problem, 1)
     typer.echo(f"Deleted #{conv.id}: {conv.title}", err=True)
@@ -714,7 +770,7 @@ def history_delete(
 
 @history_app.command("export")
 def history_export(
-    conversation_id: Annotated[int, typer.Argument(metavar="ID")],
+    conversation_id: IdArg,
     format_: Annotated[str, typer.Option(
         "--format", "-f", metavar="FORMAT", autocompletion=_complete("md", "json"),
         help="md (Markdown) or json.")] = "md",
@@ -723,7 +779,7 @@ def history_export(
 ) -> None:
     """Export a conversation as Markdown or JSON (with each answer's figures)."""
     store = _history_store()
-    _conversation(store, conversation_id)
+    conversation_id = _conversation(store, conversation_id).id
     if format_ not in ("md", "json"):
         raise _fail(f"format must be md or json, not {format_!r}", 2)
     text = store.export_json(conversation_id) if format_ == "json" else store.export_markdown(conversation_id)

@@ -209,14 +209,18 @@ def _remove_stale_temp_dirs(parent: Path) -> None:
 
 def _convert(gguf: Path, out: Path, say: Callable[[str], None]) -> None:
     """Dequantises ``gguf`` through transformers into ``out``: safetensors, config and tokenizer."""
+    from unittest import mock
+
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, modeling_gguf_pytorch_utils
 
     transformers.utils.logging.disable_progress_bar()
     say(f"converting {gguf.name} (once, step 1/3): reading and dequantising the GGUF")
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The GGUF reader draws its own tqdm bar on stderr, past transformers' switch; our stages say enough.
+        with mock.patch.object(modeling_gguf_pytorch_utils, "tqdm", lambda items, **_: items):
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         say(f"converting {gguf.name} (once, step 2/3): reading the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:  # the gguf reader fails with struct, value and index errors alike

@@ -9,6 +9,7 @@ import json
 import os
 import sqlite3
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,8 @@ CREATE TABLE IF NOT EXISTS conversations (
     title TEXT NOT NULL,
     system TEXT,
     created REAL NOT NULL,
-    updated REAL NOT NULL
+    updated REAL NOT NULL,
+    settings TEXT
 );
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -76,10 +78,14 @@ class Conversation:
     updated: float
     turns: int = 0  # questions asked
     tokens: int = 0  # tokens generated in its answers
+    settings: dict[str, Any] | None = None  # the SamplingParams it was last answered with
 
 
 @dataclass
 class Message:
+    """A saved message. Role "system" marks where the system prompt changed (content: the new one, "" for
+    none); the conversation's own ``system`` is the one it started with."""
+
     role: str
     content: str
     stats: dict[str, Any] | None = None
@@ -100,7 +106,8 @@ def title_from(prompt: str, width: int = 60) -> str:
 _CONVERSATION_COLUMNS = """c.id, c.title, c.system, c.created, c.updated,
     (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id AND m.role = 'user'),
     (SELECT COALESCE(SUM(json_extract(m.stats, '$.generated')), 0) FROM messages m
-     WHERE m.conversation_id = c.id AND m.role = 'assistant')"""
+     WHERE m.conversation_id = c.id AND m.role = 'assistant'),
+    c.settings"""
 
 
 class HistoryStore:
@@ -117,6 +124,7 @@ class HistoryStore:
         self.problem: str | None = None  # why nothing is being saved; None while the store works
         self.notice: str | None = None  # something that happened when opening it, to tell the user once
         self._db: sqlite3.Connection | None = None
+        self._lock = threading.RLock()  # the chat saves an answer from its generate thread
         try:
             self._db = self._open()
         except (sqlite3.Error, OSError) as e:
@@ -135,10 +143,12 @@ class HistoryStore:
         if not self.path.exists():  # conversations are private: the file is the user's alone
             os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
         # Autocommit: every write is durable at once; multi-statement writes group themselves explicitly.
-        db = sqlite3.connect(self.path, isolation_level=None, timeout=LOCK_WAIT_S)
+        db = sqlite3.connect(self.path, isolation_level=None, timeout=LOCK_WAIT_S, check_same_thread=False)
         try:
             db.execute("PRAGMA foreign_keys = ON")
             db.executescript(SCHEMA)
+            if "settings" not in {row[1] for row in db.execute("PRAGMA table_info(conversations)")}:
+                db.execute("ALTER TABLE conversations ADD COLUMN settings TEXT")  # a file from before 0.1
             check = db.execute("PRAGMA quick_check").fetchone()[0]
             if check != "ok":
                 raise DamagedDatabase(f"integrity check: {check}")
@@ -175,38 +185,41 @@ class HistoryStore:
 
     def _run(self, sql: str, args: tuple = ()) -> sqlite3.Cursor | None:
         """One statement; None once the store is unavailable."""
-        if self._db is None:
-            return None
-        try:
-            return self._db.execute(sql, args)
-        except sqlite3.Error as e:
-            self._fail(e)
-            return None
+        with self._lock:
+            if self._db is None:
+                return None
+            try:
+                return self._db.execute(sql, args)
+            except sqlite3.Error as e:
+                self._fail(e)
+                return None
 
     def _rows(self, sql: str, args: tuple = ()) -> list[tuple]:
-        cur = self._run(sql, args)
-        if cur is None:
-            return []
-        try:
-            return cur.fetchall()
-        except sqlite3.Error as e:
-            self._fail(e)
-            return []
+        with self._lock:
+            cur = self._run(sql, args)
+            if cur is None:
+                return []
+            try:
+                return cur.fetchall()
+            except sqlite3.Error as e:
+                self._fail(e)
+                return []
 
     def _transaction(self, statements: list[tuple[str, tuple]]) -> sqlite3.Cursor | None:
         """Several statements, all or nothing; returns the first one's cursor."""
-        if self._db is None:
-            return None
-        try:
-            with self._db:
-                self._db.execute("BEGIN")
-                first = self._db.execute(*statements[0])
-                for sql, args in statements[1:]:
-                    self._db.execute(sql, args)
-            return first
-        except sqlite3.Error as e:
-            self._fail(e)
-            return None
+        with self._lock:
+            if self._db is None:
+                return None
+            try:
+                with self._db:
+                    self._db.execute("BEGIN")
+                    first = self._db.execute(*statements[0])
+                    for sql, args in statements[1:]:
+                        self._db.execute(sql, args)
+                return first
+            except sqlite3.Error as e:
+                self._fail(e)
+                return None
 
     @property
     def available(self) -> bool:
@@ -217,10 +230,10 @@ class HistoryStore:
             self._db.close()
             self._db = None
 
-    def create(self, title: str, system: str | None = None) -> int | None:
+    def create(self, title: str, system: str | None = None, settings: dict[str, Any] | None = None) -> int | None:
         now = time.time()
-        cur = self._run("INSERT INTO conversations (title, system, created, updated) VALUES (?, ?, ?, ?)",
-                        (title, system, now, now))
+        cur = self._run("INSERT INTO conversations (title, system, created, updated, settings) VALUES (?, ?, ?, ?, ?)",
+                        (title, system, now, now, json.dumps(settings) if settings else None))
         return None if cur is None else int(cur.lastrowid)
 
     def add(self, conversation_id: int, role: str, content: str, stats: dict[str, Any] | None = None) -> int | None:
@@ -250,19 +263,19 @@ class HistoryStore:
         rows = self._rows(f"SELECT {_CONVERSATION_COLUMNS} FROM conversations c WHERE c.id = ?", (conversation_id,))
         if not rows:
             raise HistoryError(self.problem or f"no conversation with id {conversation_id} in {self.path}")
-        return Conversation(*rows[0])
+        return _conversation(rows[0])
 
     def latest(self) -> Conversation:
         rows = self._rows(f"SELECT {_CONVERSATION_COLUMNS} FROM conversations c "
                           "ORDER BY c.updated DESC, c.id DESC LIMIT 1")
         if not rows:
             raise HistoryError(self.problem or f"no saved conversation yet in {self.path}")
-        return Conversation(*rows[0])
+        return _conversation(rows[0])
 
     def list(self, limit: int = 50) -> list[Conversation]:
         rows = self._rows(f"SELECT {_CONVERSATION_COLUMNS} FROM conversations c "
                           "ORDER BY c.updated DESC, c.id DESC LIMIT ?", (limit,))
-        return [Conversation(*row) for row in rows]
+        return [_conversation(row) for row in rows]
 
     def messages(self, conversation_id: int) -> list[Message]:
         rows = self._rows("SELECT role, content, stats, id FROM messages WHERE conversation_id = ? ORDER BY id",
@@ -274,6 +287,9 @@ class HistoryStore:
 
     def set_system(self, conversation_id: int, system: str | None) -> None:
         self._run("UPDATE conversations SET system = ? WHERE id = ?", (system, conversation_id))
+
+    def set_settings(self, conversation_id: int, settings: dict[str, Any]) -> None:
+        self._run("UPDATE conversations SET settings = ? WHERE id = ?", (json.dumps(settings), conversation_id))
 
     def clear(self, conversation_id: int) -> None:
         self._run("DELETE FROM messages WHERE conversation_id = ?", (conversation_id,))
@@ -296,12 +312,21 @@ class HistoryStore:
         }, ensure_ascii=False, indent=2) + "\n"
 
 
+def _conversation(row: tuple) -> Conversation:
+    *columns, settings = row
+    return Conversation(*columns, settings=json.loads(settings) if settings else None)
+
+
 def to_markdown(title: str, system: str | None, messages: list[Message]) -> str:
-    """A readable transcript: headings per turn, answers verbatim (they are Markdown already)."""
+    """A readable transcript: headings per turn, answers verbatim (they are Markdown already), a change of
+    system prompt where it happened (it applies to the answers after it)."""
     parts = [f"# {title}\n"]
     if system:
         parts.append(f"**System:** {system}\n")
     for m in messages:
+        if m.role == "system":
+            parts.append(f"**System, from here on:** {m.content}\n" if m.content else "**System prompt removed.**\n")
+            continue
         heading = {"user": "## You", "assistant": "## Assistant"}.get(m.role, f"## {m.role.title()}")
         parts.append(f"{heading}\n\n{m.content.rstrip()}\n")
         if m.role == "assistant" and m.stats:
@@ -326,6 +351,7 @@ class TurnRecorder:
 
     def summary(self) -> dict[str, Any]:
         out = self.last.to_dict() if self.last else StepStats().to_dict()
+        del out["accepted"]  # the last step's count: the answer's figures are acceptance_rate and mean_accepted
         out.update(mode=self.mode, finish_reason=self.finish_reason,
                    ms_per_token_p50=statistics.median(self.latencies) if self.latencies else 0.0)
         return out

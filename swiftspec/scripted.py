@@ -7,13 +7,14 @@ Used when stdin or stdout is not a terminal, so ``swiftspec chat < q.txt > a.txt
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TextIO
 
 from swiftspec import window
-from swiftspec.config import SamplingParams, StepEvent
+from swiftspec.config import StepEvent
+from swiftspec.conversation import Conversation
 from swiftspec.engine.protocol import EngineAPI
-from swiftspec.history import TurnRecorder, stats_line
+from swiftspec.history import stats_line
 
 EXIT_OK, EXIT_ENGINE, EXIT_USAGE = 0, 1, 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a reader that went away
@@ -52,88 +53,75 @@ def read_prompts(data: bytes, each_line: bool = False, prompt: str | None = None
     return [f"{prompt}\n\n{piece}" for piece in pieces] or [prompt]
 
 
-def run(
-    engine: EngineAPI,
-    prompts: Sequence[str],
-    params: SamplingParams,
-    *,
-    system: str | None = None,
-    context: Sequence[dict] = (),
-    jsonl: bool = False,
-    out: TextIO,
-    err: TextIO,
-    record: Callable[[str, str, dict | None], None] | None = None,
-) -> int:
-    """Answers each prompt independently (after ``context``, of which the oldest turns are left out if
-    they no longer fit, as in the chat) and returns the exit code. ``record`` receives (role, text,
-    figures) of each message as soon as it exists: the prompt before its answer, the answer after it.
-    A prompt the engine refuses (e.g. too long) is reported and the others are still answered while the
-    engine lives; a reader that closes stdout ends the run quietly (exit 141, as for SIGPIPE)."""
+def run(engine: EngineAPI, prompts: Sequence[str], conversation: Conversation, *, jsonl: bool = False,
+        quiet: bool = False, out: TextIO, err: TextIO) -> int:
+    """Answers each prompt after ``conversation`` (of which the oldest turns are left out if they no longer
+    fit, as in the chat) and returns the exit code. A conversation that is saved (--save, --resume) takes
+    the prompts as its next turns, saved as they stream; otherwise each prompt is answered on its own.
+    A prompt the engine refuses is reported and the others are still answered while the engine lives; a
+    reader that closes stdout ends the run quietly (exit 141, as for SIGPIPE)."""
     try:
-        return _answer_each(engine, prompts, params, system, context, jsonl, out, err, record)
+        return _answer_each(engine, prompts, conversation, jsonl, quiet, out, err)
     except BrokenPipeError:
         return EXIT_BROKEN_PIPE
 
 
-def _answer_each(engine: EngineAPI, prompts: Sequence[str], params: SamplingParams, system: str | None,
-                 context: Sequence[dict], jsonl: bool, out: TextIO, err: TextIO,
-                 record: Callable[[str, str, dict | None], None] | None) -> int:
+def _answer_each(engine: EngineAPI, prompts: Sequence[str], conversation: Conversation, jsonl: bool, quiet: bool,
+                 out: TextIO, err: TextIO) -> int:
     failed = False
+    alone = conversation.store is None
+    base, base_start = list(conversation.messages), conversation.window_start
+    eos = set(engine.info.eos_token_ids)
     for index, prompt in enumerate(prompts):
-        head = [{"role": "system", "content": system}] if system else []
-        conversation = list(context) + [{"role": "user", "content": prompt}]
+        if alone:
+            conversation.messages, conversation.window_start = list(base), base_start
         try:
-            start = window.fit(conversation, 0, system, engine.count_tokens, engine.info.context_length,
-                               params.max_new_tokens)
+            reply = conversation.plan("ask", window.Context.of(engine), prompt)
         except window.ContextError as e:
             if jsonl:
                 _write_json(out, {"event": "error", "index": index, "message": str(e)})
-            err.write(f"swiftspec: {e}\n")
-            err.flush()
+            _say(err, str(e))
             return EXIT_USAGE
-        if start:
-            err.write(f"swiftspec: context full: left out the {window.turns_between(conversation, 0, start)} "
-                      f"oldest of {window.turns_between(conversation, 0, len(conversation) - 1)} earlier turns\n")
-            err.flush()
-        if record is not None:
-            record("user", prompt, None)
-        recorder = TurnRecorder(params.mode)
-        answer: list[str] = []
-        try:
-            for ev in engine.generate(head + conversation[start:], params):
-                recorder.add(ev)
-                answer.append(ev.text)
-                _emit_token(ev, index, jsonl, out)
-        except BrokenPipeError:
-            raise
-        except Exception as e:  # the engine cannot answer this prompt: report, exit 1 in the end
-            message = str(e) or type(e).__name__
+        if reply.left_out:
+            _say(err, f"context full: left out the {reply.earlier + 1 - reply.kept} oldest of {reply.earlier} "
+                      "earlier turns")
+        if index and not jsonl:
+            out.write("\n")  # a blank line between answers
+        conversation.run(reply, engine, on_event=lambda ev, i=index: _emit_token(ev, i, eos, jsonl, out))
+        for warning in conversation.take_warnings():
+            _say(err, warning)
+        if reply.error is not None:  # the engine cannot answer this prompt: report, exit 1 in the end
             if jsonl:
-                _write_json(out, {"event": "error", "index": index, "message": message})
-            err.write(f"swiftspec: engine error: {message}\n")
-            err.flush()
+                _write_json(out, {"event": "error", "index": index, "message": reply.error})
+            _say(err, f"engine error: {reply.error}")
             failed = True
             if engine.alive:
                 continue
             return EXIT_ENGINE
-        summary = recorder.summary()
-        if record is not None:
-            record("assistant", "".join(answer), summary)
+        summary = reply.answer.stats
         if jsonl:
             _write_json(out, {"event": "done", "index": index, "stats": summary,
                               "finish_reason": summary["finish_reason"]})
         else:
             out.write("\n")
             out.flush()
-        err.write(f"[{stats_line(summary)}]\n")
-        err.flush()
+        if not quiet:
+            err.write(f"[{stats_line(summary)}]\n")
+            err.flush()
     return EXIT_ENGINE if failed else EXIT_OK
 
 
-def _emit_token(ev: StepEvent, index: int, jsonl: bool, out: TextIO) -> None:
+def _say(err: TextIO, line: str) -> None:
+    err.write(f"swiftspec: {line}\n")
+    err.flush()
+
+
+def _emit_token(ev: StepEvent, index: int, eos: set[int], jsonl: bool, out: TextIO) -> None:
+    """The answer's tokens; the EOS that ended it is no token of the answer (the done event says "eos")."""
     if jsonl:
-        if ev.token_ids or ev.text:
-            _write_json(out, {"event": "token", "index": index, "text": ev.text, "token_ids": ev.token_ids})
+        ids = [t for t in ev.token_ids if t not in eos] if ev.finish_reason == "eos" else ev.token_ids
+        if ids or ev.text:
+            _write_json(out, {"event": "token", "index": index, "text": ev.text, "token_ids": ids})
     elif ev.text:
         out.write(ev.text)
         out.flush()

@@ -60,6 +60,17 @@ def _settable(command) -> dict[str, str]:
     return keys
 
 
+def _check(command, name: str, key: str, value: Any, path: Path) -> None:
+    """A value of the wrong type is a ConfigError naming the file and the key, as click's own message
+    (which names the flag) would not."""
+    param = next(p for p in command.params if p.name == name)
+    try:
+        param.process_value(None, value)
+    except Exception as e:  # click's BadParameter, from typer's own copy of click
+        why = e.format_message() if hasattr(e, "format_message") else str(e)
+        raise ConfigError(f"{path}: {key} = {value!r}: {why}") from None
+
+
 def default_map(settings: dict[str, Any], commands: dict[str, Any], path: Path) -> dict[str, dict]:
     """click's default_map for each command from the file's settings; an unknown key is a ConfigError."""
     settable = {name: _settable(cmd) for name, cmd in commands.items()}
@@ -68,6 +79,7 @@ def default_map(settings: dict[str, Any], commands: dict[str, Any], path: Path) 
     def put(command: str, key: str, value: Any) -> bool:
         param = settable[command].get(key)
         if param is not None:
+            _check(commands[command], param, key, value, path)
             out[command][param] = value
         return param is not None
 

@@ -7,6 +7,20 @@ workers reuse its KV cache until the next overflow.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
+
+
+class Context(NamedTuple):
+    """What a conversation must fit into: how its messages count, the context's length and the model's
+    own limit (0: unknown). An engine gives it (``of``); so does the tokenizer alone, before one starts."""
+
+    count_tokens: Callable[[list[dict]], int]
+    length: int
+    limit: int = 0
+
+    @classmethod
+    def of(cls, engine) -> Context:
+        return cls(engine.count_tokens, engine.info.context_length, engine.info.max_context)
 
 
 class ContextError(ValueError):
@@ -20,10 +34,11 @@ def answer_room(max_new_tokens: int, context_length: int) -> int:
 
 
 def fit(messages: list[dict], start: int, system: str | None, count_tokens: Callable[[list[dict]], int],
-        context_length: int, max_new_tokens: int) -> int:
+        context_length: int, max_new_tokens: int, max_context: int = 0) -> int:
     """Returns where the window starts now (>= ``start``): the first of ``messages`` (the conversation
     without its system prompt) that the model is shown. Whole turns are dropped, oldest first, until the
-    prompt plus the answer's room fits; the newest user message is always kept."""
+    prompt plus the answer's room fits; the newest user message is always kept. ``max_context`` (the
+    model's own limit, 0 when unknown) decides whether a raised --max-seq-len could help."""
     head = [{"role": "system", "content": system}] if system else []
     room = answer_room(max_new_tokens, context_length)
     start = min(start, len(messages))
@@ -46,9 +61,10 @@ def fit(messages: list[dict], start: int, system: str | None, count_tokens: Call
             lo = mid + 1
     if lo == len(candidates):
         used = count_tokens(head + messages[candidates[-1]:])
-        raise ContextError(
-            f"the newest message needs {used} tokens plus {room} for the answer, more than the context of "
-            f"{context_length} tokens: shorten it, lower --max-new-tokens or raise --max-seq-len")
+        advice = ("shorten it or lower --max-new-tokens (the context is already the model's maximum)"
+                  if 0 < max_context <= context_length else "shorten it, lower --max-new-tokens or raise --max-seq-len")
+        raise ContextError(f"the newest message needs {used} tokens plus {room} for the answer, more than the "
+                           f"context of {context_length} tokens: {advice}")
     return candidates[lo]
 
 

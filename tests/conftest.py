@@ -1,22 +1,41 @@
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
+# Set at import, before any test module reads them (and inherited by every subprocess a test starts): the
+# whole session writes its converted models, profiles, worker logs and history into one temporary
+# directory, never into the user's ~/.cache or ~/.local, and reads no user config file. The embedded
+# model is converted once into it, by the first test that needs it.
+SESSION_DIR = Path(tempfile.mkdtemp(prefix="swiftspec-tests-"))
+os.environ["SWIFTSPEC_CACHE"] = str(SESSION_DIR / "cache")
+os.environ["SWIFTSPEC_DATA_DIR"] = str(SESSION_DIR / "data")
+os.environ["SWIFTSPEC_CONFIG"] = str(SESSION_DIR / "no-config.toml")
+SESSION_ENV = {name: os.environ[name] for name in ("SWIFTSPEC_CACHE", "SWIFTSPEC_DATA_DIR", "SWIFTSPEC_CONFIG")}
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SESSION_DIR, ignore_errors=True)
+
 
 @pytest.fixture(autouse=True)
-def no_user_settings(tmp_path_factory, monkeypatch):
-    """No test reads the developer's config file or SWIFTSPEC_<FLAG> environment variables."""
+def no_user_settings(monkeypatch):
+    """No test reads the developer's SWIFTSPEC_<FLAG> environment variables, and each starts from the
+    session's own directories (a test that moved them has them back)."""
     from swiftspec.settings import ENV_PREFIX
 
-    monkeypatch.setenv("SWIFTSPEC_CONFIG", str(tmp_path_factory.getbasetemp() / "no-config.toml"))
     for name in os.environ:
-        if name.startswith(ENV_PREFIX) and name not in ("SWIFTSPEC_CACHE", "SWIFTSPEC_CONFIG", "SWIFTSPEC_DATA_DIR"):
+        if name.startswith(ENV_PREFIX) and name not in SESSION_ENV:
             monkeypatch.delenv(name)
+    for name, value in SESSION_ENV.items():
+        monkeypatch.setenv(name, value)
 
 
 @pytest.fixture(scope="session")
 def embedded_dir():
-    """The embedded SmolLM2 as a Hugging Face directory (converted once into the user cache)."""
+    """The embedded SmolLM2 as a Hugging Face directory (converted once per session, into its cache)."""
     from swiftspec.engine.model_dir import resolve_model_dir
 
     return resolve_model_dir(None)

@@ -29,7 +29,9 @@ INFO = EngineInfo(
     ranks=[RankInfo(rank=0, role="target", device="cpu", tp_rank=0, tp_world=1, threads=1, host="local", pid=1),
            RankInfo(rank=1, role="draft", device="cpu", tp_rank=0, tp_world=1, threads=1, host="local", pid=2)],
     context_length=4096, backend="gloo", bs=8, w=8, d=4, d_auto=True, t_verify_ms=40.0, t_expand_ms=3.0,
+    eos_token_ids=[999], max_context=8192,
 )
+EOS = INFO.eos_token_ids[0]
 
 
 def chunks(text: str, size: int = 4) -> list[str]:
@@ -40,8 +42,11 @@ class FakeEngine:
     """Streams ``answer`` in small pieces, a few "tokens" per step, with stats from a fixed cycle.
 
     step_delay slows each step (for Esc tests); die_after makes the engine die (EngineError) after that
-    many steps; loops_at makes an answer asked with a loop guard stop there ("repetition"); refuse makes generate() raise EngineError while the engine stays alive; factory's
-    start_error makes the start fail and start_gate, when given, holds it until set.
+    many steps; loops_at makes an answer asked with a loop guard stop there ("repetition"); refuse makes
+    generate() raise EngineError while the engine stays alive; draft "none" is
+    an engine started with --mode ar, which refuses sync and async as the real one does; factory's
+    start_error makes the start fail and start_gate, when given, holds it until set. An answer that ends
+    with "eos" ends with a step of the EOS token alone, whose text is empty.
 
     A "token" is a 4-character chunk of the answer, and a message counts one token per word plus 4, so
     context_length can be filled as the real engine's is: an answer that reaches it ends with "context",
@@ -52,7 +57,7 @@ class FakeEngine:
     ACCEPT_CYCLE = (3, 1, 0, 2)
 
     def __init__(self, answer: str = ANSWER, step_delay: float = 0.0, die_after: int | None = None,
-                 refuse: str | None = None, context_length: int = INFO.context_length,
+                 refuse: str | None = None, context_length: int = INFO.context_length, draft: str = INFO.draft,
                  loops_at: int | None = None) -> None:
         self.answer = answer
         self.loops_at = loops_at
@@ -60,7 +65,7 @@ class FakeEngine:
         self.die_after = die_after
         self.refuse = refuse
         self.dead = False
-        self.info = replace(INFO, context_length=context_length)
+        self.info = replace(INFO, context_length=context_length, draft=draft)
         self.calls: list[tuple[list[dict], SamplingParams]] = []
         self.closed = False
         self._cancel = threading.Event()
@@ -98,6 +103,8 @@ class FakeEngine:
             raise EngineError("the engine is closed")
         if self.refuse:
             raise EngineError(self.refuse)
+        if params.mode != "ar" and self.info.draft == "none":
+            raise EngineError(f"mode {params.mode} needs a draft, but this engine was started without one")
         prompt_tokens = self.count_tokens(messages)
         if prompt_tokens >= self.info.context_length:
             raise EngineError(f"the conversation is {prompt_tokens} tokens, but the context length is "
@@ -132,8 +139,12 @@ class FakeEngine:
                 time.sleep(self.step_delay)
             done = i >= len(pieces)
             reason = (cut_reason if len(pieces) < len(rest) else "eos") if done else None
-            yield StepEvent(list(range(produced - n, produced)), text,
-                            self._stats(n - 1, accepted_total, verified, steps, produced), done, reason)
+            stats = self._stats(n - 1, accepted_total, verified, steps, produced)
+            if reason == "eos":  # the EOS comes as its own last step, as the real engine's often does
+                yield StepEvent(list(range(produced - n, produced)), text, stats)
+                yield StepEvent([EOS], "", stats, True, "eos")
+                return
+            yield StepEvent(list(range(produced - n, produced)), text, stats, done, reason)
 
     @staticmethod
     def count_tokens(messages: list[dict]) -> int:

@@ -67,3 +67,17 @@ def test_clear_one_then_all(scratch):
     assert not list((scratch / "converted").glob("[!.]*")) and not (scratch / "logs").exists()
     assert (scratch / "converted" / ".tmp-half-done").is_dir()  # another process's work is left alone
     assert run("list").stdout.splitlines()[-1].split() == ["0", "B", "in", "all"]
+
+
+def test_the_suite_writes_nothing_into_the_users_directories():
+    """conftest moves the cache, the data dir and the config file into one temporary directory per session."""
+    import tempfile
+    from pathlib import Path
+
+    from swiftspec.embedded import cache_dir
+    from swiftspec.history import data_dir
+    from swiftspec.settings import config_path
+
+    scratch = Path(tempfile.gettempdir()).resolve()
+    for path in (cache_dir(), data_dir(), config_path()):
+        assert path.resolve().is_relative_to(scratch) and not path.resolve().is_relative_to(Path.home()), path

@@ -364,7 +364,9 @@ def test_terminal_runs_the_tui(monkeypatch, data_dir, tmp_path):
     result = invoke(["chat", "--mode", "sync", "--temperature", "0.5", "--system", "Be kind.", "--resume"])
     assert result.exit_code == 0, result.output
     app = apps[0]
-    assert (app.params.mode, app.params.temperature, app.system, app._resume) == ("sync", 0.5, "Be kind.", old)
+    conversation = app.conversation
+    assert (conversation.params.mode, conversation.params.temperature, conversation.settings.system,
+            conversation.id) == ("sync", 0.5, "Be kind.", old)
 
 
 def test_missing_model_is_a_usage_error_before_the_tui(monkeypatch, data_dir, tmp_path):
@@ -433,3 +435,48 @@ def test_a_head_for_another_target_is_a_usage_error(monkeypatch, tmp_path):
 def test_train_draft_checks_its_values():
     result = invoke(["train-draft", "--out", "x", "--steps", "0"])
     assert result.exit_code == 2 and "steps" in result.stderr
+
+
+@pytest.mark.parametrize("text, message", [
+    ('max-new-tokens = "abc"\n', "max-new-tokens = 'abc': Invalid value: expected a whole number"),
+    ("temperature = -2\n", "temperature = -2.0: temperature must be a finite number >= 0"),
+    ("[chat]\nbs = 100\n", "bs = 100: bs (nodes verified per target forward) must be in 1..64"),
+])
+def test_a_bad_value_in_the_config_file_names_the_file(text, message, fake, data_dir, monkeypatch, tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text(text)
+    monkeypatch.setenv("SWIFTSPEC_CONFIG", str(config))
+    result = invoke(["chat", "-p", "hi"])
+    assert result.exit_code == 2 and f"{config}: {message}" in result.stderr, result.stderr
+
+
+def test_save_from_the_environment_and_the_id_it_prints(fake, data_dir, monkeypatch):
+    monkeypatch.setenv("SWIFTSPEC_SAVE", "1")
+    result = invoke(["chat", "-p", "hi"])
+    (saved,) = HistoryStore().list()
+    assert result.exit_code == 0 and f"saved as conversation #{saved.id} (swiftspec chat --resume {saved.id})" \
+        in result.stderr
+
+
+def test_quiet_leaves_stderr_empty(fake, data_dir):
+    loud = invoke(["chat", "-p", "hi"])
+    quiet = invoke(["chat", "-p", "hi", "--quiet"])
+    assert loud.stderr.count("\n") >= 3 and quiet.stderr == "" and quiet.stdout == loud.stdout == ANSWER + "\n"
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_the_engine_starts(fake, data_dir, monkeypatch):
+    from swiftspec import window
+    from swiftspec.engine.client import Engine
+
+    monkeypatch.setattr(Engine, "context", staticmethod(
+        lambda config, progress=None: window.Context(FakeEngine.count_tokens, 1024, 1024)))
+    result = invoke(["chat", "-p", "word " * 1500, "--max-seq-len", "1024"])
+    assert result.exit_code == 2 and not fake  # was: the engine started (7.5 s), then refused
+    assert "more than the context of 1024 tokens" in result.stderr
+    assert "raise --max-seq-len" not in result.stderr and "already the model's maximum" in result.stderr
+    assert invoke(["chat", "-p", "a short one"]).exit_code == 0  # no tokenizer needed: surely fits
+
+
+def test_help_names_every_exit_code():
+    out = " ".join(invoke(["chat", "--help"]).output.split())
+    assert all(code in out for code in ("0 ok", "1 engine error", "2 usage error", "130 interrupted"))

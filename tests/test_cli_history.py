@@ -45,7 +45,8 @@ def test_list_show_export_delete(saved, data_dir, tmp_path):  # noqa: F811
     assert (tmp_path / "chat.md").read_text() == shown.stdout
 
     refused = invoke(["history", "delete", str(first)], stdin=b"n\n")
-    assert refused.exit_code == 1 and len(HistoryStore().list()) == 2  # asked, and kept
+    assert refused.exit_code == 0 and len(HistoryStore().list()) == 2  # asked, and kept: no error
+    assert refused.stderr.endswith(f"Kept #{first}: How do I sort a list?\n") and "Aborted" not in refused.output
     deleted = invoke(["history", "delete", str(first)], stdin=b"y\n")
     assert deleted.exit_code == 0 and [c.id for c in HistoryStore().list()] == [second]
     assert invoke(["history", "delete", "-y", str(second)]).exit_code == 0
@@ -119,3 +120,10 @@ def test_resume_on_a_locked_history_is_a_clear_usage_error(fake, data_dir, monke
     finally:
         other.rollback()
         other.close()
+
+
+@pytest.mark.parametrize("command", ["show", "export", "delete"])
+def test_an_id_that_is_not_a_number_is_one_line(saved, command):  # noqa: F811
+    result = invoke(["history", command, "abc"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "not 'abc'" in result.stderr
+    assert "╭" not in result.output  # was: a Typer box

@@ -128,3 +128,12 @@ def test_older_formats_are_converted_again_and_removed(tmp_path, monkeypatch):
     out = embedded.ensure_converted(gguf)
     assert len(calls) == 1 and out not in old and out.is_dir()
     assert not any(d.exists() for d in old)
+
+
+def test_a_cold_conversion_draws_no_progress_bar(tmp_path, monkeypatch, capfd):
+    """The stages go to ``progress`` (the CLI's stderr lines); the GGUF reader's own tqdm bar would leak
+    onto stderr around them."""
+    monkeypatch.setenv("SWIFTSPEC_CACHE", str(tmp_path / "cache"))
+    lines = []
+    embedded.ensure_converted(make_tiny_gguf(tmp_path / "tiny.Q4_1.gguf"), lines.append)
+    assert capfd.readouterr().err == "" and len(lines) >= 4

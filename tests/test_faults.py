@@ -21,6 +21,7 @@ import pytest
 from tiny_models import tiny_model_dir
 
 from swiftspec.config import ConfigError, EngineConfig, SamplingParams
+from swiftspec.conversation import Conversation, Settings
 from swiftspec.engine import launcher, protocol
 from swiftspec.engine.client import Engine, EngineError, _accept_worker, encode_chat
 from swiftspec.engine.failures import WorkerOutput
@@ -485,7 +486,7 @@ def test_each_line_answers_the_other_lines_after_one_is_refused():
             return super().generate(messages, params)
 
     out, err = io.StringIO(), io.StringIO()
-    code = scripted.run(RefusesLongPrompts(answer="ok"), ["first", "x" * 100, "third"], SamplingParams(),
+    code = scripted.run(RefusesLongPrompts(answer="ok"), ["first", "x" * 100, "third"], Conversation(None, Settings()),
                         jsonl=True, out=out, err=err)
     events = [json.loads(line) for line in out.getvalue().splitlines()]
     assert code == scripted.EXIT_ENGINE and "context length" in err.getvalue()
@@ -509,7 +510,7 @@ def test_a_closed_stdout_is_not_an_engine_error():
 
     err = io.StringIO()
     engine = FakeEngine()
-    code = scripted.run(engine, ["one", "two"], SamplingParams(), out=ClosedAfterOneWrite(), err=err)
+    code = scripted.run(engine, ["one", "two"], Conversation(None, Settings()), out=ClosedAfterOneWrite(), err=err)
     assert code == scripted.EXIT_BROKEN_PIPE and "engine error" not in err.getvalue()
     assert len(engine.calls) == 1
 

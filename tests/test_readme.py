@@ -55,3 +55,41 @@ def test_no_link_leaves_the_repository():
     assert "DESIGN.md" not in text and "../" not in text
     for target in re.findall(r"\]\(([^)]+)\)", text):
         assert not target.startswith(("http", "/")) and (README.parent / target).exists(), target
+
+
+def _options(command) -> set[str]:
+    found = {"--help", "-h"}
+    for param in command.params:
+        found |= set(getattr(param, "opts", [])) | set(getattr(param, "secondary_opts", []))
+    for sub in getattr(command, "commands", {}).values():
+        found |= _options(sub)
+    return found
+
+
+OTHER_PROGRAMS = {"--standalone": "torchrun", "--budget": "scripts/gpu_check.sh", "--dry-run": "scripts/gpu_check.sh"}
+
+
+def test_every_flag_the_readme_names_exists():
+    """Every --flag in the README is one of swiftspec's (or, named, another program's that it mentions)."""
+    text = README.read_text(encoding="utf-8")
+    ours = _options(typer.main.get_command(cli.app))
+    for flag in sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))):
+        if flag in OTHER_PROGRAMS:
+            where = README.parent / OTHER_PROGRAMS[flag]
+            assert not where.exists() or flag in where.read_text(), flag
+            continue
+        assert flag in ours, f"the README names {flag}, which no swiftspec command has"
+
+
+def test_every_environment_variable_the_readme_names_is_read():
+    """SWIFTSPEC_<FLAG> of a settable flag, or a directory variable the code reads."""
+    from swiftspec.settings import env_var
+
+    text = README.read_text(encoding="utf-8")
+    group = typer.main.get_command(cli.app)
+    settable = {p.envvar for cmd in group.commands.values() for p in cmd.params if getattr(p, "envvar", None)}
+    source = "".join(p.read_text() for d in ("swiftspec", "engine", "tui")
+                     for p in (README.parent / d).rglob("*.py"))
+    for name in sorted(set(re.findall(r"SWIFTSPEC_[A-Z_]+", text))):
+        assert name in settable or f'"{name}"' in source, name
+    assert env_var("--save") in settable  # was: --save alone read no variable

@@ -11,13 +11,17 @@ from fake_engine import ANSWER, FakeEngine, chunks
 
 from swiftspec import scripted
 from swiftspec.config import SamplingParams
+from swiftspec.conversation import Conversation, Message, Settings
 from swiftspec.engine.client import Engine
 from swiftspec.engine.protocol import EngineAPI
 
 
-def run(prompts, engine=None, **kw):
+def run(prompts, engine=None, params=None, system=None, context=(), store=None, **kw):
+    """scripted.run after ``context`` (role, content) pairs, saved into ``store`` when given."""
+    conversation = Conversation(store, Settings(system, params or SamplingParams()))
+    conversation.messages = [Message(m["role"], m["content"], i) for i, m in enumerate(context)]
     out, err = io.StringIO(), io.StringIO()
-    code = scripted.run(engine or FakeEngine(), prompts, kw.pop("params", SamplingParams()), out=out, err=err, **kw)
+    code = scripted.run(engine or FakeEngine(), prompts, conversation, out=out, err=err, **kw)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -46,6 +50,8 @@ def test_jsonl_schema():
     assert "".join(e["text"] for e in tokens) == ANSWER
     assert [i for e in tokens for i in e["token_ids"]] == list(range(len(chunks(ANSWER))))
     assert done["event"] == "done" and done["finish_reason"] == "eos"
+    assert "accepted" not in done["stats"]  # the last step's count: the answer's figures are the two below
+    assert all(e["text"] for e in tokens)  # the EOS that ended it is no token event of its own
     for key in ("acceptance_rate", "mean_accepted", "tokens_per_s", "token_latency_ms", "tree_size", "draft_ms",
                 "target_ms", "d", "generated", "ms_per_token_p50", "mode"):
         assert key in done["stats"], key
@@ -106,9 +112,7 @@ def test_long_resumed_conversation_leaves_out_its_oldest_turns():
     for i in range(12):
         context += [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "word " * 20}]
     engine = FakeEngine(context_length=200)
-    saved = []
-    code, out, err = run(["last question"], engine, system="Be brief.", context=context,
-                         record=lambda role, text, figures: saved.append((role, text)))
+    code, out, err = run(["last question"], engine, system="Be brief.", context=context)
     assert code == 0 and out == ANSWER + "\n"
     sent = engine.calls[0][0]
     assert sent[0] == {"role": "system", "content": "Be brief."}  # never dropped
@@ -116,7 +120,6 @@ def test_long_resumed_conversation_leaves_out_its_oldest_turns():
     assert engine.count_tokens(sent) + 100 <= 200  # room for the answer: half the context
     dropped = int(sent[1]["content"].split()[1])
     assert f"context full: left out the {dropped} oldest of 12 earlier turns" in err
-    assert saved == [("user", "last question"), ("assistant", ANSWER)]  # each message as it exists
 
 
 @pytest.mark.parametrize("jsonl", [False, True])
@@ -131,3 +134,26 @@ def test_prompt_that_cannot_fit_is_a_usage_error(jsonl):
 def test_answer_cut_by_the_context_says_context():
     code, _, err = run(["q"], FakeEngine(answer="word " * 200, context_length=200))
     assert code == 0 and "context" in err.splitlines()[-1]
+
+
+def test_each_line_answers_are_separated_by_a_blank_line():
+    code, out, err = run(["first", "second"], FakeEngine(answer="one\ntwo"))
+    assert code == 0 and out == "one\ntwo\n\none\ntwo\n"
+
+
+def test_quiet_prints_no_figures():
+    code, out, err = run(["hello"], quiet=True)
+    assert code == 0 and out == ANSWER + "\n" and err == ""
+
+
+def test_saved_prompts_are_turns_of_one_conversation(tmp_path):
+    """With a store (--save, --resume) each prompt sees the earlier ones: the saved record is what the
+    model was shown."""
+    from swiftspec.history import HistoryStore
+
+    store = HistoryStore(tmp_path / "h.sqlite3")
+    engine = FakeEngine(answer="ok")
+    code, _, _ = run(["first", "second"], engine, store=store)
+    assert code == 0 and [m["content"] for m in engine.calls[1][0]] == ["first", "ok", "second"]
+    (saved,) = store.list()
+    assert [m.content for m in store.messages(saved.id)] == ["first", "ok", "second", "ok"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import threading
 import time
@@ -12,6 +13,7 @@ from rich.console import Console
 from textual import events
 
 from swiftspec.config import SamplingParams
+from swiftspec.conversation import Conversation, Settings
 from swiftspec.history import HistoryStore
 from swiftspec.tui.app import SwiftSpecApp
 from swiftspec.tui.dialogs import ConfirmScreen
@@ -30,7 +32,13 @@ def store(tmp_path):
 
 
 def make_app(store, factory=None, **params) -> SwiftSpecApp:
-    return SwiftSpecApp(factory or FakeEngine.factory(), SamplingParams(**params), store=store, model_line="fake")
+    return SwiftSpecApp(factory or FakeEngine.factory(), Settings(params=SamplingParams(**params)), store=store,
+                        model_line="fake")
+
+
+def resumed_app(store, conversation_id: int, factory=None) -> SwiftSpecApp:
+    conversation = Conversation.resume(store, conversation_id, Settings())
+    return SwiftSpecApp(factory or FakeEngine.factory(), Settings(), store=store, conversation=conversation)
 
 
 async def wait_for(pilot, condition, timeout: float = 10.0) -> None:
@@ -47,7 +55,7 @@ async def ready(pilot, timeout: float = 10.0) -> None:
 
 
 async def idle(pilot, timeout: float = 10.0) -> None:
-    await wait_for(pilot, lambda: pilot.app._buffer is None, timeout)
+    await wait_for(pilot, lambda: pilot.app._turn is None, timeout)
     await pilot.pause()
 
 
@@ -98,7 +106,7 @@ async def test_type_send_stream_stats_and_history(store, monkeypatch):
         assert panel.query_one("Sparkline").data  # latency of recent steps
         assert "fake-target" in text_of(panel.query_one("#layout"))
         assert "async" in app.query_one(ChatView).query(MessageBox).last().border_subtitle
-    saved = store.messages(app.conversation_id)
+    saved = store.messages(app.conversation.id)
     assert [(m.role, m.content) for m in saved] == [("user", "hello"), ("assistant", ANSWER)]
     assert saved[1].stats["finish_reason"] == "eos"
     assert engine.closed  # leaving the app closes the engine
@@ -167,8 +175,8 @@ async def test_slash_commands(store, tmp_path):
         for command in ("/mode sync", "/temp 0.7", "/max 3", "/system Be brief."):
             await type_and_send(pilot, command)
             assert prompt.text == ""
-        assert (app.params.mode, app.params.temperature, app.params.max_new_tokens) == ("sync", 0.7, 3)
-        assert "sync" in app.sub_title and "T=0.7" in app.sub_title
+        assert (app.conversation.params.mode, app.conversation.params.temperature, app.conversation.params.max_new_tokens) == ("sync", 0.7, 3)
+        assert "sync" in app.sub_title and "T0.7" in app.sub_title
         await type_and_send(pilot, "/mode turbo")
         assert prompt.text == "/mode turbo"  # a failed command keeps what was typed
         await type_and_send(pilot, "/nonsense")
@@ -182,15 +190,15 @@ async def test_slash_commands(store, tmp_path):
         assert (params.mode, params.temperature, params.max_new_tokens) == ("sync", 0.7, 3)
 
         await type_and_send(pilot, "/save My title")
-        assert store.get(app.conversation_id).title == "My title"
+        assert store.get(app.conversation.id).title == "My title"
         out = tmp_path / "chat.md"
         await type_and_send(pilot, f"/export {out}")
         exported = out.read_text()
         assert exported.startswith("# My title") and "**System:** Be brief." in exported and "## You\n\nhi" in exported
 
-        first = app.conversation_id
+        first = app.conversation.id
         await type_and_send(pilot, "/new")
-        assert boxes(app) == [] and app.messages == [] and app.conversation_id is None
+        assert boxes(app) == [] and app.conversation.messages == [] and app.conversation.id is None
         assert len(store.messages(first)) == 2  # the old conversation stays saved
 
         await type_and_send(pilot, "/help")
@@ -200,7 +208,7 @@ async def test_slash_commands(store, tmp_path):
 
         await type_and_send(pilot, "again")
         await idle(pilot)
-        second = app.conversation_id
+        second = app.conversation.id
         await type_and_send(pilot, "/clear")  # asks first: Esc keeps everything
         assert isinstance(app.screen, ConfirmScreen) and "from the history" in str(app.screen.question)
         await pilot.press("escape")
@@ -208,7 +216,7 @@ async def test_slash_commands(store, tmp_path):
         await type_and_send(pilot, "/clear")
         await pilot.click("#confirm")
         await pilot.pause()
-        assert boxes(app) == [] and store.messages(second) == [] and app.messages == []
+        assert boxes(app) == [] and store.messages(second) == [] and app.conversation.messages == []
 
         await type_and_send(pilot, "/quit")
         await pilot.pause()
@@ -231,10 +239,10 @@ async def test_history_resume(store):
         await ready(pilot)
         await type_and_send(pilot, "remember 42")
         await idle(pilot)
-    conversation = app.conversation_id
+    conversation = app.conversation.id
 
     factory = FakeEngine.factory()
-    resumed = SwiftSpecApp(factory, SamplingParams(), store=store, resume=conversation)
+    resumed = resumed_app(store, conversation, factory)
     async with resumed.run_test() as pilot:
         await ready(pilot)
         assert boxes(resumed) == [("user", "remember 42"), ("assistant", ANSWER)]
@@ -259,14 +267,16 @@ async def test_resume_from_command_palette(store):
         await pilot.press("ctrl+p", *"resume #", "enter")
         await wait_for(pilot, lambda: boxes(app))
         assert boxes(app) == [("user", "old question"), ("assistant", "old answer")]
-        assert app.conversation_id == conversation
+        assert app.conversation.id == conversation
 
 
-async def test_engine_death_keeps_typed_text_and_restarts(store):
+async def test_engine_death_keeps_the_turn_and_restarts(store):
+    """The question was accepted and saved: a death mid-answer keeps it and what was answered (marked
+    "error", so /continue or /retry go on after the restart), and keeps what the user typed meanwhile."""
     starts = []
 
     def factory(progress):
-        engine = FakeEngine(die_after=1 if not starts else None)
+        engine = FakeEngine(die_after=1 if not starts else None, step_delay=0.2 if not starts else 0)
         starts.append(engine)
         return engine
 
@@ -274,16 +284,24 @@ async def test_engine_death_keeps_typed_text_and_restarts(store):
     async with app.run_test() as pilot:
         await ready(pilot)
         await type_and_send(pilot, "this prompt must survive")
+        app.query_one(PromptInput).insert("typed meanwhile")
         await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen))
+        await pilot.pause()
         assert "exited with signal 9" in text_of(app.screen.query_one("#error-cause Static"))
-        assert app.query_one(PromptInput).text == "this prompt must survive"
-        assert boxes(app) == [] and app.messages == []
+        assert app.query_one(PromptInput).text == "typed meanwhile"
+        partial = ANSWER[:16]  # the one step before the death
+        assert boxes(app) == [("user", "this prompt must survive"), ("assistant", partial)]
+        saved = store.messages(app.conversation.id)
+        assert [m.content for m in saved] == ["this prompt must survive", partial]
+        assert saved[1].stats["finish_reason"] == "error"
         await pilot.press("r")
         await ready(pilot)
         assert starts[0].closed and len(starts) == 2
-        await pilot.press("enter")
+        app.query_one(PromptInput).clear()
+        await type_and_send(pilot, "/continue")
         await idle(pilot)
         assert boxes(app) == [("user", "this prompt must survive"), ("assistant", ANSWER)]
+    assert [m.content for m in store.messages(app.conversation.id)] == ["this prompt must survive", ANSWER]
 
 
 async def test_start_failure_shows_cause_then_restart(store):
@@ -323,7 +341,7 @@ async def test_refused_answer_keeps_engine_and_prompt(store):
         await type_and_send(pilot, "too long")
         await wait_for(pilot, lambda: app.query_one(PromptInput).text == "too long")
         assert not isinstance(app.screen, ErrorScreen) and app.engine is factory.started[0]
-        assert boxes(app) == [] and app.messages == []
+        assert boxes(app) == [] and app.conversation.messages == []
 
 
 async def test_quitting_while_loading_abandons_the_start(store):
@@ -344,3 +362,113 @@ async def test_quitting_while_loading_abandons_the_start(store):
         await wait_for(pilot, lambda: isinstance(app.screen, LoadingScreen))
         await pilot.press("ctrl+q")
     assert abandoned.wait(5) and app.engine is None
+
+
+async def test_ctrl_c_stops_the_answer_and_does_not_quit(store):
+    factory = FakeEngine.factory(step_delay=0.05, answer="word " * 200)
+    app = make_app(store, factory)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "long please")
+        await wait_for(pilot, lambda: boxes(app)[-1][1])
+        await pilot.press("ctrl+c")  # was: asked about quitting while the answer went on
+        await idle(pilot)
+        assert "cancelled" in app.query_one(ChatView).query(MessageBox).last().border_subtitle
+        assert not any("quit" in str(n.title).lower() for n in app._notifications)
+        await pilot.press("ctrl+c")  # idle: says how to quit, and stays
+        await pilot.pause()
+        assert app.is_running and any("to quit" in str(n.message) for n in app._notifications)
+
+
+async def test_a_refused_prompt_comes_back_with_the_cursor_at_its_end(store):
+    app = make_app(store, FakeEngine.factory(refuse="no"))
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "first line\nsecond")
+        prompt = app.query_one(PromptInput)
+        await wait_for(pilot, lambda: prompt.text == "first line\nsecond")
+        assert prompt.cursor_location == (1, 6)  # was: (0, 0)
+        await pilot.press("!")
+        assert prompt.text == "first line\nsecond!"
+
+
+async def test_keys_typed_a_few_ms_apart_keep_their_order(store):
+    factory = FakeEngine.factory()
+    app = make_app(store, factory)
+    text = "the quick brown fox jumps over the lazy dog"
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        for gap in (0.0, 0.002, 0.008):
+            app.query_one(PromptInput).clear()
+            for ch in text:
+                app._driver.send_message(events.Key("space" if ch == " " else ch, ch))
+                await asyncio.sleep(gap)
+            await pilot.pause(0.2)
+            assert app.query_one(PromptInput).text == text, gap
+
+
+async def test_the_title_bar_keeps_the_settings_readable_at_80_columns(store):
+    app = make_app(store)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        for command in ("/temp 0.7", "/set top-p 0.9", "/set top-k 40", "/max 256"):
+            await type_and_send(pilot, command)
+        await pilot.pause()
+        header = app.query_one("HeaderTitle").render()
+        shown = str(header) if not hasattr(header, "plain") else header.plain
+        assert "T0.7 p0.9 k40" in shown and "max 256" in shown and "async" in shown, shown
+
+
+async def test_f3_shows_and_hides_the_stats_at_any_width(store):
+    app = make_app(store)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await ready(pilot)
+        panel = app.query_one(StatsPanel)
+        assert not panel.display
+        await pilot.press("f3")
+        assert panel.display  # was: impossible below 72 columns
+        await pilot.press("f3")
+        assert not panel.display
+        await pilot.resize_terminal(100, 30)
+        await pilot.pause()
+        assert not panel.display  # hidden by the user: it stays so
+        await pilot.press("f3")
+        assert panel.display
+
+
+async def test_a_click_on_a_code_block_copies_that_block(store):
+    from textual.widgets.markdown import MarkdownFence
+
+    app = make_app(store)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "code please")
+        await idle(pilot)
+        await pilot.click(MarkdownFence)
+        assert app.clipboard == "def add(a, b):\n    return a + b"
+        await type_and_send(pilot, "/copy 1")
+        assert app.clipboard == "def add(a, b):\n    return a + b"
+        await type_and_send(pilot, "/copy 2")
+        await pilot.pause()
+        assert any("1 code block" in str(n.message) for n in app._notifications)
+
+
+async def test_the_panel_names_figures_as_everything_else_does(store):
+    app = make_app(store)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "hello")
+        await idle(pilot)
+        assert "tok/verify" in figures(app) and "mean accepted" not in figures(app)
+
+
+async def test_the_chosen_theme_is_kept(store, tmp_path, monkeypatch):
+    monkeypatch.setenv("SWIFTSPEC_DATA_DIR", str(tmp_path))  # the other tests keep the default theme
+    app = make_app(store)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        app.theme = "nord"
+    again = make_app(store)
+    async with again.run_test() as pilot:
+        await ready(pilot)
+        assert again.theme == "nord"

@@ -9,12 +9,11 @@ import stat
 
 import pytest
 from fake_engine import ANSWER, FakeEngine, chunks
-from test_tui import boxes, idle, make_app, ready, type_and_send, wait_for
+from test_tui import boxes, idle, make_app, ready, resumed_app, type_and_send, wait_for
 
 from swiftspec import history
 from swiftspec.config import SamplingParams
 from swiftspec.history import HistoryStore
-from swiftspec.tui.app import SwiftSpecApp
 from swiftspec.tui.dialogs import ConfirmScreen, TextPromptScreen
 from swiftspec.tui.history_screen import HistoryScreen
 from swiftspec.tui.widgets.chat_view import ChatView
@@ -68,7 +67,7 @@ async def test_ten_turns_in_a_small_context_drop_the_oldest_with_notices(store):
         same_window = [(a, b) for (a, _), (b, _) in zip(engine.calls, engine.calls[1:], strict=False)
                        if a[0] == b[0]]
         assert same_window and all(b[:len(a)] == a for a, b in same_window)
-    saved = store.messages(app.conversation_id)  # history keeps everything the user saw
+    saved = store.messages(app.conversation.id)  # history keeps everything the user saw
     assert len(saved) == 20 and saved[0].content == "question number 0"
 
 
@@ -80,7 +79,7 @@ async def test_a_message_that_cannot_fit_is_given_back(store):
         await type_and_send(pilot, "long " * 80)
         await pilot.pause()
         assert any("more than the context of 100 tokens" in n for n in notes(app))
-        assert app.query_one(PromptInput).text == ("long " * 80).strip() and boxes(app) == []
+        assert app.query_one(PromptInput).text == "long " * 80 and boxes(app) == []  # the input keeps it
         assert factory.started[0].calls == [] and store.list() == []
 
 
@@ -92,7 +91,7 @@ async def test_answer_cut_by_context_says_context(store):
         await type_and_send(pilot, "go")
         await idle(pilot)
         assert "context" in app.query_one(ChatView).query(MessageBox).last().border_subtitle
-        assert store.messages(app.conversation_id)[-1].stats["finish_reason"] == "context"
+        assert store.messages(app.conversation.id)[-1].stats["finish_reason"] == "context"
         assert any("/continue" in n for n in notes(app))
 
 
@@ -106,14 +105,14 @@ async def test_continue_an_answer_cut_by_length(store):
         await type_and_send(pilot, "hi")
         await idle(pilot)
         assert boxes(app)[-1][1] == ANSWER[:20]
-        first_id = app.message_ids[-1]
-        while app.last_finish == "length":
+        first_id = app.conversation.messages[-1].id
+        while app.conversation.last_finish == "length":
             await type_and_send(pilot, "/continue")
             await idle(pilot)
         engine = factory.started[0]
         assert engine.calls[1][0][-1] == {"role": "assistant", "content": ANSWER[:20]}  # the model continues it
-        assert boxes(app) == [("user", "hi"), ("assistant", ANSWER)] and app.last_finish == "eos"
-        saved = store.messages(app.conversation_id)
+        assert boxes(app) == [("user", "hi"), ("assistant", ANSWER)] and app.conversation.last_finish == "eos"
+        saved = store.messages(app.conversation.id)
         assert [(m.content, m.id) for m in saved[1:]] == [(ANSWER, first_id)]  # one answer, updated in place
         await type_and_send(pilot, "/continue")
         assert any("complete (eos)" in n for n in notes(app))
@@ -127,9 +126,9 @@ async def test_a_loop_guard_stop_says_so_and_continues(store):
         await ready(pilot)
         await type_and_send(pilot, "hi")
         await idle(pilot)
-        assert boxes(app)[-1][1] == ANSWER[:12] and app.last_finish == "repetition"
+        assert boxes(app)[-1][1] == ANSWER[:12] and app.conversation.last_finish == "repetition"
         assert any("repeating itself" in n and "/continue" in n for n in notes(app))
-        assert store.messages(app.conversation_id)[-1].stats["finish_reason"] == "repetition"
+        assert store.messages(app.conversation.id)[-1].stats["finish_reason"] == "repetition"
         await type_and_send(pilot, "/continue")
         await idle(pilot)
         assert factory.started[0].calls[1][0][-1] == {"role": "assistant", "content": ANSWER[:12]}
@@ -156,8 +155,8 @@ async def test_retry_greedy_and_sampled(store):
         await idle(pilot)
         seed = engine.calls[2][1].seed
         assert seed is not None and any(f"seed {seed}" in n for n in notes(app))
-        assert app.params.seed is None  # the new seed was for that answer only
-    saved = store.messages(app.conversation_id)
+        assert app.conversation.params.seed is None  # the new seed was for that answer only
+    saved = store.messages(app.conversation.id)
     assert [(m.role, m.content) for m in saved] == [("user", "hello"), ("assistant", ANSWER)]
 
 
@@ -178,7 +177,7 @@ async def test_edit_last_message_with_up_and_slash_edit(store):
         await idle(pilot)
         assert boxes(app) == [("user", "first"), ("assistant", ANSWER), ("user", "second"), ("assistant", ANSWER)]
         assert factory.started[0].calls[-1][0][-1] == {"role": "user", "content": "second"}
-        assert [m.content for m in store.messages(app.conversation_id)] == ["first", ANSWER, "second", ANSWER]
+        assert [m.content for m in store.messages(app.conversation.id)] == ["first", ANSWER, "second", ANSWER]
         await type_and_send(pilot, "/edit")
         assert prompt.text == "second" and prompt.editing
         await pilot.press("up")  # further up browses earlier prompts: those are sent as new messages
@@ -192,11 +191,15 @@ async def test_each_message_is_saved_when_it_exists(store):
         await ready(pilot)
         await type_and_send(pilot, "saved before the answer")
         await wait_for(pilot, lambda: boxes(app)[-1][1])
-        # mid-answer, a kill -9 would lose only the answer in flight
-        assert [m.content for m in HistoryStore(store.path).messages(app.conversation_id)] == ["saved before the answer"]
+        # mid-answer the question is saved, and the answer as it streams (at most SAVE_EVERY_S behind)
+        await wait_for(pilot, lambda: len(store.messages(app.conversation.id)) == 2)
+        question, answer = HistoryStore(store.path).messages(app.conversation.id)
+        assert question.content == "saved before the answer" and answer.stats["finish_reason"] == "partial"
+        await wait_for(pilot, lambda: HistoryStore(store.path).messages(app.conversation.id)[1].content, 5)
         await pilot.press("escape")
         await idle(pilot)
-    assert len(store.messages(app.conversation_id)) == 2
+        saved = store.messages(app.conversation.id)
+        assert saved[1].stats["finish_reason"] == "cancelled" and saved[1].content == boxes(app)[-1][1]
 
 
 async def test_history_screen_open_rename_delete(store):
@@ -230,7 +233,7 @@ async def test_history_screen_open_rename_delete(store):
         assert table.row_count == 1 and [c.id for c in store.list()] == [old]
         await pilot.press("enter")
         await wait_for(pilot, lambda: boxes(app))
-        assert not isinstance(app.screen, HistoryScreen) and app.conversation_id == old
+        assert not isinstance(app.screen, HistoryScreen) and app.conversation.id == old
         assert boxes(app) == [("user", "old question"), ("assistant", "old answer")]
 
         await pilot.press("f2")  # deleting the open conversation leaves a new, empty one
@@ -240,7 +243,7 @@ async def test_history_screen_open_rename_delete(store):
         assert app.screen.query_one("#history-title").content == "No saved conversations yet"
         await pilot.press("escape")
         await pilot.pause()
-        assert boxes(app) == [] and app.conversation_id is None and store.list() == []
+        assert boxes(app) == [] and app.conversation.id is None and store.list() == []
 
 
 @pytest.mark.parametrize("fault", ["locked", "read-only"])
@@ -283,7 +286,7 @@ async def test_damaged_history_is_moved_aside_and_said(tmp_path):
         assert any("damaged" in n and "started a new one" in n for n in notes(app))
         await type_and_send(pilot, "hello")
         await idle(pilot)
-    assert len(store.messages(app.conversation_id)) == 2
+    assert len(store.messages(app.conversation.id)) == 2
     assert len(list(tmp_path.glob("history.sqlite3.damaged-*"))) == 1
 
 
@@ -349,7 +352,7 @@ async def test_resumed_conversation_can_continue_its_cut_answer(store):
     store.add(conv, "user", "hi")
     store.add(conv, "assistant", ANSWER[:8], {"finish_reason": "length", "generated": 2})
     factory = FakeEngine.factory()
-    app = SwiftSpecApp(factory, SamplingParams(), store=store, resume=conv)
+    app = resumed_app(store, conv, factory)
     async with app.run_test() as pilot:
         await ready(pilot)
         await type_and_send(pilot, "/continue")
@@ -378,7 +381,7 @@ async def test_conversation_deleted_elsewhere_is_saved_anew(store):
         await ready(pilot)
         await type_and_send(pilot, "first")
         await idle(pilot)
-        first = app.conversation_id
+        first = app.conversation.id
         other = HistoryStore(store.path)  # e.g. `swiftspec history delete` in another terminal
         other.delete(first)
         other.close()
@@ -386,8 +389,8 @@ async def test_conversation_deleted_elsewhere_is_saved_anew(store):
         assert any(f"/save: no conversation with id {first}" in n for n in notes(app))
         await type_and_send(pilot, "second")
         await idle(pilot)
-        assert app.conversation_id != first and any("deleted elsewhere" in n for n in notes(app))
-    saved = store.messages(app.conversation_id)
+        assert app.conversation.id != first and any("deleted elsewhere" in n for n in notes(app))
+    saved = store.messages(app.conversation.id)
     assert [m.content for m in saved] == ["first", ANSWER, "second", ANSWER]
 
 
@@ -404,5 +407,110 @@ async def test_an_edit_that_cannot_fit_keeps_the_turn_it_would_replace(store):
         await pilot.press("enter")
         await pilot.pause()
         assert any("more than the context" in n for n in notes(app))
-        assert boxes(app) == [("user", "short"), ("assistant", ANSWER)] and len(store.messages(app.conversation_id)) == 2
+        assert boxes(app) == [("user", "short"), ("assistant", ANSWER)] and len(store.messages(app.conversation.id)) == 2
         assert prompt.editing and prompt.text.startswith("short much longer")
+
+
+async def test_a_refused_retry_keeps_the_answer_on_screen_and_saved(store):
+    factory = FakeEngine.factory()
+    app = make_app(store, factory)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "hello")
+        await idle(pilot)
+        factory.started[0].refuse = "the workers are busy"
+        await type_and_send(pilot, "/retry")
+        await idle(pilot)
+        assert any("the workers are busy" in n for n in notes(app))
+        assert boxes(app) == [("user", "hello"), ("assistant", ANSWER)]
+        assert [m.content for m in store.messages(app.conversation.id)] == ["hello", ANSWER]
+        await type_and_send(pilot, "/max 5000")  # the retry no longer fits: refused before anything changes
+        factory.started[0].refuse = None
+        factory.started[0].info.context_length = 8  # room for the answer: half of it
+        await type_and_send(pilot, "/retry")
+        assert any("Does not fit" in str(n.title) for n in app._notifications)
+        assert [m.content for m in store.messages(app.conversation.id)] == ["hello", ANSWER]
+
+
+async def test_quitting_mid_answer_keeps_it_for_retry_and_continue(store):
+    factory = FakeEngine.factory(step_delay=0.05, answer="word " * 200)
+    app = make_app(store, factory)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "a long one")
+        await wait_for(pilot, lambda: len(boxes(app)[-1][1]) > 20)
+        await pilot.press("ctrl+q")
+    (question, answer) = store.messages(app.conversation.id)
+    assert answer.content and answer.stats["finish_reason"] == "cancelled"  # was: no answer saved at all
+    again = resumed_app(store, app.conversation.id, FakeEngine.factory(answer="word " * 200))
+    async with again.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "/continue")
+        await idle(pilot)
+        assert boxes(again)[-1] == ("assistant", "word " * 200)
+        await type_and_send(pilot, "/retry")
+        await idle(pilot)
+        assert not any("no answer to" in n for n in notes(again))
+    assert [m.content for m in store.messages(app.conversation.id)] == ["a long one", "word " * 200]
+
+
+async def test_settings_belong_to_the_conversation(store, tmp_path):
+    app = make_app(store)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "/temp 0.7")
+        await type_and_send(pilot, "/system Be brief.")
+        await type_and_send(pilot, "hello")
+        await idle(pilot)
+        first = app.conversation.id
+        await type_and_send(pilot, "/new")  # was: the settings carried over
+        assert app.conversation.params.temperature == 0.0 and app.conversation.settings.system is None
+        assert "greedy" in app.sub_title
+        await pilot.press("f2")
+        await pilot.press("enter")  # the most recent: the first conversation
+        await wait_for(pilot, lambda: boxes(app))
+        assert app.conversation.id == first and app.conversation.params.temperature == 0.7
+        assert app.conversation.settings.system == "Be brief." and "T0.7" in app.sub_title
+        await type_and_send(pilot, "/system Be verbose.")  # set mid-chat: exported where it was set
+        out = tmp_path / "chat.md"
+        await type_and_send(pilot, f"/export {out}")
+        exported = out.read_text()
+        assert exported.index("Be brief.") < exported.index(ANSWER[:10]) < exported.index("Be verbose.")
+
+
+async def test_clear_removes_the_conversation_from_the_history(store):
+    app = make_app(store)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "hello")
+        await idle(pilot)
+        await type_and_send(pilot, "/clear")
+        await pilot.click("#confirm")
+        await pilot.pause()
+        assert boxes(app) == [] and store.list() == []  # was: listed under its old title with 0 turns
+
+
+async def test_a_mode_the_engine_cannot_run_is_refused_and_not_offered(store):
+    app = make_app(store, FakeEngine.factory(draft="none"), mode="ar")
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "/mode sync")
+        assert app.query_one(PromptInput).text == "/mode sync"  # refused: what was typed stays
+        assert any("needs a draft" in n and "--mode sync" in n for n in notes(app))
+        assert app.conversation.params.mode == "ar"
+        offered = [c.title for c in app.get_system_commands(app.screen)]
+        assert "Mode: ar" in offered and "Mode: sync" not in offered and "Mode: async" not in offered
+        app.query_one(PromptInput).clear()
+        await type_and_send(pilot, "hello")
+        await idle(pilot)
+        assert boxes(app)[-1] == ("assistant", ANSWER)
+
+
+async def test_a_resumed_conversation_in_a_mode_the_engine_cannot_run_answers_in_ar(store):
+    conversation = store.create("async chat", settings=SamplingParams(mode="async").to_dict())
+    store.add(conversation, "user", "hi")
+    store.add(conversation, "assistant", "hello", {"finish_reason": "eos"})
+    app = resumed_app(store, conversation, FakeEngine.factory(draft="none"))
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        assert app.conversation.params.mode == "ar" and any("ar only" in n for n in notes(app))

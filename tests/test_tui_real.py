@@ -13,6 +13,7 @@ import pytest
 from test_tui import boxes, figures, idle, ready, text_of, type_and_send, wait_for
 
 from swiftspec.config import EngineConfig, SamplingParams
+from swiftspec.conversation import Conversation, Settings
 from swiftspec.history import HistoryStore
 from swiftspec.tui.app import SwiftSpecApp
 from swiftspec.tui.widgets.chat_view import ChatView
@@ -67,12 +68,14 @@ def store(tmp_path):
     s.close()
 
 
-def app_on(engine, store, **kw) -> SwiftSpecApp:
+def app_on(engine, store, resume: int | None = None) -> SwiftSpecApp:
     def start(progress):
         progress("lent by the test module")
         return Shared(engine)
 
-    return SwiftSpecApp(start, SamplingParams(max_new_tokens=24), store=store, **kw)
+    conversation = Conversation.resume(store, resume, Settings()) if resume is not None else None
+    return SwiftSpecApp(start, Settings(params=SamplingParams(max_new_tokens=24)), store=store,
+                        conversation=conversation)
 
 
 def last_answer(app) -> MessageBox:
@@ -95,8 +98,8 @@ async def test_chat_stream_stats_stop_slash_and_history(engine, store):
         assert "async" in last_answer(app).border_subtitle
 
         # lossless: target-only decoding gives the same greedy answer
+        await type_and_send(pilot, "/new")  # a new conversation starts from the session's settings
         await type_and_send(pilot, "/mode ar")
-        await type_and_send(pilot, "/new")
         await type_and_send(pilot, "hello")
         await idle(pilot, ANSWER_S)
         assert last_answer(app).text == async_answer
@@ -105,18 +108,18 @@ async def test_chat_stream_stats_stop_slash_and_history(engine, store):
         # Esc stops a long answer; the engine answers again afterwards
         await type_and_send(pilot, "/mode async")
         await type_and_send(pilot, "/max 3500")  # long enough that Esc lands first, even at 300+ tok/s
-        app.params.ignore_eos = True
+        await type_and_send(pilot, "/set ignore-eos on")
         await type_and_send(pilot, "tell me everything")
         await wait_for(pilot, lambda: last_answer(app).text, timeout=60)
         await pilot.press("escape")
         await idle(pilot, ANSWER_S)
         assert "cancelled" in last_answer(app).border_subtitle
-        app.params.ignore_eos = False
+        await type_and_send(pilot, "/set ignore-eos off")
         await type_and_send(pilot, "/max 8")
         await type_and_send(pilot, "and again")
         await idle(pilot, ANSWER_S)
         assert "cancelled" not in last_answer(app).border_subtitle and last_answer(app).text
-        conversation = app.conversation_id
+        conversation = app.conversation.id
         saved = store.messages(conversation)
         assert [m.role for m in saved] == ["user", "assistant"] * 3
         assert saved[3].stats["finish_reason"] == "cancelled"
@@ -133,8 +136,8 @@ async def test_chat_stream_stats_stop_slash_and_history(engine, store):
 
 
 async def test_worker_killed_shows_error_and_restart(store):
-    """kill -9 a worker mid-answer: the error screen names the cause, the prompt is back in the input,
-    and Restart brings up a fresh engine that answers."""
+    """kill -9 a worker mid-answer: the error screen names the cause, the turn stays (its answer marked
+    "error"), and Restart brings up a fresh engine that goes on with it."""
     import os
     import signal
 
@@ -152,7 +155,7 @@ async def test_worker_killed_shows_error_and_restart(store):
         return eng
 
     # long enough that the kill lands mid-answer, even at 300+ tok/s under load
-    app = SwiftSpecApp(start, SamplingParams(max_new_tokens=3500, ignore_eos=True), store=store)
+    app = SwiftSpecApp(start, Settings(params=SamplingParams(max_new_tokens=3500, ignore_eos=True)), store=store)
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot, STARTUP_S)
         await type_and_send(pilot, "a long answer please")
@@ -160,19 +163,24 @@ async def test_worker_killed_shows_error_and_restart(store):
         victim = next(r.pid for r in started[0].info.ranks if r.role == "draft")
         os.kill(victim, signal.SIGKILL)
         await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen), timeout=30)
+        await pilot.pause()
         cause = text_of(app.screen.query_one("#error-cause Static"))
         assert "the draft worker (rank 1) was killed by signal 9 (SIGKILL)" in cause, cause  # in words
         log = Path(re.search(r"output:(/\S+?\.log)", "".join(cause.split()))[1])  # the path wraps at 60 columns
         assert "exitcode" in log.read_text() and "exitcode" not in cause  # torchrun's lines are in the log
         log.unlink()
-        assert app.query_one(PromptInput).text == "a long answer please"
+        saved = store.messages(app.conversation.id)
+        assert [m.content for m in saved] == ["a long answer please", last_answer(app).text]
+        assert saved[1].stats["finish_reason"] == "error" and saved[1].content
         await pilot.press("r")
         await ready(pilot, STARTUP_S)
         assert len(started) == 2 and started[1].alive and not started[0].alive
-        app.params.max_new_tokens = 8
-        await pilot.press("enter")
+        cut = last_answer(app).text
+        await type_and_send(pilot, "/max 8")
+        await type_and_send(pilot, "/continue")
         await idle(pilot, ANSWER_S)
-        assert boxes(app)[0] == ("user", "a long answer please") and last_answer(app).text
+        assert boxes(app)[0] == ("user", "a long answer please") and last_answer(app).text.startswith(cut)
+        assert len(last_answer(app).text) > len(cut)
     assert not started[1].alive  # leaving the app closed the engine
 
 
@@ -186,17 +194,17 @@ async def test_small_context_overflow_context_reason_and_continue(small_engine, 
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot, STARTUP_S)
         await type_and_send(pilot, "/max 2000")  # more than the context holds
-        app.params.ignore_eos = True
+        await type_and_send(pilot, "/set ignore-eos on")
         await type_and_send(pilot, "a very long one")
         await idle(pilot, ANSWER_S)
-        assert "context" in last_answer(app).border_subtitle and app.last_finish == "context"
+        assert "context" in last_answer(app).border_subtitle and app.conversation.last_finish == "context"
 
         await type_and_send(pilot, "/max 6")
         await type_and_send(pilot, "next")
         await idle(pilot, ANSWER_S)
         [notice] = app.query_one(ChatView).query(Notice)
         assert notice.text.startswith("Context full: left out the oldest turn")
-        assert app.window_start == 2 and len(boxes(app)) == 4 and "length" in last_answer(app).border_subtitle
+        assert app.conversation.window_start == 2 and len(boxes(app)) == 4 and "length" in last_answer(app).border_subtitle
 
         first = last_answer(app).text
         await type_and_send(pilot, "/continue")
@@ -205,6 +213,8 @@ async def test_small_context_overflow_context_reason_and_continue(small_engine, 
         assert len(boxes(app)) == 4
         # the question at least was cached (how much of the first part re-tokenizes to the same ids
         # depends on the model: this random one's text does not)
-        window = app._engine_messages()
+        conversation = app.conversation
+        window = conversation.engine_messages([{"role": m.role, "content": m.content}
+                                               for m in conversation.messages], conversation.window_start)
         window[-1]["content"] = first
         assert app.query_one(StatsPanel)._stats.prefill_tokens < small_engine.count_tokens(window) - 3

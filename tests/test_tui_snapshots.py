@@ -11,7 +11,7 @@ import pytest
 from fake_engine import FakeEngine
 from test_tui import idle, ready, type_and_send, wait_for
 
-from swiftspec.config import SamplingParams
+from swiftspec.conversation import Settings
 from swiftspec.history import HistoryStore
 from swiftspec.tui.app import SwiftSpecApp
 from swiftspec.tui.screens import ErrorScreen, LoadingScreen
@@ -49,23 +49,23 @@ async def chat_after_one_answer(pilot) -> None:
 
 
 def test_chat_80x24(snap_compare, store):
-    app = StillApp(FakeEngine.factory(), SamplingParams(), store=store)
+    app = StillApp(FakeEngine.factory(), Settings(), store=store)
     assert snap_compare(app, terminal_size=(80, 24), run_before=chat_after_one_answer)
 
 
 def test_chat_wide(snap_compare, store):
-    app = StillApp(FakeEngine.factory(), SamplingParams(), store=store)
+    app = StillApp(FakeEngine.factory(), Settings(), store=store)
     assert snap_compare(app, terminal_size=(140, 40), run_before=chat_after_one_answer)
 
 
 def test_chat_narrow_hides_stats(snap_compare, store):
-    app = StillApp(FakeEngine.factory(), SamplingParams(), store=store)
+    app = StillApp(FakeEngine.factory(), Settings(), store=store)
     assert snap_compare(app, terminal_size=(64, 24), run_before=chat_after_one_answer)
 
 
 def test_loading_screen(snap_compare, store):
     gate = threading.Event()  # holds the start until the app leaves
-    app = StillApp(FakeEngine.factory(start_gate=gate), SamplingParams(), store=store, on_unmount=gate.set)
+    app = StillApp(FakeEngine.factory(start_gate=gate), Settings(), store=store, on_unmount=gate.set)
 
     async def loading(pilot):
         await wait_for(pilot, lambda: isinstance(pilot.app.screen, LoadingScreen)
@@ -77,7 +77,7 @@ def test_loading_screen(snap_compare, store):
 def test_error_screen(snap_compare, store):
     cause = ("a worker failed: CUDA out of memory\n--- last lines of the workers' output ---\n"
              "[rank1] torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
-    app = StillApp(FakeEngine.factory(start_error=cause), SamplingParams(), store=store)
+    app = StillApp(FakeEngine.factory(start_error=cause), Settings(), store=store)
 
     async def failed(pilot):
         await wait_for(pilot, lambda: isinstance(pilot.app.screen, ErrorScreen))
@@ -86,7 +86,7 @@ def test_error_screen(snap_compare, store):
 
 
 def test_help_screen(snap_compare, store):
-    app = StillApp(FakeEngine.factory(), SamplingParams(), store=store)
+    app = StillApp(FakeEngine.factory(), Settings(), store=store)
 
     async def help_open(pilot):
         await ready(pilot)
@@ -96,7 +96,7 @@ def test_help_screen(snap_compare, store):
 
 
 def test_overflow_notice(snap_compare, store):
-    app = StillApp(FakeEngine.factory(answer="Sure: " + "word " * 30, context_length=160), SamplingParams(),
+    app = StillApp(FakeEngine.factory(answer="Sure: " + "word " * 30, context_length=160), Settings(),
                    store=store)
 
     async def overflowed(pilot):
@@ -119,7 +119,7 @@ def test_history_screen(snap_compare, store, monkeypatch):
             store.add(conv, "assistant", "a", {"generated": 40 + i})
         store._db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (1.7e9 + 3600 * i, conv))
     store.path = Path("/home/user/.local/share/swiftspec/history.sqlite3")  # shown in the hint line
-    app = StillApp(FakeEngine.factory(), SamplingParams(), store=store)
+    app = StillApp(FakeEngine.factory(), Settings(), store=store)
 
     async def history_open(pilot):
         await ready(pilot)
@@ -134,7 +134,7 @@ def test_history_screen(snap_compare, store, monkeypatch):
 
 
 def test_clear_asks_first(snap_compare, store):
-    app = StillApp(FakeEngine.factory(), SamplingParams(), store=store)
+    app = StillApp(FakeEngine.factory(), Settings(), store=store)
 
     async def asking(pilot):
         await chat_after_one_answer(pilot)
@@ -145,7 +145,7 @@ def test_clear_asks_first(snap_compare, store):
 
 
 def test_editing_the_last_message(snap_compare, store):
-    app = StillApp(FakeEngine.factory(), SamplingParams(), store=store)
+    app = StillApp(FakeEngine.factory(), Settings(), store=store)
 
     async def editing(pilot):
         await ready(pilot)

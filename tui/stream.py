@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 from swiftspec.config import StepEvent, StepStats
-from swiftspec.history import TurnRecorder
 
 
 class AnswerBuffer:
@@ -14,15 +13,13 @@ class AnswerBuffer:
     The worker never waits for rendering: a push only takes a lock and appends.
     """
 
-    def __init__(self, mode: str) -> None:
-        self.recorder = TurnRecorder(mode)
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._text: list[str] = []
         self._steps: list[tuple[StepStats, int]] = []
 
     def push(self, ev: StepEvent) -> None:
         with self._lock:
-            self.recorder.add(ev)
             if ev.text:
                 self._text.append(ev.text)
             self._steps.append((ev.stats, len(ev.token_ids)))

@@ -2,23 +2,36 @@
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
+
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical
+from textual.message import Message
 from textual.widgets import Markdown, Static
-from textual.widgets.markdown import MarkdownStream
+from textual.widgets.markdown import MarkdownFence, MarkdownStream
 
 ROLE_TITLES = {"user": "You", "assistant": "Assistant", "note": "SwiftSpec", "error": "Error"}
 
 
 class MessageBox(Vertical):
-    """A bordered block per message. Answers stream through a MarkdownStream, which coalesces fragments
-    when they arrive faster than Markdown can re-render."""
+    """A bordered block per message, named after its message's key in the Conversation (None while the
+    engine has not yet accepted the answer it belongs to). Answers stream through a MarkdownStream, which
+    coalesces fragments when they arrive faster than Markdown can re-render; a click on one of their code
+    blocks copies that block."""
 
-    def __init__(self, role: str, text: str = "", footer: str = "", streaming: bool = False) -> None:
+    @dataclass
+    class CopyCode(Message):
+        code: str
+
+    def __init__(self, role: str, text: str = "", footer: str = "", streaming: bool = False,
+                 key: int | None = None) -> None:
         super().__init__(classes=f"-{role} -streaming" if streaming else f"-{role}")
         self.role = role
         self.text = text
+        self.key = key
         self.border_title = ROLE_TITLES.get(role, role)
         self.border_subtitle = footer
         self._stream: MarkdownStream | None = None
@@ -28,6 +41,14 @@ class MessageBox(Vertical):
             yield Static(Text(self.text), classes="body")
         else:
             yield Markdown(self.text, classes="body")
+
+    def on_click(self, event: events.Click) -> None:
+        widget = event.widget
+        while widget is not None and widget is not self and not isinstance(widget, MarkdownFence):
+            widget = widget.parent
+        if isinstance(widget, MarkdownFence):
+            event.stop()
+            self.post_message(self.CopyCode(widget.code))
 
     async def append(self, fragment: str) -> None:
         """Streams more answer text in; called from the app's flush timer, never per token."""
@@ -43,8 +64,13 @@ class MessageBox(Vertical):
 
     async def finish(self, footer: str) -> None:
         """Ends the stream (flushing what it still holds) and shows the answer's figures under it."""
-        if self._stream is not None:
-            await self._stream.stop()
-            self._stream = None
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            try:
+                await stream.stop()
+            except asyncio.CancelledError:  # its task was cancelled before it first ran (a race in Textual's
+                if asyncio.current_task().cancelling():  # MarkdownStream.stop) and dropped what it held
+                    raise
+                await self.query_one(Markdown).update(self.text)
         self.border_subtitle = footer
         self.remove_class("-streaming")

@@ -70,6 +70,15 @@ class PromptInput(TextArea):
         self._show(text)
         self._set_editing(True)
 
+    def give_back(self, text: str, editing: bool) -> None:
+        """A message the engine did not take comes back, before anything typed since, the cursor at its end."""
+        typed = self.text
+        if editing:
+            self.start_edit(text)
+        else:
+            self.load_text(text + ("\n" + typed if typed else ""))
+        self.move_cursor((text.count("\n"), len(text.split("\n")[-1])))
+
     def clear(self) -> TextArea:
         self._set_editing(False)
         self._recall_index = None

@@ -99,7 +99,7 @@ class StatsPanel(VerticalScroll, can_focus=False):
         self.query_one("#figures", Static).update(_grid([
             ("mode", self._mode or dash),
             ("acceptance", f"{100 * s.acceptance_rate:.1f} %" if speculative and s.generated else dash),
-            ("mean accepted", f"{s.mean_accepted:.2f}" if speculative and s.generated else dash),
+            ("tok/verify", f"{s.mean_accepted:.2f}" if speculative and s.generated else dash),
             ("tokens/s", f"{s.tokens_per_s:.1f}" if s.generated else dash),
             ("latency now", f"{s.token_latency_ms:.1f} ms" if s.generated else dash),
             ("latency p50", f"{p50:.1f} ms" if s.generated else dash),
