@@ -34,6 +34,7 @@ HF_MODES = ("hf", "hf-assisted")
 PEER_MODES = HF_MODES + ("llama.cpp",)  # other engines: their own kernels, so their tokens may differ
 ENGINE_MODES = ("ar", "sync", "async")
 ALL_MODES = PEER_MODES + ENGINE_MODES
+DEFAULT_MODES = HF_MODES + ENGINE_MODES  # llama.cpp only when asked: it is installed by hand
 BUILTIN_SETS = ("chat", "code", "math", "qa", "summarisation", "extraction", "fresh")
 HUMANEVAL = "humaneval"
 SPEEDUP_BASELINES = ("hf", "llama.cpp", "ar")
@@ -733,7 +734,7 @@ def _duration(seconds: float) -> str:
     return f"{m} min {s:02d} s" if m else f"{s} s"
 
 
-def bench_command(config: EngineConfig, modes: str = ",".join(ALL_MODES), prompts: Path | None = None,
+def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), prompts: Path | None = None,
                   prompt_set: str | list[str] | None = None, limit: int | None = None,
                   sampling: SamplingParams | None = None, system: str | None = None, json_path: Path | None = None,
                   plot_path: Path | None = None, console=None, err=None) -> dict[str, Any]:
