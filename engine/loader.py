@@ -14,7 +14,13 @@ from safetensors import safe_open
 from swiftspec.embedded import GGUF_METADATA
 from swiftspec.engine.model import Transformer, fbgemm_available, pack_fp16_linears
 from swiftspec.engine.model_args import ModelArgs
-from swiftspec.engine.model_dir import LoadError, default_dtype_name, read_args, weight_files
+from swiftspec.engine.model_dir import (
+    LoadError,
+    default_dtype_name,
+    read_args,
+    stored_float_dtype,
+    weight_files,
+)
 
 BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # the GGUF types the gguf CPU backend runs from their blocks
 GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}  # values and bytes per block
@@ -153,12 +159,12 @@ def default_dtype(device: torch.device, dtype: str = "auto") -> torch.dtype:
     return getattr(torch, default_dtype_name(True, dtype))
 
 
-def cpu_backend(dtype: str, has_blocks: bool, tp_world: int = 1) -> str:
+def cpu_backend(dtype: str, has_blocks: bool, tp_world: int = 1, stored: str = "float32") -> str:
     """The CPU backend a --dtype names (int4: the gguf backend on blocks quantised at load); "auto" without
     a measured choice (engine/worker/profiling.py makes one at a worker's start): a GGUF's own blocks where
-    the checkpoint has them and one rank holds the whole model, else fp32."""
+    the checkpoint has them and one rank holds the whole model, else the width it is ``stored`` at."""
     if dtype == "auto":
-        return "gguf" if has_blocks and tp_world == 1 else "float32"
+        return "gguf" if has_blocks and tp_world == 1 else stored
     if dtype in ("gguf", "int4") and tp_world > 1:
         raise LoadError(f"--dtype {dtype} runs a target of one rank: use --target-procs 1, or a float --dtype")
     return "gguf" if dtype == "int4" else dtype
@@ -189,7 +195,7 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str =
         raise LoadError(f"--dtype {dtype} is a CPU backend; on GPUs use auto, bfloat16, float16 or float32")
     backend = None
     if cpu and not int8 and batch_invariant is not False:
-        backend = cpu_backend(dtype, bool(kinds), tp_world)
+        backend = cpu_backend(dtype, bool(kinds), tp_world, stored_float_dtype(model_dir))
         if backend not in cpu_backends.CPU_BACKENDS:
             raise LoadError(f"unknown CPU dtype {dtype!r}: use one of auto, {', '.join(cpu_backends.CPU_BACKENDS)}, int4")
         if (why := cpu_backends.kernels_available(args, tp_world)) is not None:

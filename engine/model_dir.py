@@ -97,6 +97,20 @@ def read_args(model_dir: Path) -> ModelArgs:
         raise LoadError(f"{model_dir / 'config.json'} lacks the field {e.args[0]!r}") from None
 
 
+def stored_float_dtype(model_dir: Path) -> str:
+    """The float width a checkpoint's weights are stored at (config.json's torch_dtype / dtype; fp32 for a
+    converted GGUF, whose dequantised values fp32 holds exactly): what the CPU runs them at unless asked,
+    since a narrower width would be another model."""
+    if gguf_block_kinds(model_dir):
+        return "float32"
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").removeprefix("torch.")
+    return name if name in ("float32", "float16", "bfloat16") else "float32"
+
+
 def gguf_block_kinds(model_dir: Path) -> set[str]:
     """The GGUF block types a converted GGUF kept as blocks (from the safetensors headers only)."""
     from swiftspec.embedded import GGUF_METADATA

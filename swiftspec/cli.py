@@ -137,8 +137,8 @@ DTypeOpt = Annotated[str, _opt(
          "choice runs row-invariant kernels (each verified node computes what a one-token step would, so every "
          "mode stays exact) with fp32 activations: float32 / bfloat16 / float16 weights, gguf (a GGUF's own "
          "4- and 8-bit blocks, int16 activations), int4 (any checkpoint packed into 4-bit blocks "
-         "at load); auto measures them at the first start on the machine and keeps the fastest for speculation "
-         "(int4 only when asked). On CUDA: auto is bf16.")]
+         "at load); auto runs a checkpoint at its own width and, for a GGUF, measures its blocks against fp32 at the "
+         "first start on the machine and keeps the faster for speculation (int4 only when asked). On CUDA: auto is bf16.")]
 ThreadsOpt = Annotated[int | None, _opt(
     "--threads", parser=_whole_number, panel=MODEL, metavar="N",
     help="CPU threads for all workers together. Default: every core but one, which the chat itself uses.")]

@@ -515,9 +515,8 @@ def test_step_times_are_measured_once_then_read_from_the_profile_cache(target_di
     first = start(target_dir, "self", progress=said.append)
     first.close()
     assert any(line.startswith("profiling") for line in said)
-    assert any(line.startswith("measuring the CPU backends") for line in said)
+    assert "CPU backend float32 (the checkpoint's own width)" in said  # one candidate: nothing to measure
     (profile,) = (tmp_path / "profiles").glob("*.json")
-    (choice,) = (tmp_path / "profiles" / "backends").glob("*.json")  # --dtype auto's measured backends
     stored = json.loads(profile.read_text())
     assert stored["t_verify_ms"] == first.info.t_verify_ms and stored["t_expand_ms"] == first.info.t_expand_ms
     # figures no measurement would give: the next start must take them from the file, d and tree sizes too
@@ -525,7 +524,6 @@ def test_step_times_are_measured_once_then_read_from_the_profile_cache(target_di
     said.clear()
     with start(target_dir, "self", progress=said.append) as eng:
         assert "step times from the profile cache" in said
-        assert not any(line.startswith("measuring the CPU backends") for line in said)
         assert any(line.startswith("CPU backend ") for line in said)
         assert (eng.info.t_verify_ms, eng.info.t_expand_ms, eng.info.d) == (50.0, 10.0, choose_d(50.0, 10.0))
         _, _, events = answer(eng, PROMPTS[0], mode="sync", max_new_tokens=16, ignore_eos=True)

@@ -189,20 +189,25 @@ def expected_rate(costs: list[float], p: float) -> float:
 
 
 def choose_cpu_backend(ctx: Ctx, say: Callable[[str], None]) -> str:
-    """--dtype auto on the CPU: the backend with the best expected throughput, from each candidate's
+    """--dtype auto on the CPU: of the checkpoint's own width and (for a GGUF) its blocks, the backend with the
+    best expected throughput, from each candidate's
     measured step and verification costs (cpu_backends.synthetic_costs) and the drafter's expected
     acceptance. Measured once per machine, model shape, threads and drafter, then read from the cache.
     Decided on the target leader and broadcast to the target group."""
     from swiftspec.engine import cpu_backends
-    from swiftspec.engine.model_dir import gguf_block_kinds
+    from swiftspec.engine.model_dir import gguf_block_kinds, stored_float_dtype
 
     args = ctx.args
     model_args = read_args(Path(args.target))
     if cpu_backends.kernels_available(model_args, ctx.tp_world) is not None:
         return "float32"  # torch's linears, exact through one-row forwards (engine/loader.py)
-    candidates = list(cpu_backends.FLOAT_FORMATS)
+    # the checkpoint as stored, or a GGUF's own blocks: never a narrower width than the file holds
+    candidates = [stored_float_dtype(Path(args.target))]
     if gguf_block_kinds(Path(args.target)) & set(cpu_backends.BLOCK_FORMATS) and ctx.tp_world == 1:
         candidates.insert(0, "gguf")
+    if len(candidates) == 1:
+        say(f"CPU backend {candidates[0]} (the checkpoint's own width)")
+        return candidates[0]
     choice = torch.zeros(1, dtype=torch.int64)
     if ctx.tp_rank == 0:
         key = {"format": PROFILE_FORMAT, "swiftspec": _version("swiftspec"), "torch": torch.__version__,
