@@ -317,15 +317,13 @@ def synthetic_costs(args, backend: str, rows: int, layers: int | None = None) ->
 
     dll = library()
     block = TransformerBlock(args, args.n_heads, args.n_kv_heads, args.intermediate_size)
-    quant = {}
     for mod, name, lin in _linears(block):
         lin.weight.data = rand(*lin.weight.shape)
         if lin.bias is not None:
             lin.bias.data = rand(*lin.bias.shape)
         fmt = Format.Q4 if backend == "gguf" else FLOAT_FORMATS[backend]
         w = Blocks.quantize(lin.weight, fmt) if backend == "gguf" else lin.weight
-        quant[name] = PackedLinear(dll, w, fmt, lin.bias)
-        setattr(mod, name, quant[name])
+        setattr(mod, name, PackedLinear(dll, w, fmt, lin.bias))
     cpu_block = CpuBlock(dll, block)
     head_w = rand(args.vocab_size, args.dim)
     head = PackedLinear(dll, Blocks.quantize(head_w, Format.Q8), Format.Q8) if backend == "gguf" \
