@@ -53,16 +53,58 @@ def kernels_available(args=None, tp_world: int = 1) -> str | None:
     return None
 
 
+def _values(qs: Tensor, fmt: Format) -> Tensor:
+    """GGUF-ordered blocks' values [..., nb, 32] (Q4: byte j holds value j low, j + 16 high)."""
+    return qs if fmt == Format.Q8 else torch.cat([qs & 0x0F, qs >> 4], -1)
+
+
+def _pack(values: Tensor, fmt: Format) -> Tensor:
+    """The inverse of _values: [..., nb, 32] values as GGUF-ordered blocks."""
+    return values if fmt == Format.Q8 else values[..., :16] | (values[..., 16:] << 4)
+
+
+def _steps(values: Tensor) -> Tensor:
+    """Full groups of 8 blocks' values [N, G * 8, 32] as their 16 steps [N, G, 16, 8, 2] (step s: values
+    2s, 2s + 1 of each block; cpu_linear.c's kernel order)."""
+    n, b, _ = values.shape
+    return values.reshape(n, b // 8, 8, 16, 2).transpose(2, 3)
+
+
+def to_kernel_order(qs: Tensor, fmt: Format) -> Tensor:
+    """GGUF-ordered blocks [N, nb, bytes] in cpu_linear.c's kernel order (same shape): each full group of
+    8 blocks as 16 steps, Q4 with steps s and s + 8 in one byte's nibbles; the nb % 8 last blocks as they
+    are."""
+    n, nb, size = qs.shape
+    full = nb // 8 * 8
+    steps = _steps(_values(qs[:, :full], fmt)).reshape(n, nb // 8, 16, 16)
+    if fmt == Format.Q4:
+        steps = steps[:, :, :8] | (steps[:, :, 8:] << 4)
+    return torch.cat([steps.reshape(n, full, size), qs[:, full:]], 1).contiguous()
+
+
+def from_kernel_order(qs: Tensor, fmt: Format) -> Tensor:
+    """The inverse of to_kernel_order."""
+    n, nb, size = qs.shape
+    full, groups = nb // 8 * 8, nb // 8
+    steps = qs[:, :full].reshape(n, groups, size // 2, 16)
+    if fmt == Format.Q4:
+        steps = torch.cat([steps & 0x0F, steps >> 4], 2)  # [n, G, 16 steps, 16]
+    values = steps.reshape(n, groups, 16, 8, 2).transpose(2, 3).reshape(n, full, 32)
+    return torch.cat([_pack(values, fmt), qs[:, full:]], 1)
+
+
 @dataclass
 class Blocks:
     """A weight as packed blocks of 32: ``qs`` [N, nb, 16] uint8 (Q4) or [N, nb, 32] int8 (Q8), ``d``
-    (and for Q4 ``m``) [N, nb] fp32."""
+    (and for Q4 ``m``) [N, nb] fp32. ``qs`` is in GGUF's order, or in cpu_linear.c's kernel order once
+    ``in_kernel_order`` made it so (what the kernels read)."""
 
     fmt: Format
     kind: str  # what the blocks came from: a GGUF type (Q4_1, Q8_0, ...) or "int4" / "int8" (--quantize)
     qs: Tensor
     d: Tensor
     m: Tensor | None = None
+    kernel_order: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -93,21 +135,24 @@ class Blocks:
         lo, hi = x.amin(-1), x.amax(-1)
         d = (hi - lo) / 15
         q = torch.round((x - lo[..., None]) / torch.where(d > 0, d, 1)[..., None]).clamp_(0, 15).to(torch.uint8)
-        return cls(Format.Q4, "int4", q[..., :16] | (q[..., 16:] << 4), d, lo)
+        return cls(Format.Q4, "int4", _pack(q, fmt), d, lo)
+
+    def in_kernel_order(self) -> Blocks:
+        if self.kernel_order:
+            return self
+        return Blocks(self.fmt, self.kind, to_kernel_order(self.qs, self.fmt), self.d, self.m, True)
 
     def dequantize(self) -> Tensor:
         """The fp32 weight [N, K] the blocks stand for."""
-        if self.fmt == Format.Q8:
-            q = self.qs.float()
-        else:
-            q = torch.cat([self.qs & 0x0F, self.qs >> 4], -1).float()
-        w = q * self.d[..., None]
+        qs = from_kernel_order(self.qs, self.fmt) if self.kernel_order else self.qs
+        w = _values(qs, self.fmt).float() * self.d[..., None]
         if self.m is not None:
             w = w + self.m[..., None]
         return w.reshape(self.shape)
 
     def rows(self, index: Tensor) -> Blocks:
-        return Blocks(self.fmt, self.kind, self.qs[index], self.d[index], None if self.m is None else self.m[index])
+        return Blocks(self.fmt, self.kind, self.qs[index], self.d[index], None if self.m is None else self.m[index],
+                      self.kernel_order)
 
 
 class PackedLinear(nn.Module):
@@ -119,6 +164,7 @@ class PackedLinear(nn.Module):
         self.dll, self.fmt = dll, fmt
         if isinstance(weight, Blocks):
             self.out_features, self.in_features = weight.shape
+            weight = weight.in_kernel_order()
             self.qs, self.d, self.m = weight.qs, weight.d, weight.m
         else:
             self.out_features, self.in_features = weight.shape
@@ -132,7 +178,7 @@ class PackedLinear(nn.Module):
         target's lm_head, and for comparisons)."""
         if self.d is None:
             return self.qs.float()
-        return Blocks(self.fmt, "", self.qs, self.d, self.m).dequantize()
+        return Blocks(self.fmt, "", self.qs, self.d, self.m, kernel_order=True).dequantize()
 
     def forward(self, x: Tensor) -> Tensor:
         return cpu_linear.linear(self.dll, self.fmt, x, self.out_features, self.qs, self.d, self.m, self.bias)
@@ -256,6 +302,9 @@ def apply(model: nn.Module, backend: str, blocks: dict[str, Blocks] | None = Non
             blocks[key] = Blocks.quantize(lin.weight, Format.Q8 if key == "output.weight" else Format.Q4)
         blocks["tok_embeddings.weight"] = blocks["output.weight"] if model.args.tie_embeddings \
             else Blocks.quantize(model.tok_embeddings.weight, Format.Q8)
+    in_order: dict[int, Blocks] = {}  # a tied embedding and lm_head share one copy
+    for k, b in blocks.items():
+        blocks[k] = in_order[id(b)] = in_order.get(id(b)) or b.in_kernel_order()
     if backend == "gguf":
         emb = blocks.get("tok_embeddings.weight")
         if emb is not None:

@@ -9,10 +9,16 @@
  * not weight reads.
  *
  * Weight formats (K a multiple of 32; nb = K / 32 blocks per output row):
- *   Q4  qs [N][nb][16] uint8 in GGUF's nibble order (byte j: value j in the low nibble, j + 16 in the
- *       high one), d and m [N][nb] fp32: w = d * q + m  (Q4_1 as stored; Q4_0 is m = -8 d)
- *   Q8  qs [N][nb][32] int8, d [N][nb] fp32: w = d * q  (Q8_0)
+ *   Q4  qs [N][nb * 16] uint8, d and m [N][nb] fp32: w = d * q + m  (Q4_1 as stored; Q4_0 is m = -8 d)
+ *   Q8  qs [N][nb * 32] int8, d [N][nb] fp32: w = d * q  (Q8_0)
  *   F16 w [N][K] IEEE half;  BF16 w [N][K] bfloat16;  F32 w [N][K] float
+ * The integer formats' values are in "kernel order" (engine/cpu_backends.py packs them): each row's
+ * blocks go in groups of 8, and a group holds 16 steps, step s being values 2s and 2s + 1 of each of its
+ * 8 blocks in turn (16 values), so that one multiply-add of a step with the activations' step leaves one
+ * block's partial dot product per lane and a group's 8 blocks are scaled with one vector operation. Q8
+ * stores the 16 steps as 16 int8 each; Q4 stores steps s and s + 8 in one 16 bytes (low, high nibbles).
+ * The last nb % 8 blocks are stored as GGUF stores a block: 32 int8 (Q8), or 16 bytes whose byte j holds
+ * value j in its low nibble and j + 16 in its high one (Q4).
  * Q4 and Q8 multiply integers: each row's blocks of 32 are quantised to int16 with one fp32 scale
  * (absmax / 32767, round to nearest), the block's integer dot product (exact in int32, and in the fp32
  * it is converted to) is scaled by both scales, and Q4's offset term is m . (the exact fp32 sums of the
@@ -65,11 +71,13 @@ static inline float hsum(__m256 s) {
 #endif
 
 /* Each row's int16 blocks, their scales and (Q4) exact block sums, into one buffer per thread. Rounding
- * is to nearest even (the FPU's default mode, on either path). */
+ * is to nearest even (the FPU's default mode, on either path). On the AVX2 path the blocks of each full
+ * group of 8 are stored in kernel order (see the top), as the weights are. */
 static int prepare_rows(job_t *j) {
     static _Thread_local void *buf;
     static _Thread_local size_t cap;
-    const size_t blocks = (size_t)j->M * (j->K / 32), need = blocks * (32 * sizeof(int16_t) + 2 * sizeof(float));
+    const int nb = j->K / 32;
+    const size_t blocks = (size_t)j->M * nb, need = blocks * (32 * sizeof(int16_t) + 2 * sizeof(float));
     if (need > cap) {
         free(buf);
         buf = malloc(need);
@@ -97,9 +105,17 @@ static int prepare_rows(job_t *j) {
         __m256i q[4];
         for (int l = 0; l < 4; l++) q[l] = _mm256_cvtps_epi32(_mm256_mul_ps(x[l], inv));
         /* int32 -> int16 in order: packs interleave 128-bit lanes, the permute puts them back */
+        int16_t block[32];
         for (int l = 0; l < 2; l++) {
             __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * l], q[2 * l + 1]), 0xD8);
-            _mm256_storeu_si256((__m256i *)(qx + i * 32 + 16 * l), p);
+            _mm256_storeu_si256((__m256i *)(block + 16 * l), p);
+        }
+        const int b = (int)(i % nb), g = b / 8;
+        if (g < nb / 8) { /* kernel order: pair s of block b goes to lanes 2 (b % 8), +1 of step s */
+            int16_t *group = qx + (i - b + 8 * g) * 32;
+            for (int s2 = 0; s2 < 16; s2++) memcpy(group + s2 * 16 + 2 * (b % 8), block + 2 * s2, 2 * sizeof(int16_t));
+        } else {
+            memcpy(qx + i * 32, block, sizeof block);
         }
         dx[i] = scale;
 #else
@@ -117,22 +133,13 @@ static int prepare_rows(job_t *j) {
     return 0;
 }
 
-static inline float q4_offset(const job_t *j, int r, int n) {
-    const int nb = j->K / 32;
-    const float *mn = j->m + (size_t)n * nb, *xs = j->xsum + (size_t)r * nb;
-    float t = 0.0f;
-    for (int b = 0; b < nb; b++) t = fmaf(mn[b], xs[b], t);
-    return t;
-}
-
 static inline void store(const job_t *j, int r, int n, float s) {
-    if (j->fmt == FMT_Q4) s += q4_offset(j, r, n);
     if (j->bias) s += j->bias[n];
     j->out[(size_t)r * j->N + n] = s;
 }
 
 #ifdef SS_AVX2
-/* One block's 32 weights as int16: values 0..15 in w[0], 16..31 in w[1] (Q4's nibbles, Q8's int8). */
+/* One tail block's 32 weights as int16: values 0..15 in w[0], 16..31 in w[1] (Q4's nibbles, Q8's int8). */
 static inline __attribute__((always_inline)) void int_block(const job_t *j, const int fmt, int n, int b, __m256i w[2]) {
     const int nb = j->K / 32;
     if (fmt == FMT_Q4) {
@@ -146,43 +153,68 @@ static inline __attribute__((always_inline)) void int_block(const job_t *j, cons
     w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
 }
 
-/* The block's integer dot product with a row's int16 block, as 8 fp32 partial sums (each the exact sum
- * of 4 products: at most 4 * 128 * 32767 < 2^24, so the conversion is exact too). */
-static inline __attribute__((always_inline)) __m256 int_dot(const __m256i w[2], const int16_t *x) {
-    __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)x)),
-                                 _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
-    return _mm256_cvtepi32_ps(s);
+/* Steps s and s + 8 of group g of column n as int16 (kernel order, see the top). */
+static inline __attribute__((always_inline)) void int_steps(const job_t *j, const int fmt, int n, int g, int s,
+                                                            __m256i w[2]) {
+    const int nb = j->K / 32;
+    if (fmt == FMT_Q4) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)j->w + (size_t)n * nb * 16 + g * 128 + s * 16));
+        w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0F)));
+        w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
+        return;
+    }
+    const int8_t *q = (const int8_t *)j->w + (size_t)n * nb * 32 + g * 256 + s * 16;
+    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 128)));
 }
 
-/* Integer formats: rows r0 .. r0 + R - 1 of column n (R and fmt constant where inlined). Even and odd
- * blocks go to two accumulators, so that one row's chain of FMAs is not the bottleneck. */
+/* Integer formats: rows r0 .. r0 + R - 1 of column n (R and fmt constant where inlined). Per full group,
+ * each row's 16 steps are summed exactly in int32 (a lane: one block's 32 products, at most
+ * 32 * 128 * 32768 < 2^31), converted to fp32 once and scaled by the 8 blocks' d * dx with one FMA, Q4's
+ * offset m . xsum with another; the tail blocks are scaled one by one. */
 static inline __attribute__((always_inline)) void int_tile(const job_t *j, const int fmt, const int R, int r0, int n) {
-    const int nb = j->K / 32;
-    __m256 even[MAX_R], odd[MAX_R];
-    for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps();
-    const float *dn = j->d + (size_t)n * nb;
+    const int nb = j->K / 32, groups = nb / 8;
+    __m256 acc[MAX_R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const float *dn = j->d + (size_t)n * nb, *mn = fmt == FMT_Q4 ? j->m + (size_t)n * nb : 0;
     const int16_t *qx = j->qx + (size_t)r0 * nb * 32;
-    const float *dx = j->dx + (size_t)r0 * nb;
-    int b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        __m256i w0[2], w1[2];
-        int_block(j, fmt, n, b, w0);
-        int_block(j, fmt, n, b + 1, w1);
+    const float *dx = j->dx + (size_t)r0 * nb, *xs = j->xsum + (size_t)r0 * nb;
+    for (int g = 0; g < groups; g++) {
+        __m256i isum[MAX_R];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            __m256i w[2];
+            int_steps(j, fmt, n, g, s, w);
+            for (int r = 0; r < R; r++) {
+                const int16_t *x = qx + ((size_t)r * nb + 8 * g) * 32;
+                const __m256i lo = _mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)(x + 16 * s)));
+                const __m256i hi = _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(x + 16 * (s + 8))));
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(lo, hi));
+            }
+        }
+        const __m256 d8 = _mm256_loadu_ps(dn + 8 * g);
         for (int r = 0; r < R; r++) {
-            const size_t at = (size_t)r * nb + b;
-            even[r] = _mm256_fmadd_ps(int_dot(w0, qx + at * 32), _mm256_set1_ps(dn[b] * dx[at]), even[r]);
-            odd[r] = _mm256_fmadd_ps(int_dot(w1, qx + at * 32 + 32), _mm256_set1_ps(dn[b + 1] * dx[at + 1]), odd[r]);
+            const size_t at = (size_t)r * nb + 8 * g;
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d8, _mm256_loadu_ps(dx + at)), acc[r]);
+            if (fmt == FMT_Q4) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mn + 8 * g), _mm256_loadu_ps(xs + at), acc[r]);
         }
     }
-    if (b < nb) {
-        __m256i w0[2];
-        int_block(j, fmt, n, b, w0);
+    for (int b = 8 * groups; b < nb; b++) {
+        __m256i w[2];
+        int_block(j, fmt, n, b, w);
         for (int r = 0; r < R; r++) {
             const size_t at = (size_t)r * nb + b;
-            even[r] = _mm256_fmadd_ps(int_dot(w0, qx + at * 32), _mm256_set1_ps(dn[b] * dx[at]), even[r]);
+            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)(qx + at * 32))),
+                                                 _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(qx + at * 32 + 16))));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dn[b] * dx[at]), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) store(j, r0 + r, n, hsum(_mm256_add_ps(even[r], odd[r])));
+    for (int r = 0; r < R; r++) {
+        float s = hsum(acc[r]);
+        if (fmt == FMT_Q4)
+            for (int b = 8 * groups; b < nb; b++) s = fmaf(mn[b], xs[(size_t)r * nb + b], s);
+        store(j, r0 + r, n, s);
+    }
 }
 
 /* The 32 weights of block b of column n as 4 vectors of 8 floats. */
@@ -266,6 +298,21 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
+/* Value k of block b of column n, from the kernel order (see the top). */
+static inline int int_weight(const job_t *j, int n, int b, int k) {
+    const int nb = j->K / 32, g = b / 8;
+    if (j->fmt == FMT_Q8) {
+        const int8_t *q = (const int8_t *)j->w + (size_t)n * nb * 32;
+        return g < nb / 8 ? q[g * 256 + (k / 2) * 16 + 2 * (b % 8) + k % 2] : q[b * 32 + k];
+    }
+    const uint8_t *q = (const uint8_t *)j->w + (size_t)n * nb * 16;
+    if (g < nb / 8) {
+        const int s = k / 2;
+        return (q[g * 128 + (s % 8) * 16 + 2 * (b % 8) + k % 2] >> (s < 8 ? 0 : 4)) & 0x0F;
+    }
+    return (q[b * 16 + (k & 15)] >> (k < 16 ? 0 : 4)) & 0x0F;
+}
+
 static inline float float_weight(const job_t *j, int n, int k) {
     const size_t at = (size_t)n * j->K + k;
     if (j->fmt == FMT_F16) return half_to_float(((const uint16_t *)j->w)[at]);
@@ -285,15 +332,12 @@ static void columns(const job_t *j, int n0, int n1) {
             float s = 0.0f;
             if (j->fmt == FMT_Q4 || j->fmt == FMT_Q8) {
                 for (int b = 0; b < nb; b++) {
-                    const size_t blk = (size_t)n * nb + b;
-                    const int16_t *xq = j->qx + ((size_t)r * nb + b) * 32;
+                    const size_t blk = (size_t)n * nb + b, at = (size_t)r * nb + b;
+                    const int16_t *xq = j->qx + at * 32;
                     int32_t dot = 0;
-                    for (int k = 0; k < 32; k++) {
-                        const int wq = j->fmt == FMT_Q8 ? ((const int8_t *)j->w)[blk * 32 + k]
-                                       : (((const uint8_t *)j->w)[blk * 16 + (k & 15)] >> (k < 16 ? 0 : 4)) & 0x0F;
-                        dot += wq * xq[k];
-                    }
-                    s = fmaf((float)dot, j->d[blk] * j->dx[(size_t)r * nb + b], s);
+                    for (int k = 0; k < 32; k++) dot += int_weight(j, n, b, k) * xq[k];
+                    s = fmaf((float)dot, j->d[blk] * j->dx[at], s);
+                    if (j->fmt == FMT_Q4) s = fmaf(j->m[blk], j->xsum[at], s);
                 }
             } else {
                 const float *xr = j->x + (size_t)r * K;

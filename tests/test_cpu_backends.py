@@ -96,7 +96,7 @@ def test_gguf_logits_stay_close_to_the_fp32_dequantised_model(gguf_dir):
 def test_kernel_rows_are_independent_and_compute_the_format(fmt, threads):
     dll = cpu_backends.library()
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(200, 96, generator=g) * 0.1
+    w = torch.randn(200, 320, generator=g) * 0.1  # 10 blocks a row: one group of 8 and two alone
     bias = torch.randn(200, generator=g)
     if fmt in (Format.Q4, Format.Q8):
         packed = Blocks.quantize(w, fmt)
@@ -104,7 +104,7 @@ def test_kernel_rows_are_independent_and_compute_the_format(fmt, threads):
     else:
         lin = PackedLinear(dll, w, fmt, bias)
         exact = w.to({Format.F32: torch.float32, Format.F16: torch.float16, Format.BF16: torch.bfloat16}[fmt]).float()
-    x = torch.randn(11, 96, generator=g)
+    x = torch.randn(11, 320, generator=g)
     cpu_linear.set_threads(dll, threads)
     try:
         out = lin(x)
@@ -116,6 +116,15 @@ def test_kernel_rows_are_independent_and_compute_the_format(fmt, threads):
     want = x @ exact.T + bias
     tol = 2e-4 if fmt in (Format.Q4, Format.Q8) else 1e-5  # int16 activations: 1/65534 of a block's max
     assert (out - want).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.parametrize("fmt", [Format.Q4, Format.Q8])
+def test_the_kernel_order_holds_the_same_weights(fmt):
+    blocks = Blocks.quantize(torch.randn(5, 32 * 19), fmt)  # two groups of 8 blocks and three alone
+    ordered = blocks.in_kernel_order()
+    assert ordered.kernel_order and not torch.equal(ordered.qs, blocks.qs)
+    assert torch.equal(cpu_backends.from_kernel_order(ordered.qs, fmt), blocks.qs)
+    assert torch.equal(ordered.rows(torch.tensor([3, 1])).dequantize(), blocks.dequantize()[[3, 1]])
 
 
 def test_q4_blocks_dequantise_as_gguf_does():
