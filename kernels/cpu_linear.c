@@ -352,14 +352,36 @@ static void columns(const job_t *j, int n0, int n1) {
 }
 #endif
 
-/* ---- the thread pool: workers spin briefly on a generation counter, then sleep ---- */
+/* ---- the thread pool: workers spin briefly on a generation counter, then sleep ----
+ * A job is a number of units (a run of columns, an attention row and head) that the threads claim one at
+ * a time from a shared counter, so a thread the OS preempts (another process wants the core) holds back
+ * only the unit it is in, not a fixed share. The counter carries the job's generation: a worker that
+ * claims a unit is sure of the job it read, and a late worker finds the units gone and goes back to
+ * sleep without being waited for. */
 #define MAX_THREADS 64
-typedef void (*task_fn)(const void *job, int part, int parts);
+#define CLOSED 0xFFFFFFFFu
+typedef void (*task_fn)(const void *job, int unit, int part);
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
-static atomic_int generation, pending, n_threads = 1, n_started = 1;
-static task_fn current_fn;
-static const void *current_job;
+static atomic_int generation, done_units, n_threads = 1, n_started = 1;
+static _Atomic uint64_t claim; /* generation << 32 | the next unclaimed unit (CLOSED while a job is set) */
+static _Atomic(task_fn) current_fn;
+static _Atomic(const void *) current_job;
+static atomic_int current_units;
+
+static void drain(int part) {
+    for (;;) {
+        uint64_t c = atomic_load_explicit(&claim, memory_order_acquire);
+        const task_fn fn = atomic_load_explicit(&current_fn, memory_order_relaxed);
+        const void *job = atomic_load_explicit(&current_job, memory_order_relaxed);
+        const uint32_t unit = (uint32_t)c;
+        if (unit == CLOSED || unit >= (uint32_t)atomic_load_explicit(&current_units, memory_order_relaxed)) return;
+        if (!atomic_compare_exchange_weak_explicit(&claim, &c, c + 1, memory_order_acq_rel, memory_order_relaxed))
+            continue; /* claimed by another thread, or a new job: read again */
+        fn(job, (int)unit, part);
+        atomic_fetch_add_explicit(&done_units, 1, memory_order_release);
+    }
+}
 
 static void *worker(void *arg) {
     const int part = (int)(intptr_t)arg;
@@ -378,9 +400,7 @@ static void *worker(void *arg) {
             pthread_mutex_unlock(&mu);
         }
         seen = atomic_load(&generation);
-        const int parts = atomic_load(&n_threads);
-        if (part < parts) current_fn(current_job, part, parts);
-        atomic_fetch_sub_explicit(&pending, 1, memory_order_acq_rel);
+        if (part < atomic_load(&n_threads)) drain(part);
     }
     return 0;
 }
@@ -398,40 +418,43 @@ int ss_set_threads(int n) {
     return n;
 }
 
-/* Runs fn over parts 0 .. threads - 1 (the caller takes part 0), or in one part when small. */
-static void run(task_fn fn, const void *job, int small) {
-    const int parts = atomic_load(&n_threads);
-    if (parts == 1 || small) {
-        fn(job, 0, 1);
+/* Runs fn over units 0 .. units - 1 on the pool's threads (the caller is part 0), or alone when small.
+ * Not reentrant: one caller at a time (a rank's one compute thread). */
+static void run(task_fn fn, const void *job, int units, int small) {
+    if (atomic_load(&n_threads) == 1 || small || units <= 1) {
+        for (int u = 0; u < units; u++) fn(job, u, 0);
         return;
     }
-    current_fn = fn, current_job = job;
-    atomic_store(&pending, atomic_load(&n_started) - 1);
+    const uint64_t g = (atomic_load(&claim) >> 32) + 1;
+    atomic_store(&claim, g << 32 | CLOSED);
+    atomic_store_explicit(&current_fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&current_job, job, memory_order_relaxed);
+    atomic_store_explicit(&current_units, units, memory_order_relaxed);
+    atomic_store_explicit(&done_units, 0, memory_order_relaxed);
+    atomic_store_explicit(&claim, g << 32, memory_order_release);
     pthread_mutex_lock(&mu);
     atomic_fetch_add_explicit(&generation, 1, memory_order_release);
     pthread_cond_broadcast(&wake);
     pthread_mutex_unlock(&mu);
-    fn(job, 0, parts);
-    while (atomic_load_explicit(&pending, memory_order_acquire) > 0) {
+    drain(0);
+    while (atomic_load_explicit(&done_units, memory_order_acquire) < units) {
 #ifdef SS_AVX2
         _mm_pause();
 #endif
     }
 }
 
-/* The share [lo, hi) of `units` items that part `part` of `parts` takes, in multiples of `grain`. */
-static void share(int units, int grain, int part, int parts, int *lo, int *hi) {
-    int chunks = (units + grain - 1) / grain, per = chunks / parts, extra = chunks % parts;
-    int c0 = part * per + (part < extra ? part : extra), c1 = c0 + per + (part < extra);
-    *lo = c0 * grain < units ? c0 * grain : units;
-    *hi = c1 * grain < units ? c1 * grain : units;
+/* Columns per unit of a linear: runs of 16, more for wide outputs (~128 units a call at most). */
+static int column_grain(int N) {
+    const int runs = (N + 16 * 128 - 1) / (16 * 128);
+    return 16 * (runs > 1 ? runs : 1);
 }
 
-static void linear_part(const void *job, int part, int parts) {
+static void linear_unit(const void *job, int unit, int part) {
     const job_t *j = job;
-    int n0, n1;
-    share(j->N, 16, part, parts, &n0, &n1);
-    if (n0 < n1) columns(j, n0, n1);
+    const int grain = column_grain(j->N), n0 = unit * grain, n1 = n0 + grain < j->N ? n0 + grain : j->N;
+    (void)part;
+    columns(j, n0, n1);
 }
 
 int ss_avx2(void) {
@@ -576,12 +599,10 @@ static void attend_one(const attn_t *a, int t, int h, int *keys, float *buf) {
     }
 }
 
-static void attention_part(const void *job, int part, int parts) {
+static void attention_unit(const void *job, int unit, int part) {
     const attn_t *a = job;
-    int u0, u1;
-    share(a->T * a->H, 1, part, parts, &u0, &u1);
     float *buf = (float *)(a->scratch + (size_t)part * a->S * (sizeof(float) + sizeof(int)));
-    for (int u = u0; u < u1; u++) attend_one(a, u / a->H, u % a->H, (int *)(buf + a->S), buf);
+    attend_one(a, unit / a->H, unit % a->H, (int *)(buf + a->S), buf);
 }
 
 /* q [T][H][D], k and v [Hkv][s_max][D] fp32, mask [T][S] bytes (nonzero = attend: every row needs one),
@@ -592,7 +613,7 @@ int ss_attention(int T, int H, int Hkv, int D, int S, int s_max, float scale, co
     char *scratch = malloc((size_t)parts * S * (sizeof(float) + sizeof(int)) + 1);
     if (!scratch) return -1;
     attn_t a = {T, H, Hkv, D, S, s_max, scale, q, k, v, mask, out, scratch};
-    run(attention_part, &a, (size_t)T * H * S < 4096);
+    run(attention_unit, &a, T * H, (size_t)T * H * S < 4096);
     free(scratch);
     return 0;
 }
@@ -602,7 +623,7 @@ int ss_linear(int fmt, int M, int K, int N, const float *x, const void *w, const
               const float *m, const float *bias, float *out) {
     job_t j = {fmt, M, K, N, x, 0, 0, 0, w, d, m, bias, out};
     if ((fmt == FMT_Q4 || fmt == FMT_Q8) && prepare_rows(&j) != 0) return -1;
-    run(linear_part, &j, (size_t)N * K < 65536);
+    run(linear_unit, &j, (N + column_grain(N) - 1) / column_grain(N), (size_t)N * K < 65536);
     return 0;
 }
 
