@@ -228,16 +228,27 @@ def profile_verify_cost(target: TargetState, bs: int, reps: int = 2) -> list[flo
     """Target forward time for chains of 1..bs nodes behind the prefix, relative to one node (medians of
     interleaved runs; not forced monotone, as a GEMM kernel may favour one row count). Nothing is
     committed: the slots are tree slots."""
-    p0, dev = target.cache.prefix_len, target.device
     if target.room < bs:
         raise ContextFull("no room in the KV cache to profile the verification")
     times: dict[int, list[float]] = {n: [] for n in range(1, bs + 1)}
     for _ in range(reps + 1):  # the first round warms up
         for n in times:
-            positions, slots, mask = target_inputs(list(range(-1, n - 1)), p0)
-            t0 = time.perf_counter()
-            target.model(torch.zeros(n, dtype=torch.long, device=dev), positions.to(dev), slots.to(dev),
-                         mask.to(dev))
-            times[n].append(time.perf_counter() - t0)
+            times[n].append(_tree_forward_s(target, n))
     med = [statistics.median(times[n][1:]) for n in times]
     return [m / med[0] for m in med]
+
+
+def tree_forward_ms(target: TargetState, n: int, reps: int = 3) -> float:
+    """Median milliseconds of a forward of a chain of n tree nodes behind the prefix, after a warm-up;
+    nothing is committed."""
+    if target.room < n:
+        raise ContextFull("no room in the KV cache to time a verification")
+    return statistics.median([_tree_forward_s(target, n) for _ in range(reps + 1)][1:]) * 1e3
+
+
+def _tree_forward_s(target: TargetState, n: int) -> float:
+    dev = target.device
+    positions, slots, mask = target_inputs(list(range(-1, n - 1)), target.cache.prefix_len)
+    t0 = time.perf_counter()
+    target.model(torch.zeros(n, dtype=torch.long, device=dev), positions.to(dev), slots.to(dev), mask.to(dev))
+    return time.perf_counter() - t0

@@ -604,13 +604,15 @@ def describe_decoding(params: SamplingParams) -> str:
     return f"{how}; every mode stops at EOS, which is not counted"
 
 
-def engine_threads(info: EngineInfo) -> str:
-    """The engine modes' threads, by group: "target 1 × 1 + draft 1 × 1" (ranks × threads each)."""
+def engine_threads(info: EngineInfo, mode: str) -> str:
+    """A mode's threads, by group: "target 1 × 2 + draft 1 × 1" (ranks × threads each; a CPU target's
+    kernel threads as profiling chose them for the mode)."""
     parts = []
     for role in ("target", "draft"):
         ranks = [r for r in info.ranks if r.role == role]
         if ranks:
-            parts.append(f"{role} {len(ranks)} × {max(r.threads for r in ranks)}")
+            each = info.kernel_threads.get(mode) if role == "target" else None
+            parts.append(f"{role} {len(ranks)} × {each or max(r.threads for r in ranks)}")
     return " + ".join(parts)
 
 
@@ -820,7 +822,7 @@ def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), pr
             info = engine.info
             for mode in (m for m in mode_list if m in ENGINE_MODES):
                 runners[mode] = EngineRunner(engine, mode, eos)
-                threads[mode] = engine_threads(info)
+                threads[mode] = engine_threads(info, mode)
         runners = {m: runners[m] for m in mode_list if m in runners}
 
         say(f"warming up; then {len(selected)} prompts x {len(mode_list)} modes, up to "

@@ -516,6 +516,9 @@ def test_step_times_are_measured_once_then_read_from_the_profile_cache(target_di
     first.close()
     assert any(line.startswith("profiling") for line in said)
     assert "CPU backend float32 (the checkpoint's own width)" in said  # one candidate: nothing to measure
+    more_cores = len(os.sched_getaffinity(0)) > 1  # the target's share is one core less than the machine's
+    assert ("measuring the CPU kernels' threads" in said) == more_cores
+    (threads,) = [line for line in said if line.startswith("CPU kernel threads: ")] or [None]
     (profile,) = (tmp_path / "profiles").glob("*.json")
     stored = json.loads(profile.read_text())
     assert stored["t_verify_ms"] == first.info.t_verify_ms and stored["t_expand_ms"] == first.info.t_expand_ms
@@ -525,6 +528,7 @@ def test_step_times_are_measured_once_then_read_from_the_profile_cache(target_di
     with start(target_dir, "self", progress=said.append) as eng:
         assert "step times from the profile cache" in said
         assert any(line.startswith("CPU backend ") for line in said)
+        assert "measuring the CPU kernels' threads" not in said and threads in (said if more_cores else [None])
         assert (eng.info.t_verify_ms, eng.info.t_expand_ms, eng.info.d) == (50.0, 10.0, choose_d(50.0, 10.0))
         _, _, events = answer(eng, PROMPTS[0], mode="sync", max_new_tokens=16, ignore_eos=True)
         assert {e.stats.tree_size for e in events if e.stats.tree_size} == {1}  # 2+ nodes "cost" 99 steps

@@ -25,12 +25,19 @@ import torch.distributed as dist
 
 from swiftspec.config import BUILTIN_DRAFTS, SamplingParams
 from swiftspec.embedded import cache_dir
-from swiftspec.engine.decode import profile_verify_cost
+from swiftspec.engine.decode import profile_verify_cost, tree_forward_ms
 from swiftspec.engine.drafters import Features
 from swiftspec.engine.model_dir import read_args
 from swiftspec.engine.protocol import RankInfo
 from swiftspec.engine.sampling import Sampler
-from swiftspec.engine.worker.setup import Ctx
+from swiftspec.engine.worker.setup import (
+    Ctx,
+    barrier,
+    free_threads,
+    set_kernel_threads,
+    use_kernel_threads,
+    uses_cpu_kernels,
+)
 
 D_MAX = 16
 PROFILE_FORMAT = 1  # bump when what is measured changes
@@ -77,11 +84,101 @@ def profile(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> tupl
     return t_verify, t_expand
 
 
+def choose_kernel_threads(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> None:
+    """The CPU kernels' threads per mode on a one-rank CPU target that could use more cores than its share
+    of the split (setup.free_threads): of the share and all the node's cores, ``ar`` takes the one with
+    the faster one-row step, ``sync`` the faster verification of bs nodes, and ``async`` the faster
+    verification while the draft rank drafts beside it as it does in a round (a tree's expansions, then
+    a wait for the verdict). Measured at the first start of a setup, then read from the cache. Every rank
+    calls this."""
+    free = free_threads(ctx.args, ctx.rank, ctx.n_target) if ctx.role == "target" else 0
+    state = torch.zeros(5, dtype=torch.int64)  # applies, found, ar, sync, async
+    path = None
+    if ctx.rank == 0 and ctx.n_target == 1 and uses_cpu_kernels(ctx) and free > ctx.threads:
+        state[0] = 1
+        if (path := profile_path(ctx, ranks)) is not None:
+            path = path.parent / "threads" / path.name
+            try:
+                state[1:] = torch.tensor([1, *(int(json.loads(path.read_text())[m]) for m in MODES_BY_THREADS)])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # none yet, or unreadable: measure
+    dist.broadcast(state, src=0)
+    if not state[0]:
+        return
+    if not state[1]:
+        say("measuring the CPU kernels' threads")
+        state[2:] = torch.tensor(_measure_threads(ctx, sorted({ctx.threads, free})))
+        if ctx.rank == 0 and path is not None:
+            _write_json(path, dict(zip(MODES_BY_THREADS, state[2:].tolist(), strict=True)))
+    if ctx.rank == 0:
+        ctx.kernel_threads = dict(zip(MODES_BY_THREADS, state[2:].tolist(), strict=True))
+        say("CPU kernel threads: " + ", ".join(f"{m} {n}" for m, n in ctx.kernel_threads.items()))
+
+
+MODES_BY_THREADS = ("ar", "sync", "async")
+
+
+def _measure_threads(ctx: Ctx, candidates: list[int]) -> list[int]:
+    """choose_kernel_threads' measurement, on every rank: the target leader times, the draft rank (one
+    only) drafts beside its second half; returns the threads for ar, sync and async (on every rank)."""
+    bs, reps = ctx.args.bs, 3
+    timing = torch.zeros(1, dtype=torch.float64)  # the split's verification: how long the draft drafts a round
+    idle: dict[int, tuple[float, float]] = {}
+    if ctx.rank == 0:
+        if ctx.target.cache.prefix_len == 0:
+            ctx.target.prefill(DUMMY, Sampler(SamplingParams(), ctx.device))
+        for n in candidates:
+            set_kernel_threads(n)
+            idle[n] = tree_forward_ms(ctx.target, 1, reps), tree_forward_ms(ctx.target, bs, reps)
+        timing[0] = idle[candidates[0]][1]
+    dist.broadcast(timing, src=0)
+    busy = {n: v for n, (_, v) in idle.items()}
+    drafting = ctx.world - ctx.n_target == 1
+    if drafting:  # the draft drafts for as long as the target verifies with each candidate, and more
+        seconds = timing.item() * 1e-3 * (reps + 2) * len(candidates) * 1.5
+        if ctx.rank == 0:
+            for n in candidates:
+                set_kernel_threads(n)
+                busy[n] = tree_forward_ms(ctx.target, bs, reps)
+        elif ctx.role == "draft":
+            _draft_rounds(ctx, seconds, timing.item() * 1e-3)
+        barrier()
+    choice = torch.zeros(3, dtype=torch.int64)
+    if ctx.rank == 0:
+        choice[:] = torch.tensor([min(candidates, key=lambda n: idle[n][0]), min(candidates, key=lambda n: idle[n][1]),
+                                  min(candidates, key=busy.get)])
+        use_kernel_threads(ctx, "ar")
+    dist.broadcast(choice, src=0)
+    return choice.tolist()
+
+
+def _draft_rounds(ctx: Ctx, seconds: float, round_s: float) -> None:
+    """Drafting as in async rounds, for ``seconds``: a tree's expansions, then the rest of the round idle."""
+    wants = ctx.draft.drafter.wants_features
+    _warm_draft(ctx, wants)
+    end = time.perf_counter() + seconds
+    while (now := time.perf_counter()) < end:
+        ctx.draft.start(DUMMY[-1])
+        while ctx.draft.can_expand() and time.perf_counter() < end:
+            ctx.draft.expand()
+        time.sleep(max(0.0, min(end, now + round_s) - time.perf_counter()))
+
+
+DUMMY = list(range(1, 9)) * 4  # repetitive, so that the suffix drafter has something to propose
+
+
+def _warm_draft(ctx: Ctx, wants: bool) -> None:
+    """The draft's state over DUMMY (with zero features for a drafter that reads them), ready to expand."""
+    ctx.draft.prefill(DUMMY, Features(0, torch.zeros(len(DUMMY), read_args(Path(ctx.args.target)).dim))
+                      if wants else None)
+    ctx.draft.start(DUMMY[-1])
+
+
 def _measure(ctx: Ctx, wants: bool) -> tuple[float, float, list[float]]:
     """This rank's part: a target rank times verifications of bs nodes (median of 3, after a warm-up) and,
     with --verify-cost, chains of 1..bs nodes; a draft rank times its expansions."""
     bs = ctx.args.bs
-    dummy = list(range(1, 9)) * 4  # repetitive, so that the suffix drafter has something to propose
+    dummy = DUMMY
     if ctx.role == "target":
         sampler = Sampler(SamplingParams(), ctx.device)
         root = ctx.target.prefill(dummy, sampler)
@@ -93,10 +190,7 @@ def _measure(ctx: Ctx, wants: bool) -> tuple[float, float, list[float]]:
             root = v.path[-1]
         cost = profile_verify_cost(ctx.target, bs) if ctx.args.verify_cost else [0.0] * bs
         return sorted(times[1:])[1] * 1e3, 0.0, cost
-    # a drafter that reads features: any of the target's size will do
-    ctx.draft.prefill(dummy, Features(0, torch.zeros(len(dummy), read_args(Path(ctx.args.target)).dim))
-                      if wants else None)
-    ctx.draft.start(dummy[-1])
+    _warm_draft(ctx, wants)  # a drafter that reads features: any of the target's size will do
     times = [ctx.draft.expand() for _ in range(4) if ctx.draft.can_expand()]
     t_expand = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else (times or [0.0])[0]
     return 0.0, t_expand, [0.0] * bs

@@ -18,7 +18,7 @@ from swiftspec.engine.model_dir import load_tokenizer
 from swiftspec.engine.protocol import EngineInfo
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.worker.leader_io import ScriptIO, SocketIO
-from swiftspec.engine.worker.profiling import choose_cpu_backend, choose_d, profile
+from swiftspec.engine.worker.profiling import choose_cpu_backend, choose_d, choose_kernel_threads, profile
 from swiftspec.engine.worker.setup import (
     Ctx,
     barrier,
@@ -27,6 +27,7 @@ from swiftspec.engine.worker.setup import (
     parse_args,
     setup,
     target_precision,
+    use_kernel_threads,
 )
 from swiftspec.engine.worker.wire import DistLink
 
@@ -98,6 +99,7 @@ def serve(ctx: Ctx, io) -> None:
     draft_leader = ctx.n_target
     link = DistLink(ctx.wire, draft_leader if ctx.rank == 0 else 0)
     while (req := _request(ctx, io)) is not None:
+        use_kernel_threads(ctx, req.params.mode)
         if ctx.rank == 0:
             fin = Finisher(req, ctx.args.max_seq_len, ctx.eos, lambda rid=req.id: io.cancelled(rid))
             lead_target(ctx.target, link, req, fin, lambda step, rid=req.id: io.step(rid, step), ctx.tell,
@@ -145,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             args.dtype = choose_cpu_backend(ctx, io.progress if io is not None else lambda _text: None)
         load(ctx)
         barrier()
-        t_verify, t_expand = profile(ctx, ranks, io.progress if io is not None else lambda _text: None)
+        say = io.progress if io is not None else lambda _text: None
+        t_verify, t_expand = profile(ctx, ranks, say)
+        choose_kernel_threads(ctx, ranks, say)
         ctx.d = 0 if args.draft == "none" else args.d or choose_d(t_verify, t_expand)
         if io is not None:
             info = EngineInfo(
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 + (f" + corpus {Path(args.draft_corpus).stem}" if args.draft_corpus else ""),
                 ranks=ranks, context_length=args.max_seq_len, backend=ctx.backend, bs=args.bs, w=args.w,
                 d=ctx.d, d_auto=args.d is None, t_verify_ms=t_verify, t_expand_ms=t_expand,
-                eos_token_ids=sorted(ctx.eos))
+                eos_token_ids=sorted(ctx.eos), kernel_threads=ctx.kernel_threads)
             io.send("ready", info=info.to_dict())
         serve(ctx, io)
     except BaseException as e:

@@ -50,6 +50,7 @@ class Ctx:
     d: int = 1
     features: bool = False  # the drafter reads the target's hidden states (the draft leader says so)
     wire: Wire | None = None
+    kernel_threads: dict[str, int] = field(default_factory=dict)  # CPU kernels' threads by mode (profiling)
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -120,8 +121,9 @@ def _cpu_threads(args: argparse.Namespace, rank: int, n_target: int) -> int:
     """Divides this node's cores between its local ranks (``--threads``, or every core but one on the node
     that holds the Engine, whose process streams the text). The suffix drafter (light Python) and a draft
     head (one layer) take one thread each, on a core of their own, and the target ranks share the rest; a
-    draft model gets its share like any rank. Oversubscribing costs more than a thread brings: on a 2-core
-    machine SmolLM2 decodes at ~16 tok/s with its target on both cores, at ~21-24 tok/s on one."""
+    draft model gets its share like any rank. These are torch's threads, and the CPU kernels' in a draft
+    model; a target's kernels may take more cores in the modes where no draft runs beside it
+    (profiling.choose_kernel_threads, by measurement)."""
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     engine_here = rank == local_rank  # this node holds rank 0, the Engine's peer
     total = args.threads or max(1, len(os.sched_getaffinity(0)) - engine_here)
@@ -132,6 +134,32 @@ def _cpu_threads(args: argparse.Namespace, rank: int, n_target: int) -> int:
         return 1
     n_local_target = sum(r < n_target for r in local)
     return max(1, (total - (local_world - n_local_target)) // max(1, n_local_target))
+
+
+def free_threads(args: argparse.Namespace, rank: int, n_target: int) -> int:
+    """A target rank's share of its node's cores while no draft runs beside its forwards (``ar``, and
+    ``sync`` between its drafts): all of them (``--threads``, or every core) over the node's target ranks."""
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    local = range(rank - local_rank, rank - local_rank + local_world)
+    return max(1, (args.threads or len(os.sched_getaffinity(0))) // max(1, sum(r < n_target for r in local)))
+
+
+def uses_cpu_kernels(ctx: Ctx) -> bool:
+    """This target rank's model runs through kernels/cpu_linear.c (a CPU backend labels its precision)."""
+    return ctx.role == "target" and bool(getattr(ctx.target.model, "precision", None))
+
+
+def set_kernel_threads(n: int) -> None:
+    from swiftspec.engine.cpu_backends import library
+    from swiftspec.kernels import cpu_linear
+
+    cpu_linear.set_threads(library(), n)
+
+
+def use_kernel_threads(ctx: Ctx, mode: str) -> None:
+    """The CPU kernels' threads for an answer in ``mode``: what profiling chose, else this rank's share."""
+    if uses_cpu_kernels(ctx):
+        set_kernel_threads(ctx.kernel_threads.get(mode, ctx.threads))
 
 
 def setup(args: argparse.Namespace) -> Ctx:
@@ -226,13 +254,18 @@ def load(ctx: Ctx) -> None:
                                                             None if ctx.device.type == "cpu" else False),
                                ctx.device, default_dtype(ctx.device, args.dtype), slots + DRAFT_TREE_SLOTS,
                                Path(args.draft_corpus) if args.draft_corpus else None)
+        if ctx.device.type == "cpu" and args.draft not in ("suffix", "none") and not is_head_dir(Path(args.draft)):
+            from swiftspec.engine.cpu_backends import kernels_available
+
+            if kernels_available() is None:  # a draft model runs the kernels too, on its share of the cores
+                set_kernel_threads(ctx.threads)
         if drafter.wants_features and ctx.tp_world > 1:
             raise ConfigError("a draft that reads the target's hidden states runs on one draft rank only")
         ctx.draft = DraftState(drafter, TreeParams(args.bs, args.w, args.d))
 
 
 def target_precision(ctx: Ctx) -> str:
-    """What the title bar says the target runs at: the CPU backend's label ("int4 (Q4_1 blocks) · int8
+    """What the title bar says the target runs at: the CPU backend's label ("int4 (Q4_1 blocks) · int16
     activations · AVX2"), else the dtype, and for a converted GGUF the type its blocks came in."""
     from swiftspec.embedded import precision_label
     from swiftspec.engine.model_dir import default_dtype_name
