@@ -3,8 +3,9 @@ a multi-row forward equals a one-row forward bit for bit, so greedy speculation 
 one-row loops. Applied to a built Transformer as module surgery (``apply``), gpt-fast style:
 
 * ``float32``, ``float16``, ``bfloat16``: the weights stored at that width, multiplied in fp32;
-* ``gguf``: a GGUF's own blocks, as the file holds them: Q4_0 / Q4_1 as 4-bit blocks (w = d q + m per 32
-  weights, the fp16 d and m widened to fp32 exactly), Q8_0 as 8-bit blocks, with the activations
+* ``gguf``: a GGUF's own blocks, as the file holds them: Q4_0 / Q4_1 / Q4_K as 4-bit blocks (w = d q + m per
+  32 weights, the fp16 d and m widened to fp32 exactly; Q4_K's super-block scales folded into each
+  sub-block's d and m, exactly), Q8_0 as 8-bit blocks, with the activations
   quantised to int16 per block of 32 (kernels/cpu_linear.c says why not llama.cpp's int8). The embedding is looked up from its blocks.
   ``--quantize int4`` packs a float checkpoint the same way (Q4_1-style blocks, the lm_head and embedding
   as Q8_0-style ones).
@@ -20,12 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from swiftspec.engine.loader import q4_k_parts
 from swiftspec.kernels import cpu_linear
 from swiftspec.kernels.cpu_linear import Format, KernelsUnavailable
 
 FLOAT_FORMATS = {"float32": Format.F32, "float16": Format.F16, "bfloat16": Format.BF16}
 CPU_BACKENDS = (*FLOAT_FORMATS, "gguf")
-BLOCK_FORMATS = {"Q4_0": Format.Q4, "Q4_1": Format.Q4, "Q8_0": Format.Q8}
+BLOCK_FORMATS = {"Q4_0": Format.Q4, "Q4_1": Format.Q4, "Q4_K": Format.Q4, "Q8_0": Format.Q8}
 
 
 def library() -> ctypes.CDLL:
@@ -113,6 +115,11 @@ class Blocks:
     @classmethod
     def from_gguf(cls, raw: Tensor, kind: str) -> Blocks:
         """A GGUF tensor's blocks ([rows, bytes per row], uint8) unpacked into our layout."""
+        if kind == "Q4_K":  # 8 Q4_1-like blocks a super-block: d = d * scale, m = -(dmin * min), exactly
+            scale, offset, q = q4_k_parts(raw.reshape(-1, 144))
+            rows = raw.shape[0]
+            return cls(Format.Q4, kind, _pack(q.reshape(rows, -1, 32), Format.Q4), scale.reshape(rows, -1),
+                       -offset.reshape(rows, -1))
         size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
         b = raw.reshape(raw.shape[0], -1, size)
         d = b[..., :2].contiguous().view(torch.float16).squeeze(-1).float()

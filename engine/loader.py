@@ -22,8 +22,22 @@ from swiftspec.engine.model_dir import (
     weight_files,
 )
 
-BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # the GGUF types the gguf CPU backend runs from their blocks
-GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}  # values and bytes per block
+BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")  # the GGUF types the gguf CPU backend runs from their blocks
+GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q8_0": (32, 34)}  # values, bytes a block
+
+
+def q4_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks [n, 144] (fp16 d and dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of
+    32, 128 bytes of nibbles) as fp32 d * scale and dmin * min [n, 8] and the values [n, 8, 32] uint8:
+    w = (d * scale) q - dmin * min, as gguf-py computes it (both products are exact in fp32)."""
+    d = b[:, 0:2].contiguous().view(torch.float16).float()
+    dmin = b[:, 2:4].contiguous().view(torch.float16).float()
+    lo, hi, mixed = b[:, 4:8], b[:, 8:12], b[:, 12:16]
+    scale = torch.cat([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], 1).float()
+    mins = torch.cat([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], 1).float()
+    qs = b[:, 16:].reshape(-1, 4, 1, 32)  # chunk c: sub-block 2c in the low nibbles, 2c + 1 in the high ones
+    q = torch.cat([qs & 0x0F, qs >> 4], 2).reshape(-1, 8, 32)
+    return d * scale, dmin * mins, q
 
 
 def dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
@@ -33,6 +47,9 @@ def dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     torch ops take a slow path)."""
     values, size = GGUF_BLOCKS[kind]
     b = blocks.reshape(-1, size)
+    if kind == "Q4_K":
+        scale, offset, q = q4_k_parts(b)
+        return (q.float() * scale[..., None] - offset[..., None]).reshape(blocks.shape[0], -1)
     d = b[:, :2].contiguous().view(torch.float16).float()
     if kind == "Q8_0":
         return b[:, 2:].view(torch.int8).float().mul_(d).reshape(blocks.shape[0], -1)

@@ -8,12 +8,12 @@ import json
 
 import pytest
 import torch
-from tiny_models import make_tiny_gguf, single_thread, tiny_model_dir
+from tiny_models import make_tiny_gguf, q4_k_blocks, single_thread, tiny_model_dir
 from tree_steps import tree_and_steps as verified_and_stepped
 
 from swiftspec import embedded
 from swiftspec.config import SamplingParams, TreeParams
-from swiftspec.engine import cpu_backends
+from swiftspec.engine import cpu_backends, loader
 from swiftspec.engine.cpu_backends import Blocks, PackedLinear
 from swiftspec.engine.decode import DraftState, TargetState
 from swiftspec.engine.drafters import ModelDrafter
@@ -80,7 +80,8 @@ def test_the_gguf_backend_runs_the_files_own_blocks(gguf_dir):
     hf = read_hf_state_dict(gguf_dir)  # dequantised as transformers does
     emb = model.tok_embeddings(torch.arange(10))
     assert torch.equal(emb, hf["model.embed_tokens.weight"][:10])
-    assert model.precision.startswith("int4 (Q4_0/Q4_1 blocks) · int16 activations")
+    assert fmts["layers.2.feed_forward.w2"] == Format.Q4  # Q4_K
+    assert model.precision.startswith("int4 (Q4_0/Q4_1/Q4_K blocks) · int16 activations")
 
 
 def test_gguf_logits_stay_close_to_the_fp32_dequantised_model(gguf_dir):
@@ -128,7 +129,8 @@ def test_the_kernel_order_holds_the_same_weights(fmt):
 
 
 def test_q4_blocks_dequantise_as_gguf_does():
-    """Q4_0 as d * (q - 8) and Q4_1 as d * q + m, from the file's bytes."""
+    """Q4_0 as d * (q - 8), Q4_1 as d * q + m and Q4_K as (d * scale) q - dmin * min, from the file's bytes."""
+    import numpy as np
     from gguf import GGMLQuantizationType, dequantize, quants
 
     w = torch.randn(8, 64).numpy()
@@ -136,6 +138,10 @@ def test_q4_blocks_dequantise_as_gguf_does():
         raw = quants.quantize(w, GGMLQuantizationType[kind])
         want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]))
         torch.testing.assert_close(Blocks.from_gguf(torch.from_numpy(raw), kind).dequantize(), want, rtol=1e-6, atol=1e-6)
+    raw = q4_k_blocks(np.random.default_rng(0), 8, 512)  # Q4_K: gguf-py only dequantises it
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K))
+    assert torch.equal(Blocks.from_gguf(torch.from_numpy(raw), "Q4_K").dequantize(), want)
+    assert torch.equal(loader.dequantize(torch.from_numpy(raw), "Q4_K"), want)  # as the conversion checks
 
 
 def test_attention_rows_are_independent_and_match_the_reference():

@@ -126,10 +126,22 @@ def single_thread():
         torch.set_num_threads(before)
 
 
+def q4_k_blocks(rng, rows: int, cols: int):
+    """Random GGUF Q4_K super-blocks for a [rows, cols] weight (cols a multiple of 256), as uint8
+    [rows, cols / 256 * 144]: weights of about +-0.5."""
+    import numpy as np
+
+    n = rows * cols // 256
+    scales = np.abs(rng.normal(0, 0.5 / (63 * 15), (n, 2))).astype(np.float16).view(np.uint8)
+    rest = rng.integers(0, 256, (n, 140), dtype=np.uint8)
+    return np.concatenate([scales, rest], 1).reshape(rows, -1)
+
+
 def make_tiny_gguf(path: str | Path, vocab: int = 320, layers: int = 2, hidden: int = 64, heads: int = 4,
                    kv_heads: int = 2, seed: int = 0) -> Path:
     """Writes a random llama GGUF with this module's tokenizer; returns the path. Its tensors come in every
-    kind a conversion meets: blocks the loader dequantises (Q4_0, Q4_1, Q8_0; q and k among them, which
+    kind a conversion meets: blocks the loader dequantises (Q4_0, Q4_1, Q4_K from layer 2 when the MLP is 256
+    wide, Q8_0; q and k among them, which
     transformers permutes), blocks it does not (Q5_0, stored dequantised), F16 and F32 (norms); layer 0
     mixes types inside q/k/v and gate/up, layer 1 has one type in each (their blocks are fused)."""
     import json
@@ -164,7 +176,9 @@ def make_tiny_gguf(path: str | Path, vocab: int = 320, layers: int = 2, hidden: 
 
     def add(name: str, shape: tuple[int, ...], kind: Q) -> None:
         w = rng.normal(0, 0.2, shape).astype(np.float32)
-        if kind == Q.F32:
+        if kind == Q.Q4_K:  # gguf-py cannot quantise to it: random super-blocks of weights about that size
+            writer.add_tensor(name, q4_k_blocks(rng, *shape), raw_dtype=kind)
+        elif kind == Q.F32:
             writer.add_tensor(name, w)
         elif kind == Q.F16:
             writer.add_tensor(name, w.astype(np.float16))
@@ -182,7 +196,7 @@ def make_tiny_gguf(path: str | Path, vocab: int = 320, layers: int = 2, hidden: 
         add(f"blk.{i}.attn_output.weight", (hidden, hidden), Q.Q4_0)
         add(f"blk.{i}.ffn_gate.weight", (2 * hidden, hidden), Q.Q5_0 if i == 0 else Q.Q8_0)
         add(f"blk.{i}.ffn_up.weight", (2 * hidden, hidden), Q.F16 if i == 0 else Q.Q8_0)
-        add(f"blk.{i}.ffn_down.weight", (hidden, 2 * hidden), Q.Q4_1)
+        add(f"blk.{i}.ffn_down.weight", (hidden, 2 * hidden), Q.Q4_K if i >= 2 and 2 * hidden % 256 == 0 else Q.Q4_1)
         add(f"blk.{i}.attn_norm.weight", (hidden,), Q.F32)
         add(f"blk.{i}.ffn_norm.weight", (hidden,), Q.F32)
     writer.write_header_to_file()
