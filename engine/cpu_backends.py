@@ -65,34 +65,33 @@ def _pack(values: Tensor, fmt: Format) -> Tensor:
     return values if fmt == Format.Q8 else values[..., :16] | (values[..., 16:] << 4)
 
 
-def _steps(values: Tensor) -> Tensor:
-    """Full groups of 8 blocks' values [N, G * 8, 32] as their 16 steps [N, G, 16, 8, 2] (step s: values
-    2s, 2s + 1 of each block; cpu_linear.c's kernel order)."""
-    n, b, _ = values.shape
-    return values.reshape(n, b // 8, 8, 16, 2).transpose(2, 3)
+def _pairs(qs: Tensor) -> Tensor:
+    """A row's full groups of 8 blocks [N, G * 8, bytes] as int16 byte pairs [N, G, 8 blocks, bytes / 2]."""
+    n, nb, size = qs.shape
+    return qs[:, :nb // 8 * 8].reshape(n, nb // 8, 8, size).view(torch.int16)
 
 
 def to_kernel_order(qs: Tensor, fmt: Format) -> Tensor:
-    """GGUF-ordered blocks [N, nb, bytes] in cpu_linear.c's kernel order (same shape): each full group of
-    8 blocks as 16 steps, Q4 with steps s and s + 8 in one byte's nibbles; the nb % 8 last blocks as they
-    are."""
+    """GGUF-ordered blocks [N, nb, bytes] in cpu_linear.c's kernel order (same shape): in each full group
+    of 8 blocks, byte pair j of every block in turn, for j = 0, 1, ... (a Q8 pair is a step's two values;
+    a Q4 byte pair holds a step's two values in its low nibbles and those of the step 8 later in its
+    high ones); the nb % 8 last blocks as they are."""
     n, nb, size = qs.shape
     full = nb // 8 * 8
-    steps = _steps(_values(qs[:, :full], fmt)).reshape(n, nb // 8, 16, 16)
-    if fmt == Format.Q4:
-        steps = steps[:, :, :8] | (steps[:, :, 8:] << 4)
-    return torch.cat([steps.reshape(n, full, size), qs[:, full:]], 1).contiguous()
+    if full == 0:
+        return qs.contiguous()
+    steps = _pairs(qs).transpose(2, 3).contiguous().view(qs.dtype).reshape(n, full, size)
+    return torch.cat([steps, qs[:, full:]], 1)
 
 
 def from_kernel_order(qs: Tensor, fmt: Format) -> Tensor:
     """The inverse of to_kernel_order."""
     n, nb, size = qs.shape
-    full, groups = nb // 8 * 8, nb // 8
-    steps = qs[:, :full].reshape(n, groups, size // 2, 16)
-    if fmt == Format.Q4:
-        steps = torch.cat([steps & 0x0F, steps >> 4], 2)  # [n, G, 16 steps, 16]
-    values = steps.reshape(n, groups, 16, 8, 2).transpose(2, 3).reshape(n, full, 32)
-    return torch.cat([_pack(values, fmt), qs[:, full:]], 1)
+    full = nb // 8 * 8
+    if full == 0:
+        return qs
+    blocks = _pairs(qs).reshape(n, nb // 8, size // 2, 8).transpose(2, 3).contiguous().view(qs.dtype)
+    return torch.cat([blocks.reshape(n, full, size), qs[:, full:]], 1)
 
 
 @dataclass
