@@ -258,7 +258,8 @@ class Transformer(nn.Module):
         Returns logits [R, vocab] (fp32) for ``logits_rows`` (default: all T rows), and the final hidden
         states [T, dim] as well when ``return_hidden``.
         """
-        assert self.k_cache is not None, "call setup_cache() first"
+        if self.k_cache is None:
+            raise RuntimeError("call setup_cache() first")
         invariant = self.batch_invariant
         ops = self.attention_ops
         if invariant and mask.shape[0] > 1 and not tokens.is_cuda and ops is kernels:

@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from swiftspec.config import BUILTIN_DRAFTS, MODES, SamplingParams
+from swiftspec.config import BUILTIN_DRAFTS, SamplingParams
 from swiftspec.engine import protocol
-from swiftspec.engine.loop import Finisher, Op, Request, lead_draft, lead_target
+from swiftspec.engine.decode import DraftState, TargetState
+from swiftspec.engine.loop import Finisher, Request, lead_draft, lead_target
+from swiftspec.engine.messages import Follow, FollowerStep, WireError
 from swiftspec.engine.model_dir import load_tokenizer
 from swiftspec.engine.protocol import EngineInfo
 from swiftspec.engine.sampling import Sampler
@@ -30,47 +33,46 @@ from swiftspec.engine.worker.setup import (
 )
 from swiftspec.engine.worker.wire import DistLink
 
-# Request header, broadcast by the leader to every rank: int64[4] = cmd, mode, prompt length, params length.
+# Request header, broadcast by the leader to every rank: int64[3] = cmd, prompt length, params length.
 CMD_SHUTDOWN, CMD_GENERATE = 0, 1
 
 
-def follow_target(ctx: Ctx, req: Request) -> None:
-    sampler = Sampler(req.params, ctx.device)
-    ctx.target.prefill(req.prompt, sampler)
-    buf = ctx.wire.buffer()
+def follow_target(target: TargetState, req: Request, next_step: Callable[[], FollowerStep]) -> None:
+    """A target TP follower's part of one answer: the leader's model calls, mirrored step by step."""
+    sampler = Sampler(req.params, target.device)
+    target.prefill(req.prompt, sampler)
     while True:
-        dist.broadcast(buf, src=0, group=ctx.target_group)
-        op, toks, parents, _, _ = ctx.wire.unpack(buf)
-        if op == Op.END:
-            return
-        if op == Op.DECODE:
-            ctx.target.decode_step(toks[0], sampler)
-        else:
-            ctx.target.verify(toks, parents, sampler)
+        match next_step():
+            case FollowerStep(Follow.END):
+                return
+            case FollowerStep(Follow.DECODE, [token]):
+                target.decode_step(token, sampler)
+            case FollowerStep(Follow.VERIFY, tokens, parents) if tokens:
+                target.verify(tokens, parents, sampler)
+            case step:
+                raise WireError(f"a target follower cannot take {step}")
 
 
-def follow_draft(ctx: Ctx, req: Request) -> None:
-    ds = ctx.draft
+def follow_draft(ds: DraftState, req: Request, next_step: Callable[[], FollowerStep]) -> None:
+    """A draft TP follower's part of one answer (the leader's subtree choice needs no model call)."""
     ds.prefill(req.prompt)
-    buf = ctx.wire.buffer()
     while True:
-        dist.broadcast(buf, src=ctx.n_target, group=ctx.draft_group)
-        op, toks, _, _, _ = ctx.wire.unpack(buf)
-        if op == Op.END:
-            return
-        if op == Op.EXPAND:
-            ds.expand()
-        elif op == Op.START:
-            ds.start(toks[0])
-        elif op == Op.REROOT:
-            ds.reroot(toks)
-        else:
-            ds.subtree()
+        match next_step():
+            case FollowerStep(Follow.END):
+                return
+            case FollowerStep(Follow.EXPAND):
+                ds.expand()
+            case FollowerStep(Follow.START, [root]):
+                ds.start(root)
+            case FollowerStep(Follow.REROOT, path) if path:
+                ds.reroot(path)
+            case step:
+                raise WireError(f"a draft follower cannot take {step}")
 
 
 def _request(ctx: Ctx, io) -> Request | None:
     """The leader's next request, on every rank (None: shut down)."""
-    hdr = torch.zeros(4, dtype=torch.int64)
+    hdr = torch.zeros(3, dtype=torch.int64)
     req = None
     if ctx.rank == 0:
         req = io.next_request()
@@ -78,9 +80,9 @@ def _request(ctx: Ctx, io) -> Request | None:
             if req.params.seed is None:  # TP peers must draw the same random numbers
                 req.params.seed = secrets.randbits(31)
             blob = torch.frombuffer(bytearray(json.dumps(req.params.to_dict()).encode()), dtype=torch.uint8)
-            hdr = torch.tensor([CMD_GENERATE, MODES.index(req.params.mode), len(req.prompt), len(blob)])
+            hdr = torch.tensor([CMD_GENERATE, len(req.prompt), len(blob)])
     dist.broadcast(hdr, src=0)
-    cmd, _, n_prompt, n_blob = hdr.tolist()
+    cmd, n_prompt, n_blob = hdr.tolist()
     if cmd == CMD_SHUTDOWN:
         return None
     if ctx.rank == 0:
@@ -103,13 +105,13 @@ def serve(ctx: Ctx, io) -> None:
             lead_target(ctx.target, link, req, fin, lambda step, rid=req.id: io.step(rid, step), ctx.tell,
                         ctx.features and req.params.mode != "ar")
         elif ctx.role == "target":
-            follow_target(ctx, req)
+            follow_target(ctx.target, req, ctx.next_step)
         elif req.params.mode == "ar":
             continue
         elif ctx.rank == draft_leader:
             lead_draft(ctx.draft, link, req, ctx.d, ctx.tell)
         else:
-            follow_draft(ctx, req)
+            follow_draft(ctx.draft, req, ctx.next_step)
 
 
 def _io(ctx: Ctx) -> SocketIO | ScriptIO | None:

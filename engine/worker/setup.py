@@ -20,10 +20,9 @@ from swiftspec.engine.decode import DraftState, TargetState
 from swiftspec.engine.draft_head import is_head_dir
 from swiftspec.engine.drafters import make_drafter
 from swiftspec.engine.loader import default_dtype, load_model
-from swiftspec.engine.loop import Message, Op
+from swiftspec.engine.messages import FollowerStep, Wire
 from swiftspec.engine.model_dir import eos_token_ids
 from swiftspec.engine.protocol import RankInfo
-from swiftspec.engine.worker.wire import Wire
 
 PG_TIMEOUT = timedelta(days=3650)  # followers wait in a broadcast while the chat is idle
 INIT_TIMEOUT = timedelta(seconds=120)  # for every rank to reach init_process_group and new_group
@@ -67,10 +66,16 @@ class Ctx:
     def tp_world(self) -> int:
         return self.n_target if self.role == "target" else self.world - self.n_target
 
-    def tell(self, op: Op, tokens: list[int] = (), parents: list[int] = ()) -> None:
+    def tell(self, step: FollowerStep) -> None:
         """A group leader tells its TP followers which step comes next (loop.lead_target's ``tell``)."""
         if self.tp_world > 1:
-            dist.broadcast(self.wire.pack(Message(op, tokens, parents)), src=self.group_leader, group=self.group)
+            dist.broadcast(self.wire.pack_step(step), src=self.group_leader, group=self.group)
+
+    def next_step(self) -> FollowerStep:
+        """A TP follower's next step from its group leader."""
+        buf = self.wire.buffer()
+        dist.broadcast(buf, src=self.group_leader, group=self.group)
+        return self.wire.unpack_step(buf)
 
 
 # ---------------------------------------------------------------------------------------------- set-up
