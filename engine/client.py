@@ -26,16 +26,18 @@ from pathlib import Path
 
 from swiftspec import window
 from swiftspec.config import BUILTIN_DRAFTS, EngineConfig, SamplingParams, StepEvent
-from swiftspec.engine import launcher, protocol
+from swiftspec.engine import frames, launcher, protocol
 from swiftspec.engine.answer import Answer
 from swiftspec.engine.failures import WorkerOutput, worker_log_path
+from swiftspec.engine.frames import Cancel, Failure, Generate, Hello, Progress, Ready, Shutdown, Stepped
 from swiftspec.engine.model_dir import LoadError
 from swiftspec.engine.protocol import EngineInfo, Step
 
 POLL_S = 0.25  # how often a blocked receive looks at the worker processes
 CLOSE_GRACE_S = 1.0  # for a clean exit after "shutdown", before signals
-# After Ctrl-C, the workers stop at their next step; not stopped after this long, they are taken for hung
-# (only a long prefill of a big model on CPU takes longer, and Ctrl-C asked to stop anyway).
+# After Ctrl-C or an abandoned answer, the workers stop at their next step; not stopped after this long,
+# they are taken for hung (only a long prefill of a big model on CPU takes longer, and the caller asked to
+# stop anyway).
 CANCEL_TIMEOUT_S = 10.0
 
 
@@ -197,8 +199,10 @@ class Engine:
         a long conversation within the context is the caller's part (``swiftspec.window``).
 
         Ctrl-C while waiting cancels the answer (the KeyboardInterrupt is re-raised once the workers have
-        stopped), and abandoning the iterator cancels it too; either way the engine stays usable. Workers
-        that do not stop within CANCEL_TIMEOUT_S of a Ctrl-C, or a second Ctrl-C, end the worker group.
+        stopped), and abandoning the iterator (``close()``, or dropping it) cancels it too; either way the
+        engine stays usable. Workers that do not stop within CANCEL_TIMEOUT_S of a Ctrl-C or of the
+        abandon, or a second Ctrl-C, end the worker group: abandoning returns within CANCEL_TIMEOUT_S and
+        the few seconds that ending the group takes, even with a hung worker.
         """
         params = (params or SamplingParams()).validate()
         if params.mode != "ar" and self.info.draft == "none":
@@ -219,7 +223,7 @@ class Engine:
         self._finish_pending()
         rid = next(self._ids)
         self._current = rid
-        self._send("generate", id=rid, token_ids=ids, params=params.to_dict())
+        self._send(Generate(rid, ids, params))
         answer = Answer(self.tokenizer, params.stop, 0 if params.mode == "ar" else self.info.d)
         try:
             while True:
@@ -242,15 +246,17 @@ class Engine:
             raise
         finally:
             if self._current == rid and self._dead is None:  # abandoned: stop the workers' loop
-                self.cancel()
-                self._finish_pending()
+                try:
+                    self._finish_pending(CANCEL_TIMEOUT_S)
+                except EngineError:  # hung: the group is ended, and the next call says why
+                    pass
 
     def cancel(self) -> None:
         """Stops the current answer at the next step (thread-safe; its last event says "cancelled")."""
         rid = self._current
         if rid is not None and self._dead is None:
             try:
-                self._conn.send("cancel", id=rid)
+                frames.send(self._conn, Cancel(rid))
             except OSError:
                 pass
 
@@ -275,26 +281,25 @@ class Engine:
     def _next_step(self, rid: int, deadline: float | None = None) -> Step:
         while True:
             try:
-                msg = self._conn.recv(POLL_S)
+                frame = frames.recv(self._conn, POLL_S)
             except (OSError, protocol.ProtocolError) as e:
                 self._fail(f"lost the connection to the workers ({e})")
-            if msg is None:
-                self._check_alive()
-                if deadline is not None and time.monotonic() > deadline:
-                    self._fail("the workers did not stop after a cancel: they are hung and were ended")
-                continue
-            if msg["type"] == "step" and msg.get("id") == rid:
-                return Step.from_dict(msg["step"])
-            if msg["type"] == "error":
-                if msg.get("fatal", True):
-                    self._fail(f"a worker failed: {msg.get('message')}")
-                if msg.get("id") == rid:
+            match frame:
+                case None:
+                    self._check_alive()
+                    if deadline is not None and time.monotonic() > deadline:
+                        self._fail("the workers did not stop after a cancel: they are hung and were ended")
+                case Stepped(sid, step) if sid == rid:
+                    return step
+                case Failure(message, fatal=True):
+                    self._fail(f"a worker failed: {message}")
+                case Failure(message, fid) if fid == rid:
                     self._current = None
-                    raise EngineError(str(msg.get("message")))
+                    raise EngineError(message)
 
-    def _send(self, type_: str, **fields) -> None:
+    def _send(self, frame: frames.Frame) -> None:
         try:
-            self._conn.send(type_, **fields)
+            frames.send(self._conn, frame)
         except OSError as e:
             self._fail(f"lost the connection to the workers ({e})")
 
@@ -338,7 +343,7 @@ class Engine:
         _live_engines.discard(self)
         if self._dead is None:
             try:
-                self._conn.send("shutdown")
+                frames.send(self._conn, Shutdown())
                 self._proc.wait(timeout=CLOSE_GRACE_S)
             except (OSError, subprocess.TimeoutExpired):
                 pass
@@ -471,22 +476,23 @@ def _wait_ready(conn: protocol.Connection, proc: subprocess.Popen, tail: WorkerO
                 pgids: set[int], say: Callable[[str], None]) -> EngineInfo:
     while True:
         try:
-            msg = conn.recv(POLL_S)
+            frame = frames.recv(conn, POLL_S)
         except (OSError, protocol.ProtocolError) as e:
             raise EngineError(tail.report(f"the workers dropped the connection during start-up ({e})", proc)) from None
-        if msg is None:
-            if proc.poll() is not None:
-                raise EngineError(tail.report(
-                    f"the workers exited during start-up (torchrun exit code {proc.returncode})", proc))
-            if time.monotonic() > deadline:
-                raise EngineError(tail.report("the workers were not ready before the start-up timeout", proc))
-            continue
-        kind = msg["type"]
-        if kind == "hello":
-            pgids.update(int(pid) for _, pid in msg["pids"])
-        elif kind == "progress":
-            say(str(msg.get("text")))
-        elif kind == "error":
-            raise EngineError(tail.report(f"the workers failed to start: {msg.get('message')}", proc))
-        elif kind == "ready":
-            return EngineInfo.from_dict(msg["info"])
+        match frame:
+            case None:
+                if proc.poll() is not None:
+                    raise EngineError(tail.report(
+                        f"the workers exited during start-up (torchrun exit code {proc.returncode})", proc))
+                if time.monotonic() > deadline:
+                    raise EngineError(tail.report("the workers were not ready before the start-up timeout", proc))
+            case Hello(pids):
+                pgids.update(pid for _, pid in pids)
+            case Progress(text):
+                say(text)
+            case Failure(message):
+                raise EngineError(tail.report(f"the workers failed to start: {message}", proc))
+            case Ready(info):
+                return info
+            case _:
+                raise EngineError(tail.report(f"the workers sent {frame!r} during start-up", proc))

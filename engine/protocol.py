@@ -8,14 +8,11 @@ Handshake (both sides prove they hold the random key, without sending it):
   worker -> engine  auth {mac = HMAC(key, "worker:" + nonce), nonce2}
   engine -> worker  welcome {mac = HMAC(key, "engine:" + nonce2)}  or  refused {reason}
 
-Then, engine -> worker:
-  generate {id, token_ids, params (SamplingParams.to_dict())}; cancel {id}; shutdown {}
-worker -> engine:
-  hello {pids: [[rank, pid], ...]}  (sent before loading, so the Engine can kill every worker's session)
-  progress {text}; ready {info (EngineInfo.to_dict())}
-  step {id, step (Step.to_dict())}: token ids and the target's figures; the Engine makes the text and
-  the StepEvent. The last step of a request has a finish reason.
-  error {id, message}  (fatal: the worker group exits after sending it)
+Then the messages of ``engine/frames.py``, one dataclass per kind: engine -> worker Generate, Cancel,
+Shutdown; worker -> engine Hello (every worker's pid, sent before loading, so the Engine can end every
+worker's session), Progress, Ready (EngineInfo), Stepped (a Step: token ids and the target's figures;
+the Engine makes the text and the StepEvent; the last step of a request has a finish reason), Failure
+(fatal: the worker group exits after sending it).
 """
 
 from __future__ import annotations

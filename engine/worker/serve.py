@@ -15,6 +15,7 @@ import torch.distributed as dist
 from swiftspec.config import BUILTIN_DRAFTS, SamplingParams
 from swiftspec.engine import protocol
 from swiftspec.engine.decode import DraftState, TargetState
+from swiftspec.engine.frames import Failure, Hello, Ready
 from swiftspec.engine.loop import Finisher, Request, lead_draft, lead_target
 from swiftspec.engine.messages import Follow, FollowerStep, WireError
 from swiftspec.engine.model_dir import load_tokenizer
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ranks = gather_ranks(ctx)
         if io is not None:
-            io.send("hello", pids=[[r.rank, r.pid] for r in ranks])
+            io.send(Hello([[r.rank, r.pid] for r in ranks]))
             draft = (BUILTIN_DRAFTS.get(args.draft) or f"draft {Path(args.draft).name}") + (
                 f" with the corpus {Path(args.draft_corpus).stem}" if args.draft_corpus else "")
             io.progress(f"loading target {args.target_name or Path(args.target).name} on {ctx.n_target} "
@@ -157,11 +158,11 @@ def main(argv: list[str] | None = None) -> int:
                 ranks=ranks, context_length=args.max_seq_len, backend=ctx.backend, bs=args.bs, w=args.w,
                 d=ctx.d, d_auto=args.d is None, t_verify_ms=t_verify, t_expand_ms=t_expand,
                 eos_token_ids=sorted(ctx.eos))
-            io.send("ready", info=info.to_dict())
+            io.send(Ready(info))
         serve(ctx, io)
     except BaseException as e:
         if isinstance(io, SocketIO):
-            io.send("error", id=None, message=f"{type(e).__name__}: {e}", fatal=True)
+            io.send(Failure(f"{type(e).__name__}: {e}"))
             io.flush()
         raise
     if io is not None:
