@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from swiftspec.config import SamplingParams, StepEvent
+    from swiftspec.config import FinishReason, Role, SamplingParams, StepEvent
 
 VERSION = 1
 ENV_ADDR = "SWIFTSPEC_ENGINE_ADDR"  # host:port of the Engine's listening socket
@@ -188,7 +188,7 @@ class Step:
     """One decoding step as the target leader reports it: token ids and figures, no text."""
 
     tokens: list[int]  # new tokens, already cut by the finisher
-    finish: str | None = None  # "eos" | "length" | "context" | "repetition" | "cancelled" on the last step
+    finish: FinishReason | None = None  # on the last step (never "stop": the Engine matches stop strings)
     accepted: int = 0  # draft tokens accepted (the bonus token not counted)
     tree_size: int = 0  # nodes verified (0 for the prefill's token and in ar)
     draft_ms: float = 0.0  # mean draft expansion time since the previous subtree
@@ -208,7 +208,7 @@ class RankInfo:
     """One worker process: its role, device and share of the machine."""
 
     rank: int
-    role: str  # "target" | "draft"
+    role: Role
     device: str  # "cpu", "cuda:0", ...
     tp_rank: int
     tp_world: int

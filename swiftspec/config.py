@@ -8,9 +8,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
-MODES = ("ar", "sync", "async")
+Mode = Literal["ar", "sync", "async"]
+MODES: tuple[str, ...] = get_args(Mode)
+Role = Literal["target", "draft"]  # a worker rank's group
+# "eos" | "stop" (a stop string, matched by the Engine) | "length" (max_new_tokens) | "context" |
+# "repetition" (the loop guard) | "cancelled"
+FinishReason = Literal["eos", "stop", "length", "context", "repetition", "cancelled"]
 DTYPES = ("auto", "float32", "bfloat16", "float16", "gguf", "int4")  # --dtype (gguf, int4: CPU only)
 
 # Drafts named by a word rather than a model path. "int8" runs on the CPU only: a copy of the target with
@@ -58,7 +63,7 @@ class SamplingParams:
     tokens are one span repeated ``loop_repeats`` times or more (engine/loop.py, LoopGuard).
     """
 
-    mode: str = "async"
+    mode: Mode = "async"
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -260,8 +265,7 @@ class StepEvent:
     text: str
     stats: StepStats
     finished: bool = False
-    # "eos" | "stop" | "length" (max_new_tokens) | "context" | "repetition" (the loop guard) | "cancelled"
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {

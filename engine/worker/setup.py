@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from swiftspec.config import ConfigError, TreeParams
+from swiftspec.config import ConfigError, Role, TreeParams
 from swiftspec.engine import launcher
 from swiftspec.engine.cuda_graphs import GraphedModel
 from swiftspec.engine.decode import DraftState, TargetState
@@ -37,7 +37,7 @@ class Ctx:
     rank: int
     world: int
     n_target: int
-    role: str
+    role: Role
     device: torch.device
     threads: int
     backend: str
