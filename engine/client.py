@@ -32,6 +32,7 @@ from swiftspec.engine.failures import WorkerOutput, worker_log_path
 from swiftspec.engine.frames import Cancel, Failure, Generate, Hello, Progress, Ready, Shutdown, Stepped
 from swiftspec.engine.model_dir import LoadError
 from swiftspec.engine.protocol import EngineInfo, Step
+from swiftspec.engine.spec import WorkerSpec
 
 POLL_S = 0.25  # how often a blocked receive looks at the worker processes
 CLOSE_GRACE_S = 1.0  # for a clean exit after "shutdown", before signals
@@ -137,11 +138,10 @@ class Engine:
             tokenizer = tokenizer or load_tokenizer(target_dir, config.trust_remote_code)
             check_corpus(corpus, tokenizer)
         layout = launcher.plan_layout(config, launcher.visible_gpus(config.device))
-        target_name = _target_name(config)
-        worker = launcher.worker_args(config, layout, target_dir, draft, corpus) + [f"--target-name={target_name}"]
+        spec = WorkerSpec(config, layout, str(target_dir), draft, str(corpus) if corpus else None, _target_name(config))
         run_dir = launcher.new_run_dir()
         try:
-            cmd = launcher.build_command(worker, layout.world, run_dir)
+            cmd = launcher.build_command([f"--spec={spec.write(run_dir)}"], layout.world, run_dir)
             listener = socket.create_server(("127.0.0.1", 0))
             key = protocol.new_key()
             addr = f"127.0.0.1:{listener.getsockname()[1]}"

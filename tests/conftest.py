@@ -46,3 +46,11 @@ def embedded_tokenizer(embedded_dir):
     from swiftspec.engine.model_dir import load_tokenizer
 
     return load_tokenizer(embedded_dir)
+
+
+@pytest.fixture(scope="session")
+def target_dir():
+    """The tiny target that the engine, launcher and failure tests start worker groups on."""
+    from tiny_models import tiny_model_dir
+
+    return tiny_model_dir(seed=0, layers=2)

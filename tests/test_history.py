@@ -159,3 +159,13 @@ def test_unopenable_location_runs_unsaved(tmp_path):
     blocker.write_text("")
     store = HistoryStore(blocker / "history.sqlite3")  # its directory cannot exist
     assert not store.available and str(blocker) in store.problem and store.notice is None
+
+
+def test_the_history_database_is_private(tmp_path):
+    from swiftspec.history import HistoryStore
+
+    store = HistoryStore(tmp_path / "data" / "history.sqlite3")
+    store.add(store.create("t"), "user", "a secret")
+    store.close()
+    assert (tmp_path / "data" / "history.sqlite3").stat().st_mode & 0o077 == 0
+    assert (tmp_path / "data").stat().st_mode & 0o077 == 0

@@ -21,10 +21,13 @@ from swiftspec.engine.messages import Follow, FollowerStep, WireError
 from swiftspec.engine.model_dir import load_tokenizer
 from swiftspec.engine.protocol import EngineInfo
 from swiftspec.engine.sampling import Sampler
+from swiftspec.engine.spec import WorkerSpec
 from swiftspec.engine.worker.leader_io import ScriptIO, SocketIO
 from swiftspec.engine.worker.profiling import choose_cpu_backend, choose_d, profile
 from swiftspec.engine.worker.setup import (
     Ctx,
+    HandRun,
+    agree_on_features,
     barrier,
     gather_ranks,
     load,
@@ -102,7 +105,7 @@ def serve(ctx: Ctx, io) -> None:
     link = DistLink(ctx.wire, draft_leader if ctx.rank == 0 else 0)
     while (req := _request(ctx, io)) is not None:
         if ctx.rank == 0:
-            fin = Finisher(req, ctx.args.max_seq_len, ctx.eos, lambda rid=req.id: io.cancelled(rid))
+            fin = Finisher(req, ctx.spec.config.max_seq_len, ctx.eos, lambda rid=req.id: io.cancelled(rid))
             lead_target(ctx.target, link, req, fin, lambda step, rid=req.id: io.step(rid, step), ctx.tell,
                         ctx.features and req.params.mode != "ar")
         elif ctx.role == "target":
@@ -115,15 +118,14 @@ def serve(ctx: Ctx, io) -> None:
             follow_draft(ctx.draft, req, ctx.next_step)
 
 
-def _io(ctx: Ctx) -> SocketIO | ScriptIO | None:
-    args = ctx.args
+def _io(ctx: Ctx, hand: HandRun | None) -> SocketIO | ScriptIO | None:
     if ctx.rank != 0:
         return None
-    if args.prompt is not None:
-        tok = load_tokenizer(Path(args.target), args.trust_remote_code)
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+    if hand is not None:
+        tok = load_tokenizer(Path(ctx.spec.target_dir), ctx.spec.config.trust_remote_code)
+        ids = tok.apply_chat_template([{"role": "user", "content": hand.prompt}], add_generation_prompt=True,
                                       return_dict=True)["input_ids"]
-        return ScriptIO(tok, list(ids), args.modes.split(","), args.max_new_tokens)
+        return ScriptIO(tok, list(ids), hand.modes, hand.max_new_tokens)
     addr, key = os.environ.get(protocol.ENV_ADDR), os.environ.get(protocol.ENV_KEY)
     if not addr or not key:
         raise SystemExit(f"{protocol.ENV_ADDR} / {protocol.ENV_KEY} are not set: start the workers "
@@ -131,32 +133,36 @@ def _io(ctx: Ctx) -> SocketIO | ScriptIO | None:
     return SocketIO(protocol.connect(addr, key), speculative=ctx.world > ctx.n_target)
 
 
+def _draft_name(spec: WorkerSpec) -> str:
+    corpus = f" + corpus {Path(spec.corpus).stem}" if spec.corpus else ""
+    return (spec.draft if spec.draft in BUILTIN_DRAFTS else Path(spec.draft).name) + corpus
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    ctx = setup(args)
-    io = _io(ctx)
+    spec, hand = parse_args(argv)
+    ctx = setup(spec)
+    io = _io(ctx, hand)
+    say = io.progress if io is not None else lambda _text: None
     try:
         ranks = gather_ranks(ctx)
         if io is not None:
             io.send(Hello([[r.rank, r.pid] for r in ranks]))
-            draft = (BUILTIN_DRAFTS.get(args.draft) or f"draft {Path(args.draft).name}") + (
-                f" with the corpus {Path(args.draft_corpus).stem}" if args.draft_corpus else "")
-            io.progress(f"loading target {args.target_name or Path(args.target).name} on {ctx.n_target} "
-                        f"rank(s)" + (f" and {draft} on {ctx.world - ctx.n_target} rank(s)" if args.draft != "none"
-                                      else ", no draft"))
-        if ctx.role == "target" and ctx.device.type == "cpu" and args.dtype == "auto" and args.batch_invariant != "off":
-            args.dtype = choose_cpu_backend(ctx, io.progress if io is not None else lambda _text: None)
+            draft = (BUILTIN_DRAFTS.get(spec.draft) or f"draft {Path(spec.draft).name}") + (
+                f" with the corpus {Path(spec.corpus).stem}" if spec.corpus else "")
+            say(f"loading target {spec.name} on {ctx.n_target} rank(s)"
+                + (f" and {draft} on {ctx.world - ctx.n_target} rank(s)" if spec.draft != "none" else ", no draft"))
+        config = spec.config
+        if ctx.role == "target" and ctx.device.type == "cpu" and config.dtype == "auto" and config.batch_invariant != "off":
+            ctx.dtype = choose_cpu_backend(ctx, say)
         load(ctx)
-        barrier()
-        t_verify, t_expand = profile(ctx, ranks, io.progress if io is not None else lambda _text: None)
-        ctx.d = 0 if args.draft == "none" else args.d or choose_d(t_verify, t_expand)
+        agree_on_features(ctx)  # a collective over every rank: all have loaded
+        t_verify, t_expand = profile(ctx, ranks, say)
+        ctx.d = 0 if spec.draft == "none" else config.tree.d or choose_d(t_verify, t_expand)
         if io is not None:
             info = EngineInfo(
-                target=f"{args.target_name or Path(args.target).name} · {target_precision(ctx)}",
-                draft=(args.draft if args.draft in BUILTIN_DRAFTS else Path(args.draft).name)
-                + (f" + corpus {Path(args.draft_corpus).stem}" if args.draft_corpus else ""),
-                ranks=ranks, context_length=args.max_seq_len, backend=ctx.backend, bs=args.bs, w=args.w,
-                d=ctx.d, d_auto=args.d is None, t_verify_ms=t_verify, t_expand_ms=t_expand,
+                target=f"{spec.name} · {target_precision(ctx)}", draft=_draft_name(spec), ranks=ranks,
+                context_length=config.max_seq_len, backend=ctx.backend, bs=config.tree.bs, w=config.tree.w,
+                d=ctx.d, d_auto=config.tree.d is None, t_verify_ms=t_verify, t_expand_ms=t_expand,
                 eos_token_ids=sorted(ctx.eos))
             io.send(Ready(info))
         serve(ctx, io)
