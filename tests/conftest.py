@@ -54,3 +54,27 @@ def target_dir():
     from tiny_models import tiny_model_dir
 
     return tiny_model_dir(seed=0, layers=2)
+
+
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch):
+    """A scratch data directory (the history store) for one test."""
+    monkeypatch.setenv("SWIFTSPEC_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Routes the CLI's engine start to the FakeEngine and records the configs it was given."""
+    from fake_engine import FakeEngine
+
+    from swiftspec import cli
+
+    configs = []
+
+    def start(config, progress):
+        configs.append(config)
+        return FakeEngine.start(config, progress)
+
+    monkeypatch.setattr(cli, "_start_engine", start)
+    return configs

@@ -11,34 +11,11 @@ import sys
 
 import pytest
 from fake_engine import ANSWER, FakeEngine
-from typer.testing import CliRunner
+from helpers.cli import invoke
 
 from swiftspec import cli
 from swiftspec.config import CHAT_DEFAULTS, EngineConfig, SamplingParams
 from swiftspec.history import HistoryStore
-
-
-@pytest.fixture
-def data_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("SWIFTSPEC_DATA_DIR", str(tmp_path / "data"))
-    return tmp_path / "data"
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    """Routes the CLI's engine start to the FakeEngine and records the configs it was given."""
-    configs = []
-
-    def start(config, progress):
-        configs.append(config)
-        return FakeEngine.start(config, progress)
-
-    monkeypatch.setattr(cli, "_start_engine", start)
-    return configs
-
-
-def invoke(args, stdin: bytes = b""):
-    return CliRunner().invoke(cli.app, cli.normalise_argv(args), input=stdin)
 
 
 def test_help_lists_every_flag():
