@@ -12,6 +12,11 @@ import time
 from collections import deque
 from pathlib import Path
 
+
+class EngineError(RuntimeError):
+    """The engine cannot do what was asked: its workers failed, or the request is impossible."""
+
+
 TORCHRUN_REPORT_S = 3.0  # after a failure, for torchrun to find which worker failed and end the rest
 
 

@@ -25,16 +25,17 @@ class WorkerSpec:
     draft: str  # a builtin draft's name, a draft model's or draft head's directory
     corpus: str | None = None  # the suffix drafter's corpus file, resolved
     target_name: str | None = None  # what the title bar calls the target (None: its directory's name)
+    vocab_size: int | None = None  # a draft model's vocabulary shared with the target (the Engine checked it)
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config.to_dict(), "layout": dataclasses.asdict(self.layout),
                 "target_dir": self.target_dir, "draft": self.draft, "corpus": self.corpus,
-                "target_name": self.target_name}
+                "target_name": self.target_name, "vocab_size": self.vocab_size}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> WorkerSpec:
         return cls(EngineConfig.from_dict(data["config"]), Layout(**data["layout"]), data["target_dir"],
-                   data["draft"], data.get("corpus"), data.get("target_name"))
+                   data["draft"], data.get("corpus"), data.get("target_name"), data.get("vocab_size"))
 
     def write(self, run_dir: Path) -> Path:
         path = run_dir / SPEC_FILE

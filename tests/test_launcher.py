@@ -109,11 +109,11 @@ def test_build_command():
 
 def test_the_engine_resolves_the_models_and_plans_the_layout_without_torch(target_dir):
     """Importing torch costs ~1.5 s of start-up: the Engine's work before it spawns torchrun must not."""
-    code = ("import sys; from swiftspec.engine import client, launcher; from swiftspec.engine.model_dir import "
+    code = ("import sys; from swiftspec.engine import launcher, startup; from swiftspec.engine.model_dir import "
             "read_args, resolve_draft, resolve_model_dir; from swiftspec.config import EngineConfig; "
             f"d = resolve_model_dir({str(target_dir)!r}); resolve_draft('suffix', d); read_args(d); "
             "c = EngineConfig(target=str(d)).validate(); layout = launcher.plan_layout(c, launcher.visible_gpus('auto')); "
-            "client._target_name(c); assert 'torch' not in sys.modules, 'torch was imported'")
+            "startup.target_name(c); assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
@@ -191,7 +191,7 @@ def test_title_names_the_precision_the_target_runs_at(gguf_type, device, dtype, 
     from safetensors.torch import save_file
 
     from swiftspec.embedded import SOURCE_METADATA
-    from swiftspec.engine.client import _target_name
+    from swiftspec.engine.startup import target_name
     from swiftspec.engine.worker.setup import target_precision
 
     save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"),
@@ -199,5 +199,5 @@ def test_title_names_the_precision_the_target_runs_at(gguf_type, device, dtype, 
     ctx = SimpleNamespace(target=SimpleNamespace(model=SimpleNamespace(precision=backend)), device=torch.device(device),
                           spec=SimpleNamespace(target_dir=str(tmp_path)), dtype=dtype)
     assert target_precision(ctx) == name
-    assert _target_name(EngineConfig()) == "SmolLM2-135M-Instruct (embedded)"
-    assert _target_name(EngineConfig(target="/models/Qwen2.5-7B")) == "Qwen2.5-7B"
+    assert target_name(EngineConfig()) == "SmolLM2-135M-Instruct (embedded)"
+    assert target_name(EngineConfig(target="/models/Qwen2.5-7B")) == "Qwen2.5-7B"

@@ -12,9 +12,10 @@ import pytest
 from helpers.engines import Running, closed_tail, in_thread, socket_pair
 
 from swiftspec.config import SamplingParams
-from swiftspec.engine import protocol
-from swiftspec.engine.client import _accept_worker
+from swiftspec.engine import frames, protocol
 from swiftspec.engine.failures import WorkerOutput
+from swiftspec.engine.protocol import EngineInfo, RankInfo, Step
+from swiftspec.engine.startup import accept_worker
 
 
 def test_handshake_and_frames():
@@ -92,7 +93,7 @@ def test_engine_refuses_impostors_and_keeps_waiting_for_its_worker(tmp_path):
     r, w = os.pipe()
     os.close(w)
     tail = WorkerOutput(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=1)
-    conn = _accept_worker(listener, key, Running(), tail, time.monotonic() + 10)
+    conn = accept_worker(listener, key, Running(), tail, time.monotonic() + 10)
     with pytest.raises(protocol.AuthError, match="refused"):
         impostor()
     conn.send("welcome-check")
@@ -109,7 +110,7 @@ def test_idle_connections_do_not_hold_up_the_workers_handshake(tmp_path):
     worker = threading.Thread(target=lambda: result.update(conn=protocol.connect(addr, key, timeout=3.0)))
     worker.start()
     t0 = time.monotonic()
-    conn = _accept_worker(listener, key, Running(), closed_tail(tmp_path), time.monotonic() + 20)
+    conn = accept_worker(listener, key, Running(), closed_tail(tmp_path), time.monotonic() + 20)
     worker.join(5)
     assert time.monotonic() - t0 < 3, "the idle peers delayed the worker's handshake"
     conn.send("check")
@@ -127,3 +128,37 @@ def test_start_up_error_names_the_rank_that_failed_first(tmp_path):
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
     ])
     assert tail.headline().startswith("AuthError: handshake timed out")
+
+
+def _info() -> EngineInfo:
+    rank = RankInfo(rank=0, role="target", device="cpu", tp_rank=0, tp_world=1, threads=1, host="h", pid=1)
+    return EngineInfo(target="t", draft="suffix", ranks=[rank], context_length=64, backend="gloo", bs=8, w=8,
+                      d=2, d_auto=True, t_verify_ms=1.0, t_expand_ms=0.1)
+
+
+@pytest.mark.parametrize("frame", [
+    frames.Generate(3, [1, 2], SamplingParams(mode="sync", stop=["x"])), frames.Cancel(3), frames.Shutdown(),
+    frames.Hello([[0, 11], [1, 12]]), frames.Progress("loading"), frames.Ready(_info()),
+    frames.Stepped(3, Step([4, 5], "eos", accepted=1, tree_size=3)), frames.Failure("boom", 3, fatal=False),
+])
+def test_every_frame_round_trips_as_its_dataclass(frame):
+    a, b = socket_pair()
+    frames.send(a, frame)
+    assert frames.recv(b, 1) == frame
+
+
+def test_frames_that_break_the_protocol_are_errors():
+    a, b = socket_pair()
+    a.send("whatever")
+    with pytest.raises(protocol.ProtocolError, match="unexpected message 'whatever'"):
+        frames.recv(b, 1)
+    a.send("step", id=1, step={"tokens": [1], "colour": "red"})
+    with pytest.raises(protocol.ProtocolError, match="malformed 'step'"):
+        frames.recv(b, 1)
+    a.send("cancel", id="1")
+    with pytest.raises(protocol.ProtocolError, match="integer id"):
+        frames.recv(b, 1)
+    a.send("generate", id=7, token_ids=[1], params={"temperature": -1})
+    with pytest.raises(frames.BadRequest, match="temperature") as bad:  # answered to request 7, not fatal
+        frames.recv(b, 1)
+    assert bad.value.id == 7

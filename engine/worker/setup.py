@@ -229,7 +229,7 @@ def load(ctx: Ctx) -> None:
                                lambda path, int8: model_for(path, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8,
                                                             None if ctx.device.type == "cpu" else False),
                                ctx.device, default_dtype(ctx.device, ctx.dtype), slots + DRAFT_TREE_SLOTS,
-                               Path(spec.corpus) if spec.corpus else None)
+                               Path(spec.corpus) if spec.corpus else None, spec.vocab_size)
         if drafter.wants_features and ctx.tp_world > 1:
             raise ConfigError("a draft that reads the target's hidden states runs on one draft rank only")
         ctx.draft = DraftState(drafter, config.tree)
