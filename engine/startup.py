@@ -37,7 +37,7 @@ def resolve_models(config: EngineConfig, say: Callable[[str], None]) -> tuple[Pa
 
 def target_name(config: EngineConfig) -> str:
     """What the title bar calls the target (the workers add the precision it runs at)."""
-    from swiftspec.embedded import EMBEDDED_NAME
+    from swiftspec.engine.embedded import EMBEDDED_NAME
 
     return EMBEDDED_NAME if config.target is None else Path(config.target).name
 

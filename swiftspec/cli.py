@@ -662,7 +662,7 @@ app.add_typer(cache_app, name="cache")
 def cache_list() -> None:
     """List the cache's entries with their sizes."""
     from swiftspec.cache import entries, human_size
-    from swiftspec.embedded import cache_dir
+    from swiftspec.engine.embedded import cache_dir
 
     found = entries()
     typer.echo(f"{cache_dir()} (SWIFTSPEC_CACHE moves it)")

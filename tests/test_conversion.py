@@ -16,7 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tiny_models import make_tiny_gguf
 
-from swiftspec import cache, embedded
+from swiftspec import cache
+from swiftspec.engine import embedded
 from swiftspec.engine.loader import (
     GGUF_BLOCKS,
     convert_hf_state_dict,
@@ -164,10 +165,10 @@ def test_conversion_killed_half_way_is_cleaned_up_by_the_next_start(fake_gguf, m
     import subprocess
     import sys
 
-    from swiftspec import embedded
+    from swiftspec.engine import embedded
 
     converted = embedded.converted_dir(fake_gguf).parent
-    hang = ("import sys, time\nfrom swiftspec import embedded\n"
+    hang = ("import sys, time\nfrom swiftspec.engine import embedded\n"
             "def hang(gguf, out, console):\n    (out / 'model.safetensors').write_bytes(b'x' * 4096)\n"
             "    time.sleep(60)\n"
             "embedded._convert = hang\nembedded.ensure_converted(embedded.Path(sys.argv[1]))\n")
@@ -196,7 +197,7 @@ def test_conversion_killed_half_way_is_cleaned_up_by_the_next_start(fake_gguf, m
     (lambda out: (out / "model.safetensors").write_bytes(b"\xff" * 16), "no readable header"),
 ])
 def test_damaged_conversion_is_detected_and_converted_again(harm, why, fake_gguf, monkeypatch):
-    from swiftspec import embedded
+    from swiftspec.engine import embedded
 
     calls = []
     monkeypatch.setattr(embedded, "_convert", lambda *a: (calls.append(1), _fake_convert(*a)))

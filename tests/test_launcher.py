@@ -190,7 +190,7 @@ def test_title_names_the_precision_the_target_runs_at(gguf_type, device, dtype, 
 
     from safetensors.torch import save_file
 
-    from swiftspec.embedded import SOURCE_METADATA
+    from swiftspec.engine.embedded import SOURCE_METADATA
     from swiftspec.engine.startup import target_name
     from swiftspec.engine.worker.setup import target_precision
 

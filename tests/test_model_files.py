@@ -39,7 +39,7 @@ def _truncate(path, keep: float) -> None:
 
 
 def _embedded_gguf():
-    from swiftspec.embedded import embedded_gguf_path
+    from swiftspec.engine.embedded import embedded_gguf_path
 
     return embedded_gguf_path()
 

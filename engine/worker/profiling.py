@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from swiftspec.config import BUILTIN_DRAFTS, SamplingParams
-from swiftspec.embedded import cache_dir
 from swiftspec.engine.decode import profile_verify_cost
 from swiftspec.engine.drafters import Features
+from swiftspec.engine.embedded import cache_dir
 from swiftspec.engine.model_dir import read_args
 from swiftspec.engine.protocol import RankInfo
 from swiftspec.engine.sampling import Sampler

@@ -246,7 +246,7 @@ def agree_on_features(ctx: Ctx) -> None:
 def target_precision(ctx: Ctx) -> str:
     """What the title bar says the target runs at: the CPU backend's label ("int4 (Q4_1 blocks) · int8
     activations · AVX2"), else the dtype, and for a converted GGUF the type its blocks came in."""
-    from swiftspec.embedded import precision_label
+    from swiftspec.engine.embedded import precision_label
     from swiftspec.engine.model_dir import default_dtype_name
 
     model = getattr(ctx.target.model, "model", ctx.target.model)  # through a CUDA-graphs wrapper
