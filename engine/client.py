@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
-from swiftspec import window
 from swiftspec.config import EngineConfig, SamplingParams, StepEvent
 from swiftspec.engine import frames, launcher, protocol
 from swiftspec.engine.answer import Answer
@@ -171,15 +170,16 @@ class Engine:
         return cls(config, proc, conn, tail, pgids, run_dir, info, tokenizer)
 
     @staticmethod
-    def context(config: EngineConfig, progress: Callable[[str], None] | None = None) -> window.Context:
-        """The context a started engine would have, from the tokenizer and the model files alone: an
-        over-long prompt is refused in a second instead of after the workers' start."""
+    def context(config: EngineConfig, progress: Callable[[str], None] | None = None
+                ) -> tuple[Callable[[list[dict]], int], int, int]:
+        """The context a started engine would have, from the tokenizer and the model files alone (how
+        messages count, the context's length, the models' limit): an over-long prompt is refused in a
+        second instead of after the workers' start."""
         from swiftspec.engine.model_dir import load_tokenizer
 
         target_dir, _, _, limit = resolve_models(config.validate(), progress or (lambda _text: None))
         tokenizer = load_tokenizer(target_dir, config.trust_remote_code)
-        return window.Context(lambda messages: len(encode_chat(tokenizer, messages)), min(config.max_seq_len, limit),
-                              limit)
+        return lambda messages: len(encode_chat(tokenizer, messages)), min(config.max_seq_len, limit), limit
 
     # ------------------------------------------------------------------------------------- answers
     def generate(self, messages: list[dict], params: SamplingParams | None = None) -> Iterator[StepEvent]:

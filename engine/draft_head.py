@@ -139,6 +139,10 @@ class DraftHead(nn.Module):
         self.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.slot_features = torch.zeros(max_slots, self.args.dim, dtype=p.dtype, device=p.device)
 
+    def move_slots(self, src: Tensor, dst: Tensor) -> None:
+        """The predicted features follow their rows' KV (TreeKVCache.commit)."""
+        self.slot_features.index_copy_(0, dst, self.slot_features.index_select(0, src))
+
     def fuse(self, tokens: Tensor, features: Tensor) -> Tensor:
         return self.fc(torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.ffn_norm.weight.dtype)], -1))
 
@@ -328,7 +332,7 @@ class HeadDrafter:
     def __init__(self, head: DraftHead, max_slots: int):
         self.head = head
         head.setup_cache(max_slots)
-        self.cache = TreeKVCache(head)
+        self.cache = TreeKVCache(head, head.move_slots)
         p = head.ffn_norm.weight
         self.features = torch.zeros(max_slots, head.args.dim, dtype=p.dtype, device=p.device)
         self.n_committed = 0  # committed positions whose target feature is in ``features``

@@ -452,7 +452,7 @@ def _chat_scripted(config, conversation, prompt, each_line, jsonl, quiet) -> int
         if _may_not_fit(prompts, conversation, config):  # then tell now, not after the workers' start
             from swiftspec.engine.client import Engine
 
-            context = Engine.context(config, say)
+            context = window.Context(*Engine.context(config, say))
             for text in prompts:
                 conversation.plan("ask", context, text)
         engine = _start_engine(config, say)

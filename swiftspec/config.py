@@ -200,8 +200,8 @@ class EngineConfig:
     # for the embedded default, none for other targets; "none"; or a corpus file from swiftspec train-draft.
     draft_corpus: str = "auto"
     # Verify only as many of the bs best nodes as are worth their profiled target cost (DraftState.
-    # verify_cost): where extra rows cost a good part of a step (a CPU: 2 to 8 rows cost 1.7 to 3 steps on
-    # this project's 2-core machine) a weak draft then degrades to ~one row per round instead of being
+    # verify_cost): where extra rows cost a good part of a step (a 2-core CPU: 2 to 8 rows cost 1.7 to 3
+    # steps) a weak draft then degrades to ~one row per round instead of being
     # slower than ar (benchmarks/sync_vs_ar.py --cost: suffix sync 0.76x -> 0.97x of ar on fresh questions).
     verify_cost: bool = True
     startup_timeout_s: float = 600.0
@@ -266,15 +266,6 @@ class StepEvent:
     stats: StepStats
     finished: bool = False
     finish_reason: FinishReason | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "token_ids": self.token_ids,
-            "text": self.text,
-            "stats": self.stats.to_dict(),
-            "finished": self.finished,
-            "finish_reason": self.finish_reason,
-        }
 
 
 # The chat's sampling defaults (TUI and chat -p) for the embedded model and GGUF files; a model directory's

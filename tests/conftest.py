@@ -13,7 +13,13 @@ SESSION_DIR = Path(tempfile.mkdtemp(prefix="swiftspec-tests-"))
 os.environ["SWIFTSPEC_CACHE"] = str(SESSION_DIR / "cache")
 os.environ["SWIFTSPEC_DATA_DIR"] = str(SESSION_DIR / "data")
 os.environ["SWIFTSPEC_CONFIG"] = str(SESSION_DIR / "no-config.toml")
-SESSION_ENV = {name: os.environ[name] for name in ("SWIFTSPEC_CACHE", "SWIFTSPEC_DATA_DIR", "SWIFTSPEC_CONFIG")}
+# What the libraries write for themselves goes there too: matplotlib's font cache (the bench's plot tests)
+# and Triton's kernel cache (the kernels run under TRITON_INTERPRET) land in ~/.cache and ~/.triton otherwise.
+os.environ["MPLCONFIGDIR"] = str(SESSION_DIR / "matplotlib")
+os.environ["TRITON_CACHE_DIR"] = str(SESSION_DIR / "triton" / "cache")
+os.environ["TRITON_HOME"] = str(SESSION_DIR / "triton")
+SESSION_ENV = {name: os.environ[name] for name in ("SWIFTSPEC_CACHE", "SWIFTSPEC_DATA_DIR", "SWIFTSPEC_CONFIG",
+                                                   "MPLCONFIGDIR", "TRITON_CACHE_DIR", "TRITON_HOME")}
 
 
 def pytest_unconfigure(config):

@@ -173,8 +173,13 @@ def setup(spec: WorkerSpec) -> Ctx:
     if world > n_target:
         ctx.draft_group = dist.new_group(list(groups["draft"].ranks), timeout=INIT_TIMEOUT,
                                          backend=groups["draft"].backend)
+    # torch has no public way to lengthen a group's timeout once it exists: without this private one, an
+    # idle chat would time its followers out, so its absence is an error at start, not an hour later
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        raise RuntimeError(f"torch {torch.__version__} lacks torch.distributed's _set_pg_timeout")
     for group in (None, ctx.group):  # all met: from now on, waits while the chat is idle are fine
-        dist.distributed_c10d._set_pg_timeout(PG_TIMEOUT, group)
+        set_timeout(PG_TIMEOUT, group)
     return ctx
 
 
