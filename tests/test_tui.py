@@ -57,7 +57,8 @@ async def test_type_send_stream_stats_and_history(store, monkeypatch):
     saved = store.messages(app.conversation.id)
     assert [(m.role, m.content) for m in saved] == [("user", "hello"), ("assistant", ANSWER)]
     assert saved[1].stats["finish_reason"] == "eos"
-    assert engine.closed  # leaving the app closes the engine
+    app.closing.join(5)
+    assert engine.closed  # leaving the app closes the engine (in a thread of its own)
 
 
 async def test_newline_keys_and_prompt_recall(store):

@@ -76,6 +76,7 @@ class SwiftSpecApp(App[int]):
         self.store = store or HistoryStore()
         self.conversation = conversation or Conversation(self.store, defaults.copy())
         self.model_line = model_line
+        self.closing: threading.Thread | None = None  # the engine's close, once the app is gone
         self.engine: EngineAPI | None = None
         self._turn: Turn | None = None  # set while an answer is being generated
         self._store_problem_shown = False
@@ -110,9 +111,10 @@ class SwiftSpecApp(App[int]):
         with self._engine_lock:
             self._leaving = True
             engine, self.engine = self.engine, None
-        if engine is not None:
+        if engine is not None:  # off the event loop: ending the workers takes seconds, the screen is gone at once
             engine.cancel()
-            engine.close()
+            self.closing = threading.Thread(target=engine.close, name="engine-close")  # the interpreter waits for it
+            self.closing.start()
 
     # --- engine lifecycle -------------------------------------------------------------------------
 
