@@ -94,8 +94,9 @@ def _complete_draft(incomplete: str) -> list[str]:
 
 def _opt(*names: str, panel: str, metavar: str | None = None, **kwargs) -> typer.models.OptionInfo:
     """A settable option: its long name also reads SWIFTSPEC_<NAME> from the environment (and the config
-    file, see swiftspec.settings); every value takes an upper-case metavar, and a flag (metavar None) none."""
-    long = next(n for n in names if n.startswith("--"))
+    file, see swiftspec.settings); every value takes an upper-case metavar, and a flag (metavar None) none.
+    A flag that is on by default is named as a pair, "--flag/--no-flag"."""
+    long = next(n for n in names if n.startswith("--")).split("/")[0]
     return typer.Option(*names, envvar=env_var(long), metavar="" if metavar is None else metavar,
                         rich_help_panel=panel, **kwargs)
 
