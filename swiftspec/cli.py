@@ -160,6 +160,10 @@ WOpt = Annotated[int, _opt(
 DOpt = Annotated[int | None, _opt(
     "--d", parser=_whole_number, panel=TREE, metavar="N",
     help="Draft expansions per round (1-64). Default: chosen from step times profiled at start.")]
+VerifyCostOpt = Annotated[bool, _opt(
+    "--verify-cost/--no-verify-cost", panel=TREE,
+    help="Verify only as many of the bs best nodes as are worth their profiled target cost; "
+         "--no-verify-cost: always bs, as the paper does.")]
 MaxNewTokensOpt = Annotated[int, _opt(
     "--max-new-tokens", parser=_whole_number, panel=DECODING, metavar="N",
     help="Most tokens generated per answer.")]
@@ -209,7 +213,7 @@ ENGINE_OPTIONS = {
     "target": TargetOpt, "draft": DraftOpt, "draft_corpus": DraftCorpusOpt, "target_devices": TargetDevicesOpt,
     "draft_devices": DraftDevicesOpt, "gpus": GpusOpt, "target_procs": TargetProcsOpt, "draft_procs": DraftProcsOpt,
     "device": DeviceOpt, "dtype": DTypeOpt, "threads": ThreadsOpt, "max_seq_len": MaxSeqLenOpt,
-    "trust_remote_code": TrustRemoteCodeOpt, "bs": BsOpt, "w": WOpt, "d": DOpt,
+    "trust_remote_code": TrustRemoteCodeOpt, "bs": BsOpt, "w": WOpt, "d": DOpt, "verify_cost": VerifyCostOpt,
 }
 TREE_FIELDS = {f.name for f in dataclasses.fields(TreeParams)}
 

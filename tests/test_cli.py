@@ -154,6 +154,8 @@ def test_layout_flags_reach_the_engine_config(fake, data_dir):
     config = fake[0]
     assert (config.target_devices, config.draft_devices, config.draft) == ([0, 1], [2], "/models/small")
     assert (config.tree.bs, config.tree.w, config.tree.d, config.max_seq_len, config.threads) == (16, 4, 3, 2048, 2)
+    assert config.verify_cost  # EngineConfig's default
+    assert invoke(["chat", "-p", "hi", "--no-verify-cost"]).exit_code == 0 and not fake[-1].verify_cost
 
 
 def test_the_draft_corpus_flag_goes_with_the_suffix_drafter(fake, data_dir):
