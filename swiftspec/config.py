@@ -252,6 +252,7 @@ class StepStats:
     d: int = 0  # draft expansions per round in use
     prefill_tokens: int = 0  # tokens prefilled for this turn (after KV reuse)
     generated: int = 0  # tokens generated so far this turn
+    ms_per_token_p50: float = 0.0  # running: the median of every token's latency this turn
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -10,8 +10,7 @@ import stat
 import pytest
 
 from swiftspec import history
-from swiftspec.config import StepEvent, StepStats
-from swiftspec.history import HistoryError, HistoryStore, TurnRecorder, default_path, title_from
+from swiftspec.history import HistoryError, HistoryStore, default_path, title_from
 
 
 def test_data_dir_from_env(tmp_path, monkeypatch):
@@ -48,15 +47,6 @@ def test_conversations_round_trip(tmp_path):
 def test_title_is_shortened():
     assert title_from("x" * 100).endswith("…") and len(title_from("x" * 100)) == 60
     assert title_from("   \n") == "untitled"
-
-
-def test_turn_recorder_median_is_per_token():
-    rec = TurnRecorder("async")
-    rec.add(StepEvent([1, 2, 3], "abc", StepStats(token_latency_ms=10.0, generated=3)))
-    rec.add(StepEvent([4], "d", StepStats(token_latency_ms=40.0, generated=4), True, "eos"))
-    summary = rec.summary()
-    assert summary["ms_per_token_p50"] == 10.0 and summary["finish_reason"] == "eos"
-    assert summary["generated"] == 4 and summary["mode"] == "async"
 
 
 def test_messages_edit_delete_and_figures(tmp_path):

@@ -24,8 +24,9 @@ from textual.widgets import Footer, Header
 from swiftspec import window
 from swiftspec.config import MODES
 from swiftspec.conversation import CannotAnswer, Conversation, Kind, Settings, describe
+from swiftspec.engine.answer import AnswerSummary
 from swiftspec.engine.protocol import EngineAPI
-from swiftspec.history import HistoryStore, stats_line
+from swiftspec.history import HistoryStore
 from swiftspec.tui import clipboard, commands, preferences
 from swiftspec.tui.history_screen import HistoryResult, HistoryScreen
 from swiftspec.tui.messages import (
@@ -269,7 +270,7 @@ class SwiftSpecApp(App[int]):
         self._notify_warnings()
         self._check_store()
         if reply.accepted or reply.kind == "continue":
-            await turn.box.finish(stats_line(self.conversation.messages[-1].stats or {}, short=True))
+            await turn.box.finish(AnswerSummary.from_dict(self.conversation.messages[-1].stats or {}).line(short=True))
         else:  # nothing changed: the proposed boxes go, the question back into the input
             await turn.box.remove()
             if turn.question is not None:
