@@ -103,6 +103,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerSpec, HandRun | Non
                    help="without --spec: a draft model directory, 'suffix', 'int8', or 'none'")
     p.add_argument("--target-procs", type=int, default=defaults.target_procs,
                    help="without --spec: ranks 0..N-1 form the target group")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=defaults.device,
+                   help="without --spec: cuda puts each rank on cuda:LOCAL_RANK (several nodes)")
+    p.add_argument("--threads", type=int, default=defaults.threads,
+                   help="without --spec: CPU threads per node, all ranks together")
     p.add_argument("--prompt", help="no Engine: run this prompt in each of --modes and print the results")
     p.add_argument("--modes", default="ar,async", help="with --prompt: modes to run, compared with the first")
     p.add_argument("--max-new-tokens", type=int, default=64, help="with --prompt")
@@ -114,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerSpec, HandRun | Non
         p.error("give --spec (the Engine does), or --target and --prompt")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config = EngineConfig(target=args.target, draft=args.draft, target_procs=args.target_procs,
-                          draft_corpus="none").validate()
+                          device=args.device, threads=args.threads, draft_corpus="none").validate()
     return WorkerSpec(config, launcher.Layout(args.target_procs, world - args.target_procs), args.target,
                       args.draft), hand
 
