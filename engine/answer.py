@@ -4,9 +4,13 @@ workers' critical path."""
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import time
+from dataclasses import dataclass
+from typing import Any
 
-from swiftspec.config import StepEvent, StepStats
+from swiftspec.config import FinishReason, StepEvent, StepStats
 from swiftspec.engine.detok import IncrementalDetokenizer
 from swiftspec.engine.protocol import Step
 
@@ -43,6 +47,7 @@ class Answer:
         self.d = d
         self.generated = self.verifies = self.accepted = self.verified = self.prefill_tokens = 0
         self.t_first = self.t_last = time.perf_counter()
+        self.latencies: list[float] = []  # every token's, sorted: the median is per token
 
     def event(self, step: Step) -> StepEvent:
         now = time.perf_counter()
@@ -63,12 +68,62 @@ class Answer:
             text += tail if hit else tail + self.stops.flush()
             reason = "stop" if hit else reason
         elapsed = now - self.t_first
+        latency = (now - self.t_last) * 1e3 / max(1, len(tokens))
+        for _ in tokens:
+            bisect.insort(self.latencies, latency)
         stats = StepStats(
             accepted=step.accepted, tree_size=step.tree_size, draft_ms=step.draft_ms, target_ms=step.target_ms,
-            token_latency_ms=(now - self.t_last) * 1e3 / max(1, len(tokens)),
+            token_latency_ms=latency, ms_per_token_p50=_median(self.latencies),
             acceptance_rate=self.accepted / self.verified if self.verified else 0.0,
             mean_accepted=(self.accepted + self.verifies) / self.verifies if self.verifies else 0.0,
             tokens_per_s=(self.generated - 1) / elapsed if elapsed > 0 else 0.0,
             d=self.d, prefill_tokens=self.prefill_tokens, generated=self.generated)
         self.t_last = now
         return StepEvent(tokens, text, stats, reason is not None, reason)
+
+
+def _median(ordered: list[float]) -> float:
+    n = len(ordered)
+    if not n:
+        return 0.0
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+@dataclass
+class AnswerSummary:
+    """An answer's figures as it ended (or so far): what the history keeps with it, scripted mode prints
+    and the chat shows under it. Stored as a flat dict (``to_dict``); ``from_dict`` reads older rows too."""
+
+    mode: str = "?"
+    finish_reason: FinishReason | str | None = None  # also "partial" while an answer is being saved
+    stats: StepStats = dataclasses.field(default_factory=StepStats)  # the last step's
+
+    @classmethod
+    def of(cls, mode: str, last: StepEvent | None) -> AnswerSummary:
+        return cls(mode, last.finish_reason if last else None, last.stats if last else StepStats())
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self.stats)
+        del out["accepted"]  # the last step's count: the answer's figures are acceptance_rate and mean_accepted
+        return {**out, "mode": self.mode, "finish_reason": self.finish_reason}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AnswerSummary:
+        names = {f.name for f in dataclasses.fields(StepStats)}
+        return cls(data.get("mode", "?"), data.get("finish_reason"),
+                   StepStats(**{k: v for k, v in data.items() if k in names}))
+
+    def line(self, short: bool = False) -> str:
+        """On one line: scripted mode's stderr and exports (full), a chat footer (short)."""
+        s, speculative = self.stats, self.mode != "ar"
+        bits = [self.mode, f"{s.generated} tok", f"{s.tokens_per_s:.1f} tok/s"]
+        if speculative:
+            bits.append(f"acc {100 * s.acceptance_rate:.0f}%")
+        if not short:
+            if speculative:
+                bits.append(f"{s.mean_accepted:.2f} tok/verify")
+            bits.append(f"p50 {s.ms_per_token_p50:.1f} ms/tok")
+        reason = self.finish_reason
+        if reason and (not short or reason not in ("eos", "stop")):
+            bits.append(reason)
+        return " · ".join(bits)

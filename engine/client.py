@@ -13,8 +13,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import itertools
-import os
-import queue
 import socket
 import subprocess
 import threading
@@ -24,35 +22,29 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
-from swiftspec import window
-from swiftspec.config import BUILTIN_DRAFTS, EngineConfig, SamplingParams, StepEvent
-from swiftspec.engine import launcher, protocol
+from swiftspec.config import EngineConfig, SamplingParams, StepEvent
+from swiftspec.engine import frames, launcher, protocol
 from swiftspec.engine.answer import Answer
-from swiftspec.engine.failures import WorkerOutput, worker_log_path
+from swiftspec.engine.failures import EngineError, WorkerOutput, worker_log_path
+from swiftspec.engine.frames import Cancel, Failure, Generate, Shutdown, Stepped
 from swiftspec.engine.model_dir import LoadError
 from swiftspec.engine.protocol import EngineInfo, Step
+from swiftspec.engine.spec import WorkerSpec
+from swiftspec.engine.startup import (
+    POLL_S,
+    accept_worker,
+    draft_corpus,
+    in_background,
+    resolve_models,
+    target_name,
+    wait_ready,
+)
 
-POLL_S = 0.25  # how often a blocked receive looks at the worker processes
 CLOSE_GRACE_S = 1.0  # for a clean exit after "shutdown", before signals
-# After Ctrl-C, the workers stop at their next step; not stopped after this long, they are taken for hung
-# (only a long prefill of a big model on CPU takes longer, and Ctrl-C asked to stop anyway).
+# After Ctrl-C or an abandoned answer, the workers stop at their next step; not stopped after this long,
+# they are taken for hung (only a long prefill of a big model on CPU takes longer, and the caller asked to
+# stop anyway).
 CANCEL_TIMEOUT_S = 10.0
-
-
-class EngineError(RuntimeError):
-    """The engine cannot do what was asked: its workers failed, or the request is impossible."""
-
-
-def _models(config: EngineConfig, say: Callable[[str], None]) -> tuple[Path, str, Path | None, int]:
-    """The target's directory, the draft as resolved, the draft model's directory (None: no model), and
-    the positions both models hold."""
-    from swiftspec.engine.model_dir import read_args, resolve_draft, resolve_model_dir
-
-    target_dir = resolve_model_dir(config.target, say)
-    draft = resolve_draft(config.draft, target_dir, say)
-    draft_model = None if draft in BUILTIN_DRAFTS or _is_head_dir(Path(draft)) else Path(draft)
-    limit = min(read_args(d).context_limit for d in [target_dir] + ([draft_model] if draft_model else []))
-    return target_dir, draft, draft_model, limit
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
@@ -118,28 +110,28 @@ class Engine:
         config = (config or EngineConfig()).validate()
         say = progress or (lambda _text: None)
         say("resolving the models")
-        target_dir, draft, draft_model, limit = _models(config, say)
+        target_dir, draft, draft_model, limit = resolve_models(config, say)
         if config.max_seq_len > limit:  # the KV cache is allocated for max_seq_len: never beyond the model
             say(f"max-seq-len {config.max_seq_len} is beyond the models' {limit} positions: using {limit}")
             config = dataclasses.replace(config, max_seq_len=limit)
-        tokenizer = None
-        if draft_model is not None:  # a clear error now rather than garbage proposals later
+        tokenizer, vocab_size = None, None
+        if draft_model is not None:  # a clear error now rather than garbage proposals later, checked once
             from swiftspec.engine.drafters import check_vocab_compatible
 
             tokenizer = load_tokenizer(target_dir, config.trust_remote_code)
-            check_vocab_compatible(tokenizer, load_tokenizer(draft_model, config.trust_remote_code))
-        corpus = _draft_corpus(config)
+            vocab_size = check_vocab_compatible(tokenizer, load_tokenizer(draft_model, config.trust_remote_code))
+        corpus = draft_corpus(config)
         if corpus is not None and config.draft_corpus != "auto":  # the shipped one is the embedded model's
             from swiftspec.engine.corpus import check_corpus
 
             tokenizer = tokenizer or load_tokenizer(target_dir, config.trust_remote_code)
             check_corpus(corpus, tokenizer)
         layout = launcher.plan_layout(config, launcher.visible_gpus(config.device))
-        target_name = _target_name(config)
-        worker = launcher.worker_args(config, layout, target_dir, draft, corpus) + [f"--target-name={target_name}"]
+        spec = WorkerSpec(config, layout, str(target_dir), draft, str(corpus) if corpus else None, target_name(config),
+                          vocab_size)
         run_dir = launcher.new_run_dir()
         try:
-            cmd = launcher.build_command(worker, layout.world, run_dir)
+            cmd = launcher.build_command([f"--spec={spec.write(run_dir)}"], layout.world, run_dir)
             listener = socket.create_server(("127.0.0.1", 0))
             key = protocol.new_key()
             addr = f"127.0.0.1:{listener.getsockname()[1]}"
@@ -151,14 +143,14 @@ class Engine:
             launcher.remove_run_dir(run_dir)
             raise
         if tokenizer is None:  # its imports (~2 s) run while the workers start, not before
-            tokenizer = _in_background(load_tokenizer, target_dir, config.trust_remote_code)
+            tokenizer = in_background(load_tokenizer, target_dir, config.trust_remote_code)
         tail = WorkerOutput(proc.stdout, worker_log_path(), layout.n_target)
         pgids = {proc.pid}
         conn = None
         try:
             deadline = time.monotonic() + config.startup_timeout_s
-            conn = _accept_worker(listener, key, proc, tail, deadline)
-            info = dataclasses.replace(_wait_ready(conn, proc, tail, deadline, pgids, say), max_context=limit)
+            conn = accept_worker(listener, key, proc, tail, deadline)
+            info = dataclasses.replace(wait_ready(conn, proc, tail, deadline, pgids, say), max_context=limit)
             if isinstance(tokenizer, Future):
                 tokenizer = tokenizer.result()
         except BaseException as e:
@@ -178,15 +170,16 @@ class Engine:
         return cls(config, proc, conn, tail, pgids, run_dir, info, tokenizer)
 
     @staticmethod
-    def context(config: EngineConfig, progress: Callable[[str], None] | None = None) -> window.Context:
-        """The context a started engine would have, from the tokenizer and the model files alone: an
-        over-long prompt is refused in a second instead of after the workers' start."""
+    def context(config: EngineConfig, progress: Callable[[str], None] | None = None
+                ) -> tuple[Callable[[list[dict]], int], int, int]:
+        """The context a started engine would have, from the tokenizer and the model files alone (how
+        messages count, the context's length, the models' limit): an over-long prompt is refused in a
+        second instead of after the workers' start."""
         from swiftspec.engine.model_dir import load_tokenizer
 
-        target_dir, _, _, limit = _models(config.validate(), progress or (lambda _text: None))
+        target_dir, _, _, limit = resolve_models(config.validate(), progress or (lambda _text: None))
         tokenizer = load_tokenizer(target_dir, config.trust_remote_code)
-        return window.Context(lambda messages: len(encode_chat(tokenizer, messages)), min(config.max_seq_len, limit),
-                              limit)
+        return lambda messages: len(encode_chat(tokenizer, messages)), min(config.max_seq_len, limit), limit
 
     # ------------------------------------------------------------------------------------- answers
     def generate(self, messages: list[dict], params: SamplingParams | None = None) -> Iterator[StepEvent]:
@@ -197,8 +190,10 @@ class Engine:
         a long conversation within the context is the caller's part (``swiftspec.window``).
 
         Ctrl-C while waiting cancels the answer (the KeyboardInterrupt is re-raised once the workers have
-        stopped), and abandoning the iterator cancels it too; either way the engine stays usable. Workers
-        that do not stop within CANCEL_TIMEOUT_S of a Ctrl-C, or a second Ctrl-C, end the worker group.
+        stopped), and abandoning the iterator (``close()``, or dropping it) cancels it too; either way the
+        engine stays usable. Workers that do not stop within CANCEL_TIMEOUT_S of a Ctrl-C or of the
+        abandon, or a second Ctrl-C, end the worker group: abandoning returns within CANCEL_TIMEOUT_S and
+        the few seconds that ending the group takes, even with a hung worker.
         """
         params = (params or SamplingParams()).validate()
         if params.mode != "ar" and self.info.draft == "none":
@@ -219,7 +214,7 @@ class Engine:
         self._finish_pending()
         rid = next(self._ids)
         self._current = rid
-        self._send("generate", id=rid, token_ids=ids, params=params.to_dict())
+        self._send(Generate(rid, ids, params))
         answer = Answer(self.tokenizer, params.stop, 0 if params.mode == "ar" else self.info.d)
         try:
             while True:
@@ -242,15 +237,17 @@ class Engine:
             raise
         finally:
             if self._current == rid and self._dead is None:  # abandoned: stop the workers' loop
-                self.cancel()
-                self._finish_pending()
+                try:
+                    self._finish_pending(CANCEL_TIMEOUT_S)
+                except EngineError:  # hung: the group is ended, and the next call says why
+                    pass
 
     def cancel(self) -> None:
         """Stops the current answer at the next step (thread-safe; its last event says "cancelled")."""
         rid = self._current
         if rid is not None and self._dead is None:
             try:
-                self._conn.send("cancel", id=rid)
+                frames.send(self._conn, Cancel(rid))
             except OSError:
                 pass
 
@@ -275,26 +272,25 @@ class Engine:
     def _next_step(self, rid: int, deadline: float | None = None) -> Step:
         while True:
             try:
-                msg = self._conn.recv(POLL_S)
+                frame = frames.recv(self._conn, POLL_S)
             except (OSError, protocol.ProtocolError) as e:
                 self._fail(f"lost the connection to the workers ({e})")
-            if msg is None:
-                self._check_alive()
-                if deadline is not None and time.monotonic() > deadline:
-                    self._fail("the workers did not stop after a cancel: they are hung and were ended")
-                continue
-            if msg["type"] == "step" and msg.get("id") == rid:
-                return Step.from_dict(msg["step"])
-            if msg["type"] == "error":
-                if msg.get("fatal", True):
-                    self._fail(f"a worker failed: {msg.get('message')}")
-                if msg.get("id") == rid:
+            match frame:
+                case None:
+                    self._check_alive()
+                    if deadline is not None and time.monotonic() > deadline:
+                        self._fail("the workers did not stop after a cancel: they are hung and were ended")
+                case Stepped(sid, step) if sid == rid:
+                    return step
+                case Failure(message, fatal=True):
+                    self._fail(f"a worker failed: {message}")
+                case Failure(message, fid) if fid == rid:
                     self._current = None
-                    raise EngineError(str(msg.get("message")))
+                    raise EngineError(message)
 
-    def _send(self, type_: str, **fields) -> None:
+    def _send(self, frame: frames.Frame) -> None:
         try:
-            self._conn.send(type_, **fields)
+            frames.send(self._conn, frame)
         except OSError as e:
             self._fail(f"lost the connection to the workers ({e})")
 
@@ -338,7 +334,7 @@ class Engine:
         _live_engines.discard(self)
         if self._dead is None:
             try:
-                self._conn.send("shutdown")
+                frames.send(self._conn, Shutdown())
                 self._proc.wait(timeout=CLOSE_GRACE_S)
             except (OSError, subprocess.TimeoutExpired):
                 pass
@@ -363,130 +359,3 @@ class Engine:
         self.close()
 
 
-def _target_name(config: EngineConfig) -> str:
-    """What the title bar calls the target (the workers add the precision it runs at)."""
-    from swiftspec.embedded import EMBEDDED_NAME
-
-    return EMBEDDED_NAME if config.target is None else Path(config.target).name
-
-
-def _draft_corpus(config: EngineConfig) -> Path | None:
-    """The suffix drafter's corpus file: with "auto", the one shipped for the embedded default (none for
-    other targets); "none"; or the user's file."""
-    if config.draft != "suffix" or config.draft_corpus == "none":
-        return None
-    if config.draft_corpus != "auto":
-        return Path(config.draft_corpus).expanduser()
-    from swiftspec.engine.corpus import builtin_corpus
-
-    shipped = builtin_corpus()
-    return shipped if config.target is None and shipped.is_file() else None
-
-
-def _is_head_dir(path: Path) -> bool:
-    from swiftspec.engine.draft_head import is_head_dir  # imports torch: only for a draft path
-
-    return is_head_dir(path)
-
-
-def _in_background(fn, *args) -> Future:
-    """``fn(*args)`` in a daemon thread at the lowest priority. Not a ThreadPoolExecutor: the interpreter
-    joins those at exit, so a start that failed while transformers was still importing at nice 19 on a
-    busy machine kept its process alive for a minute."""
-    future: Future = Future()
-
-    def run() -> None:
-        _lowest_priority()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="engine-tokenizer", daemon=True).start()
-    return future
-
-
-def _lowest_priority() -> None:
-    """Linux threads have their own nice value: a thread at 19 leaves the cores to the workers' start."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
-
-
-MAX_PENDING_HANDSHAKES = 32  # connections still proving themselves; more are closed at once
-
-
-def _accept_worker(listener: socket.socket, key: str, proc: subprocess.Popen, tail: WorkerOutput,
-                   deadline: float) -> protocol.Connection:
-    """Waits for the leader to connect and authenticate. Every connection gets its handshake in a thread
-    of its own, with its own deadline, so idle or slow peers cannot hold up the leader's; peers without
-    the key are refused and the wait goes on."""
-    listener.settimeout(POLL_S)
-    winner: queue.Queue[protocol.Connection] = queue.Queue()
-    pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
-    done = threading.Event()
-
-    def handshake(conn: protocol.Connection) -> None:
-        try:
-            protocol.server_handshake(conn, key)
-            if not done.is_set():
-                winner.put(conn)
-                return
-        except (OSError, protocol.ProtocolError):
-            pass
-        finally:
-            pending.release()
-        conn.close()
-
-    try:
-        while True:
-            try:
-                return winner.get_nowait()
-            except queue.Empty:
-                pass
-            if proc.poll() is not None:
-                raise EngineError(tail.report(f"the workers exited during start-up (torchrun exit code "
-                                              f"{proc.returncode}), before their leader had connected", proc))
-            if time.monotonic() > deadline:
-                raise EngineError(tail.report("no worker connected and completed the start-up handshake before "
-                                              "the start-up timeout", proc))
-            try:
-                sock, _ = listener.accept()
-            except TimeoutError:
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = protocol.Connection(sock)
-            if not pending.acquire(blocking=False):
-                conn.close()
-                continue
-            threading.Thread(target=handshake, args=(conn,), daemon=True, name="engine-handshake").start()
-    finally:
-        done.set()
-        while not winner.empty():  # a second peer that authenticated too: only the first is kept
-            winner.get_nowait().close()
-
-
-def _wait_ready(conn: protocol.Connection, proc: subprocess.Popen, tail: WorkerOutput, deadline: float,
-                pgids: set[int], say: Callable[[str], None]) -> EngineInfo:
-    while True:
-        try:
-            msg = conn.recv(POLL_S)
-        except (OSError, protocol.ProtocolError) as e:
-            raise EngineError(tail.report(f"the workers dropped the connection during start-up ({e})", proc)) from None
-        if msg is None:
-            if proc.poll() is not None:
-                raise EngineError(tail.report(
-                    f"the workers exited during start-up (torchrun exit code {proc.returncode})", proc))
-            if time.monotonic() > deadline:
-                raise EngineError(tail.report("the workers were not ready before the start-up timeout", proc))
-            continue
-        kind = msg["type"]
-        if kind == "hello":
-            pgids.update(int(pid) for _, pid in msg["pids"])
-        elif kind == "progress":
-            say(str(msg.get("text")))
-        elif kind == "error":
-            raise EngineError(tail.report(f"the workers failed to start: {msg.get('message')}", proc))
-        elif kind == "ready":
-            return EngineInfo.from_dict(msg["info"])

@@ -32,7 +32,7 @@ BLOCK_FORMATS = {"Q4_0": Format.Q4, "Q4_1": Format.Q4, "Q4_K": Format.Q4, "Q8_0"
 
 def library() -> ctypes.CDLL:
     """The kernels, built on first use into the cache (KernelsUnavailable without a C compiler)."""
-    from swiftspec.embedded import cache_dir
+    from swiftspec.engine.embedded import cache_dir
 
     return cpu_linear.load(cache_dir() / "kernels")
 

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from swiftspec.config import TreeParams
 from swiftspec.engine.drafters import Drafter, Expansion, Features
+from swiftspec.engine.messages import WireError
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.tree import TokenTree, target_inputs
 from swiftspec.engine.tree_cache import ContextFull, TreeKVCache, prefill_forward
@@ -175,7 +176,8 @@ class DraftState:
         tree = self.tree
         nodes = tree.walk(path)
         verified = nodes[:len(path)]  # the old root and the accepted tokens: all in the tree
-        assert len(verified) == len(path), "a verdict accepted a token the draft never proposed"
+        if len(verified) != len(path):  # committing it would put KV that was never computed in the prefix
+            raise WireError("a verdict accepted a token the draft never proposed")
         with_kv = [tree.slot[i] for i in verified if tree.slot[i] >= 0]
         new_tokens = [tree.token[i] for i in verified]
         if len(nodes) > len(path):  # the bonus token is in the tree: keep its subtree

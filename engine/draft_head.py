@@ -139,6 +139,10 @@ class DraftHead(nn.Module):
         self.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.slot_features = torch.zeros(max_slots, self.args.dim, dtype=p.dtype, device=p.device)
 
+    def move_slots(self, src: Tensor, dst: Tensor) -> None:
+        """The predicted features follow their rows' KV (TreeKVCache.commit)."""
+        self.slot_features.index_copy_(0, dst, self.slot_features.index_select(0, src))
+
     def fuse(self, tokens: Tensor, features: Tensor) -> Tensor:
         return self.fc(torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.ffn_norm.weight.dtype)], -1))
 
@@ -177,57 +181,6 @@ class DraftHead(nn.Module):
         out = self.finish(h)
         self.slot_features.index_copy_(0, slots, out)
         return out
-
-    def forward_train(self, tokens: Tensor, features: list[Tensor], positions: Tensor) -> list[Tensor]:
-        """Training-time unrolling over whole sequences (B x L), as the tree forward computes it.
-
-        ``features[0]`` [B, L, dim]: row j's input feature (the target's at j - 1). Step s >= 2 feeds
-        row j the prediction of row j - 1 at step s - 1: the row of a tree node at depth s - 1 whose
-        root sits at j - s + 1. Its keys are then what the draft tree gives it: the step-1 rows at
-        positions <= j - s + 1 (the prefix and the root) and the step-t row at j - s + t for t = 2..s (its
-        ancestors and itself). Returns the predicted features of each step ([B, L, dim] each).
-        """
-        a = self.attention
-        B, L, _ = features[0].shape
-        nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq_for(features[0].device)[None, None]
-        emb = torch.cat((freqs, freqs), dim=-1).reshape(B * L, -1)
-        cos, sin = emb.cos(), emb.sin()
-        idx = torch.arange(L, device=tokens.device)
-        keys, values, outs = [], [], []
-        feats = features[0]
-        steps = len(features)
-        for s in range(1, steps + 1):
-            x = self.fuse(tokens, feats)
-            qk, v = a.wqkv(x).split_with_sizes([(nh + nkv) * hd, nkv * hd], dim=-1)
-            qk = kernels.rope_rotate_half(qk.reshape(B * L, nh + nkv, hd), cos, sin).reshape(B, L, nh + nkv, hd)
-            q, k = qk.split_with_sizes([nh, nkv], dim=2)
-            rep = nh // nkv
-            k = k.repeat_interleave(rep, dim=2).transpose(1, 2)  # [B, H, L, hd]
-            v = v.reshape(B, L, nkv, hd).repeat_interleave(rep, dim=2).transpose(1, 2)
-            q = q.transpose(1, 2)
-            keys.append(k)
-            values.append(v)
-            # step-1 keys at positions <= j - s + 1
-            scores = [torch.matmul(q, keys[0].transpose(-1, -2)) * a.scale]
-            allowed = idx[None, :] <= (idx[:, None] - s + 1)
-            scores[0] = scores[0].masked_fill(~allowed, float("-inf"))
-            # the step-t key at j - s + t, t = 2..s: one key per row, shifted by s - t
-            for t in range(2, s + 1):
-                shift = s - t
-                kt = F.pad(keys[t - 1], (0, 0, shift, 0))[:, :, :L]  # row j reads key j - shift
-                scores.append((q * kt).sum(-1, keepdim=True) * a.scale)
-            probs = torch.cat(scores, dim=-1).float().softmax(-1).to(q.dtype)
-            probs = torch.nan_to_num(probs)  # rows j < s - 1 have no root: no key at all
-            attn_out = torch.matmul(probs[..., :L], values[0])
-            for t in range(2, s + 1):
-                shift = s - t
-                vt = F.pad(values[t - 1], (0, 0, shift, 0))[:, :, :L]
-                attn_out = attn_out + probs[..., L + t - 2:L + t - 1] * vt
-            out = self.finish(x + a.wo(attn_out.transpose(1, 2).reshape(B, L, nh * hd)))
-            outs.append(out)
-            feats = F.pad(out, (0, 0, 1, 0))[:, :L]  # row j's next input: row j - 1's prediction
-        return outs
 
     def inv_freq_for(self, device: torch.device) -> Tensor:
         """The RoPE frequencies on ``device`` (computed once per device)."""
@@ -379,7 +332,7 @@ class HeadDrafter:
     def __init__(self, head: DraftHead, max_slots: int):
         self.head = head
         head.setup_cache(max_slots)
-        self.cache = TreeKVCache(head)
+        self.cache = TreeKVCache(head, head.move_slots)
         p = head.ffn_norm.weight
         self.features = torch.zeros(max_slots, head.args.dim, dtype=p.dtype, device=p.device)
         self.n_committed = 0  # committed positions whose target feature is in ``features``

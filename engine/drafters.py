@@ -213,12 +213,14 @@ class SuffixDrafter:
 
 def make_drafter(kind: str, target_dir: Path, trust_remote_code: bool, history: bool,
                  load: Callable[[Path, bool], object], device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, max_slots: int = 4096, corpus: Path | None = None) -> Drafter:
+                 dtype: torch.dtype = torch.float32, max_slots: int = 4096, corpus: Path | None = None,
+                 vocab_size: int | None = None) -> Drafter:
     """The one place a draft kind becomes a drafter: "suffix", "int8" (the target, dynamic int8), a draft
     head directory (with the target's embedding and lm_head, on ``device`` in ``dtype``) or a model
     directory. ``load(path, int8)`` loads a draft model on this rank; ``history``: the suffix drafter also
     drafts from earlier conversations; ``max_slots``: a head's KV cache; ``corpus``: the suffix drafter's
-    corpus file."""
+    corpus file; ``vocab_size``: a draft model's vocabulary shared with the target, as the Engine checked
+    it (None: checked here)."""
     from swiftspec.engine.draft_head import HeadDrafter, is_head_dir, load_head  # it imports this module
 
     if kind == "suffix":
@@ -232,6 +234,7 @@ def make_drafter(kind: str, target_dir: Path, trust_remote_code: bool, history: 
         if torch.device(device).type == "cpu" and dtype == torch.float32 and fbgemm_available():
             head.pack_fp16_cpu_weights()
         return HeadDrafter(head, max_slots)
-    vocab = check_vocab_compatible(load_tokenizer(target_dir, trust_remote_code),
-                                   load_tokenizer(Path(kind), trust_remote_code))
-    return ModelDrafter(load(Path(kind), False), vocab)
+    if vocab_size is None:
+        vocab_size = check_vocab_compatible(load_tokenizer(target_dir, trust_remote_code),
+                                            load_tokenizer(Path(kind), trust_remote_code))
+    return ModelDrafter(load(Path(kind), False), vocab_size)

@@ -12,12 +12,17 @@ import time
 from collections import deque
 from pathlib import Path
 
+
+class EngineError(RuntimeError):
+    """The engine cannot do what was asked: its workers failed, or the request is impossible."""
+
+
 TORCHRUN_REPORT_S = 3.0  # after a failure, for torchrun to find which worker failed and end the rest
 
 
 def worker_log_path() -> Path:
     """Where this Engine's workers' whole output goes: named in every error, removed after a clean close."""
-    from swiftspec.embedded import cache_dir
+    from swiftspec.engine.embedded import cache_dir
 
     return cache_dir() / "logs" / f"workers-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
 

@@ -166,33 +166,6 @@ def memory_fraction(devices: list[str], rank: int, n_target: int) -> float | Non
     return DRAFT_MEMORY_SHARE if rank >= n_target else 1.0 - DRAFT_MEMORY_SHARE
 
 
-def worker_args(config: EngineConfig, layout: Layout, target_dir: Path, draft: str,
-                corpus: Path | None = None) -> list[str]:
-    """The worker's own flags (see ``python -m swiftspec.engine.worker --help``); ``corpus``: the suffix
-    drafter's, resolved (``Engine.start``)."""
-    # paths as --flag=value: argparse would take a directory named "-x" for an option of its own
-    args = [f"--target={target_dir}", f"--draft={draft}", "--target-procs", str(layout.n_target),
-            "--dtype", config.dtype, "--batch-invariant", config.batch_invariant,
-            "--max-seq-len", str(config.max_seq_len),
-            "--tree-bs", str(config.tree.bs), "--tree-w", str(config.tree.w)]
-    if config.tree.d is not None:
-        args += ["--tree-d", str(config.tree.d)]
-    if config.threads:
-        args += ["--threads", str(config.threads)]
-    if config.trust_remote_code:
-        args.append("--trust-remote-code")
-    if not config.draft_history:
-        args.append("--no-draft-history")
-    if corpus is not None:
-        args.append(f"--draft-corpus={corpus}")
-    if config.verify_cost:
-        args.append("--verify-cost")
-    if layout.cuda:
-        args += ["--target-devices", ",".join(map(str, layout.target_devices or []))]
-        args += ["--draft-devices", ",".join(map(str, layout.draft_devices or []))]
-    return args
-
-
 def build_command(worker: list[str], nproc_per_node: int, run_dir: Path | None = None, nnodes: int = 1,
                   rdzv_endpoint: str | None = None, rdzv_id: str = "swiftspec") -> list[str]:
     """torchrun, run by the same interpreter as the Engine. No restarts: a failed worker must fail the

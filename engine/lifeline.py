@@ -1,7 +1,7 @@
 """Ties a process to its parent's life: imports nothing heavy, so a worker can call it first thing.
 
-torchrun's workers used to set their death signal only after importing torch (1.5-3 s); a torchrun killed
-in that window left them orphaned for good, stuck in ``init_process_group``.
+A worker sets its death signal before it imports torch (1.5-3 s): a torchrun killed in that window would
+otherwise leave it orphaned for good, stuck in ``init_process_group``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from swiftspec.embedded import GGUF_METADATA
+from swiftspec.engine.embedded import GGUF_METADATA
 from swiftspec.engine.model import Transformer, fbgemm_available, pack_fp16_linears
 from swiftspec.engine.model_args import ModelArgs
 from swiftspec.engine.model_dir import (

@@ -7,10 +7,11 @@ The loops talk over a Link: ``worker/wire.py``'s between the two worker groups (
 loops this way). Only token ids and numbers leave the target loop (``emit``); the Engine turns them
 into text, stop strings and stats.
 
-One round, leader to leader: the draft sends a SUBTREE (tokens, parents); the target verifies it and
-answers CONT (the verdict: accepted tokens + bonus) or STOP (the last verdict). In ``async`` the draft expands its tree d
-times while the target verifies; in ``sync`` it expands d times, sends, and waits. A drafter that reads
-the target's hidden states gets them right after START (the prefill's) and after each verdict.
+One round, leader to leader (``engine/messages.py``): the draft sends a ``Subtree``; the target verifies
+it and answers with a ``Verdict`` (accepted tokens + bonus; ``last`` ends the answer). In ``async`` the
+draft expands its tree d times while the target verifies; in ``sync`` it expands d times, sends, and
+waits. A drafter that reads the target's hidden states gets them right after ``Start`` (the prefill's)
+and after each verdict.
 """
 
 from __future__ import annotations
@@ -20,49 +21,34 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import IntEnum
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from torch import Tensor
 
 from swiftspec.config import ConfigError, SamplingParams
 from swiftspec.engine.decode import DraftState, TargetState
 from swiftspec.engine.drafters import Features
+from swiftspec.engine.messages import (
+    Follow,
+    FollowerStep,
+    LeaderMessage,
+    Start,
+    Subtree,
+    Verdict,
+    WireError,
+)
 from swiftspec.engine.protocol import Step
 from swiftspec.engine.sampling import Sampler
-
-
-class Op(IntEnum):
-    """Message kinds: between the leaders (START .. SUBTREE) and from a leader to its TP followers."""
-
-    START = 1  # target -> draft: the first root (a: the prefill's reuse point, b: the feature size)
-    CONT = 2  # target -> draft: the verdict, go on
-    STOP = 3  # target -> draft: the answer is over
-    SUBTREE = 4  # draft -> target: tokens, parents (a: expansions since the last one, b: their µs)
-    END = 10
-    VERIFY = 11
-    DECODE = 12
-    EXPAND = 14
-    REROOT = 15
-    DRAFT = 16  # the followers' share of DraftState.subtree
-
-
-class Message(NamedTuple):
-    kind: Op
-    tokens: list[int] = []
-    parents: list[int] = []
-    a: int = 0
-    b: int = 0
 
 
 class Link(Protocol):
     """One leader's end of the channel to the other group's leader."""
 
-    def send(self, msg: Message) -> None: ...
+    def send(self, msg: LeaderMessage) -> None: ...
 
-    def recv(self) -> Message: ...
+    def recv(self) -> LeaderMessage: ...
 
-    def post_recv(self) -> Callable[[], Message]:
+    def post_recv(self) -> Callable[[], LeaderMessage]:
         """Starts receiving the next message; the returned call waits for it."""
 
     def send_features(self, hidden: Tensor) -> None: ...
@@ -70,8 +56,12 @@ class Link(Protocol):
     def recv_features(self, rows: int, dim: int) -> Tensor: ...
 
 
-def nobody(op: Op, tokens: list[int] = (), parents: list[int] = ()) -> None:
+def nobody(step: FollowerStep) -> None:
     """``tell`` for a group without TP followers."""
+
+
+def unexpected(msg, wanted: str) -> WireError:
+    return WireError(f"expected {wanted}, got {msg!r}")
 
 
 @dataclass
@@ -149,28 +139,34 @@ def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finis
     if req.params.mode == "ar":
         emit(first)
         while reason is None:
-            tell(Op.DECODE, [root])
+            tell(FollowerStep(Follow.DECODE, [root]))
             v = target.verify([root], [-1], sampler)
             root = v.path[0]
             tokens, reason = fin.cut(v.path)
             emit(Step(tokens, reason, target_ms=v.target_ms))
     else:
-        f = target.features
-        link.send(Message(Op.STOP if reason else Op.START, [root], a=f.start if f else 0,
-                          b=f.hidden.shape[-1] if f else 0))
-        if features and reason is None:
+        if reason is not None:
+            link.send(Verdict([root], last=True))
+        elif features:
+            f = target.features
+            link.send(Start(root, f.start, f.hidden.shape[-1]))
             link.send_features(f.hidden)
+        else:
+            link.send(Start(root))
         emit(first)
         while reason is None:
             sub = link.recv()
-            tell(Op.VERIFY, sub.tokens, sub.parents)
+            if not isinstance(sub, Subtree):
+                raise unexpected(sub, "a subtree")
+            tell(FollowerStep(Follow.VERIFY, sub.tokens, sub.parents))
             v = target.verify(sub.tokens, sub.parents, sampler, hidden=features)
             tokens, reason = fin.cut(v.path)
-            link.send(Message(Op.STOP if reason else Op.CONT, v.path))
+            link.send(Verdict(v.path, last=reason is not None))
             if features:
                 link.send_features(v.hidden)
-            emit(Step(tokens, reason, v.accepted, v.tree_size, sub.b / 1e3 / sub.a if sub.a else 0.0, v.target_ms))
-    tell(Op.END)
+            draft_ms = sub.expand_us / 1e3 / sub.expansions if sub.expansions else 0.0
+            emit(Step(tokens, reason, v.accepted, v.tree_size, draft_ms, v.target_ms))
+    tell(FollowerStep(Follow.END))
 
 
 def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) -> None:
@@ -187,15 +183,18 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
     wants = ds.drafter.wants_features
     if not wants:
         ds.prefill(req.prompt)
-    msg = link.recv()
-    if msg.kind == Op.STOP:
-        tell(Op.END)
-        return
-    dim = msg.b
+    match link.recv():
+        case Verdict(last=True):  # the answer was over at its first token
+            tell(FollowerStep(Follow.END))
+            return
+        case Start(root, reuse, dim) if dim or not wants:
+            pass
+        case msg:
+            raise unexpected(msg, "the start of an answer" + (" with features" if wants else ""))
     if wants:
-        ds.prefill(req.prompt, Features(msg.a, link.recv_features(len(req.prompt) - msg.a, dim)))
-    tell(Op.START, msg.tokens)
-    ds.start(msg.tokens[0])
+        ds.prefill(req.prompt, Features(reuse, link.recv_features(len(req.prompt) - reuse, dim)))
+    tell(FollowerStep(Follow.START, [root]))
+    ds.start(root)
     asynchronous, bs = req.params.mode == "async", ds.params.bs
     paying = not asynchronous and ds.verify_cost is not None and ds.step_ms
     n_exp, exp_ms = 0, 0.0
@@ -205,17 +204,16 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
         drafting = not paying or payback.open()
         rate = ds.round_rate(0.0) if paying else None
         while drafting and (todo > 0 or ds.size < bs) and ds.can_expand():
-            tell(Op.EXPAND)
+            tell(FollowerStep(Follow.EXPAND))
             exp_ms += ds.expand()
             n_exp, todo = n_exp + 1, todo - 1
             if rate is not None:  # sync pays for every expansion: stop at the first that did not pay
                 if (new := ds.round_rate(exp_ms)) <= rate:
                     break
                 rate = new
-        tell(Op.DRAFT)
         draft_share = exp_ms / ds.step_ms if paying else 0.0  # the round's drafting, in one-node steps
         toks, parents = ds.subtree(draft_share)
-        link.send(Message(Op.SUBTREE, toks, parents, n_exp, round(exp_ms * 1e3)))
+        link.send(Subtree(toks, parents, n_exp, round(exp_ms * 1e3)))
         n_exp, exp_ms = 0, 0.0
         verdict = link.post_recv()
         if asynchronous:  # grow the tree for the next round while the target verifies this one
@@ -224,17 +222,19 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
             for _ in range(d):
                 if not ds.can_expand() or (window is not None and exp_ms + last > window):
                     break
-                tell(Op.EXPAND)
+                tell(FollowerStep(Follow.EXPAND))
                 last = ds.expand()
                 exp_ms += last
                 n_exp += 1
         msg = verdict()
+        if not isinstance(msg, Verdict):
+            raise unexpected(msg, "a verdict")
         if draft_share >= PaybackGate.MIN_DRAFT_SHARE:  # a sync round whose drafting cost a real share of a step
-            payback.judge(len(msg.tokens) / (ds.verify_cost[len(toks) - 1] + draft_share))
-        tell(Op.REROOT, msg.tokens)  # after a STOP too: the draft then holds what the target committed
-        ds.reroot(msg.tokens, link.recv_features(len(msg.tokens), dim) if wants else None)
-        if msg.kind == Op.STOP:
-            tell(Op.END)
+            payback.judge(len(msg.path) / (ds.verify_cost[len(toks) - 1] + draft_share))
+        tell(FollowerStep(Follow.REROOT, msg.path))  # after the last too: the draft then holds what the target committed
+        ds.reroot(msg.path, link.recv_features(len(msg.path), dim) if wants else None)
+        if msg.last:
+            tell(FollowerStep(Follow.END))
             return
 
 
@@ -295,14 +295,15 @@ class _End:
             raise RuntimeError("the other end of the link failed") from msg
         return msg
 
-    def post_recv(self) -> Callable[[], Message]:
+    def post_recv(self) -> Callable[[], LeaderMessage]:
         return self.recv
 
     send_features = send
 
     def recv_features(self, rows: int, dim: int) -> Tensor:
         hidden = self.recv()
-        assert hidden.shape == (rows, dim), (hidden.shape, rows, dim)
+        if tuple(hidden.shape) != (rows, dim):
+            raise WireError(f"features of shape {tuple(hidden.shape)} where ({rows}, {dim}) were due")
         return hidden
 
 
@@ -336,6 +337,6 @@ def generate(target: TargetState, draft: DraftState | None, prompt: list[int], p
         lead_target(target, link.end(1), req, fin, steps.append, features=draft.drafter.wants_features)
     finally:
         if thread.is_alive():  # the target failed: end the draft's loop too
-            link.end(1).send(Message(Op.STOP))
+            link.end(1).send(RuntimeError("the target's loop failed"))
         thread.join()
     return steps

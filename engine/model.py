@@ -208,11 +208,11 @@ class Transformer(nn.Module):
 
     def transpose_cpu_weights(self) -> None:
         """Stores every linear's weight column-major (fp32 CPU only): MKL's GEMM for the handful of rows a
-        decode step or a small verification forwards is fastest that way. On SmolLM2 (EPYC, 2 threads) a
-        one-row step drops from ~52 to ~40 ms (the lm_head alone 8.6 -> 5.0 ms) and two rows from ~90 to
-        ~64 ms; beyond four rows both layouts cost the same. The tied lm_head gets its own copy, so the
-        embedding lookup keeps reading contiguous rows. (MKL's prepacked weights, used before, padded 2..7
-        rows to 8: every verification cost ~2.6 one-row steps, and packing took a second at load.)"""
+        decode step or a small verification forwards is fastest that way (SmolLM2, 2 threads: a one-row
+        step ~52 -> ~40 ms, two rows ~90 -> ~64 ms; beyond four rows both layouts cost the same). The tied
+        lm_head gets its own copy, so the embedding lookup keeps reading contiguous rows. Not MKL's
+        prepacked weights: they pad 2..7 rows to 8 (a verification costs ~2.6 one-row steps) and take a
+        second to pack at load."""
         if self.tok_embeddings.weight.dtype != torch.float32:
             return
         for mod in self.modules():
@@ -258,7 +258,8 @@ class Transformer(nn.Module):
         Returns logits [R, vocab] (fp32) for ``logits_rows`` (default: all T rows), and the final hidden
         states [T, dim] as well when ``return_hidden``.
         """
-        assert self.k_cache is not None, "call setup_cache() first"
+        if self.k_cache is None:
+            raise RuntimeError("call setup_cache() first")
         invariant = self.batch_invariant
         ops = self.attention_ops
         if invariant and mask.shape[0] > 1 and not tokens.is_cuda and ops is kernels:

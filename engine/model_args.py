@@ -30,8 +30,6 @@ class ModelArgs:
     max_position_embeddings: int = 4096
     sliding_window: int | None = None
     architecture: str = "LlamaForCausalLM"
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
 
     @property
     def context_limit(self) -> int:
@@ -59,8 +57,6 @@ class ModelArgs:
                 raise ModelConfigError(f"unsupported RoPE scaling {rope_type!r} (default, linear, llama3)")
             rope = None if rope_type == "default" else {**rope, "rope_type": rope_type}
         n_heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             vocab_size=cfg["vocab_size"],
             dim=cfg["hidden_size"],
@@ -77,6 +73,4 @@ class ModelArgs:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
             architecture=arch,
-            eos_token_ids=eos,
-            bos_token_id=cfg.get("bos_token_id"),
         )

@@ -1,5 +1,5 @@
 """Finding and reading a model directory: a Hugging Face directory or a GGUF file (converted once into
-a directory in the cache, ``swiftspec.embedded``), its config, its tokenizer and its EOS ids. No path is
+a directory in the cache, ``swiftspec.engine.embedded``), its config, its tokenizer and its EOS ids. No path is
 ever resolved against a hub, and remote code is never trusted unless the user asks.
 
 No torch here (``engine.loader`` reads the weights): the Engine resolves and checks the models before it
@@ -22,7 +22,7 @@ class LoadError(ValueError):
 def resolve_model_dir(spec: str | None, progress: Callable[[str], None] | None = None) -> Path:
     """None → the embedded default; a .gguf file → its converted directory (converted once, stages
     reported to ``progress``); a directory → itself."""
-    from swiftspec import embedded
+    from swiftspec.engine import embedded
 
     if spec is None:
         return embedded.ensure_converted(embedded.embedded_gguf_path(), progress=progress)
@@ -113,7 +113,7 @@ def stored_float_dtype(model_dir: Path) -> str:
 
 def gguf_block_kinds(model_dir: Path) -> set[str]:
     """The GGUF block types a converted GGUF kept as blocks (from the safetensors headers only)."""
-    from swiftspec.embedded import GGUF_METADATA
+    from swiftspec.engine.embedded import GGUF_METADATA
 
     kinds: set[str] = set()
     for f in weight_files(model_dir):

@@ -8,14 +8,11 @@ Handshake (both sides prove they hold the random key, without sending it):
   worker -> engine  auth {mac = HMAC(key, "worker:" + nonce), nonce2}
   engine -> worker  welcome {mac = HMAC(key, "engine:" + nonce2)}  or  refused {reason}
 
-Then, engine -> worker:
-  generate {id, token_ids, params (SamplingParams.to_dict())}; cancel {id}; shutdown {}
-worker -> engine:
-  hello {pids: [[rank, pid], ...]}  (sent before loading, so the Engine can kill every worker's session)
-  progress {text}; ready {info (EngineInfo.to_dict())}
-  step {id, step (Step.to_dict())}: token ids and the target's figures; the Engine makes the text and
-  the StepEvent. The last step of a request has a finish reason.
-  error {id, message}  (fatal: the worker group exits after sending it)
+Then the messages of ``engine/frames.py``, one dataclass per kind: engine -> worker Generate, Cancel,
+Shutdown; worker -> engine Hello (every worker's pid, sent before loading, so the Engine can end every
+worker's session), Progress, Ready (EngineInfo), Stepped (a Step: token ids and the target's figures;
+the Engine makes the text and the StepEvent; the last step of a request has a finish reason), Failure
+(fatal: the worker group exits after sending it).
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from swiftspec.config import SamplingParams, StepEvent
+    from swiftspec.config import FinishReason, Role, SamplingParams, StepEvent
 
 VERSION = 1
 ENV_ADDR = "SWIFTSPEC_ENGINE_ADDR"  # host:port of the Engine's listening socket
@@ -191,7 +188,7 @@ class Step:
     """One decoding step as the target leader reports it: token ids and figures, no text."""
 
     tokens: list[int]  # new tokens, already cut by the finisher
-    finish: str | None = None  # "eos" | "length" | "context" | "repetition" | "cancelled" on the last step
+    finish: FinishReason | None = None  # on the last step (never "stop": the Engine matches stop strings)
     accepted: int = 0  # draft tokens accepted (the bonus token not counted)
     tree_size: int = 0  # nodes verified (0 for the prefill's token and in ar)
     draft_ms: float = 0.0  # mean draft expansion time since the previous subtree
@@ -211,7 +208,7 @@ class RankInfo:
     """One worker process: its role, device and share of the machine."""
 
     rank: int
-    role: str  # "target" | "draft"
+    role: Role
     device: str  # "cpu", "cuda:0", ...
     tp_rank: int
     tp_world: int

@@ -8,6 +8,8 @@ with one gather and one index_copy per cache tensor across all layers; nothing i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -19,9 +21,11 @@ class ContextFull(RuntimeError):
 
 
 class TreeKVCache:
-    def __init__(self, model=None):
-        """``model`` None: slot bookkeeping only (model-free drafters)."""
+    def __init__(self, model=None, move_slots: Callable[[Tensor, Tensor], None] | None = None):
+        """``model`` None: slot bookkeeping only (model-free drafters). ``move_slots(src, dst)``: moves
+        the caller's own per-slot state along with the KV (a draft head's predicted features)."""
         self.model = model
+        self.move_slots = move_slots
         self.prefix_len = 0
 
     @property
@@ -40,9 +44,8 @@ class TreeKVCache:
             dst_t = torch.arange(first + skip, first + len(src), device=src_t.device)
             for cache in (self.model.k_cache, self.model.v_cache):
                 cache.index_copy_(2, dst_t, cache.index_select(2, src_t))
-            feats = getattr(self.model, "slot_features", None)  # a draft head's predictions, by slot
-            if feats is not None:
-                feats.index_copy_(0, dst_t, feats.index_select(0, src_t))
+            if self.move_slots is not None:
+                self.move_slots(src_t, dst_t)
         self.prefix_len += n_verified
 
 

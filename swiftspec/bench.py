@@ -704,7 +704,7 @@ def _load_hf(model_dir: Path, tokenizer, eos: list[int], config: EngineConfig, m
 
 def llamacpp_gguf(config: EngineConfig) -> Path:
     """The GGUF file llama.cpp reads: the embedded default's, or the --target file."""
-    from swiftspec import embedded
+    from swiftspec.engine import embedded
 
     if config.target is None:
         return embedded.embedded_gguf_path()

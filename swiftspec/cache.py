@@ -10,7 +10,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from swiftspec.embedded import CONVERSION_FORMAT, FORMAT_METADATA, GGUF_METADATA, cache_dir
+from swiftspec.engine.embedded import CONVERSION_FORMAT, FORMAT_METADATA, GGUF_METADATA, cache_dir
 
 
 class CacheError(ValueError):

@@ -94,8 +94,9 @@ def _complete_draft(incomplete: str) -> list[str]:
 
 def _opt(*names: str, panel: str, metavar: str | None = None, **kwargs) -> typer.models.OptionInfo:
     """A settable option: its long name also reads SWIFTSPEC_<NAME> from the environment (and the config
-    file, see swiftspec.settings); every value takes an upper-case metavar, and a flag (metavar None) none."""
-    long = next(n for n in names if n.startswith("--"))
+    file, see swiftspec.settings); every value takes an upper-case metavar, and a flag (metavar None) none.
+    A flag that is on by default is named as a pair, "--flag/--no-flag"."""
+    long = next(n for n in names if n.startswith("--")).split("/")[0]
     return typer.Option(*names, envvar=env_var(long), metavar="" if metavar is None else metavar,
                         rich_help_panel=panel, **kwargs)
 
@@ -159,6 +160,10 @@ WOpt = Annotated[int, _opt(
 DOpt = Annotated[int | None, _opt(
     "--d", parser=_whole_number, panel=TREE, metavar="N",
     help="Draft expansions per round (1-64). Default: chosen from step times profiled at start.")]
+VerifyCostOpt = Annotated[bool, _opt(
+    "--verify-cost/--no-verify-cost", panel=TREE,
+    help="Verify only as many of the bs best nodes as are worth their profiled target cost; "
+         "--no-verify-cost: always bs, as the paper does.")]
 MaxNewTokensOpt = Annotated[int, _opt(
     "--max-new-tokens", parser=_whole_number, panel=DECODING, metavar="N",
     help="Most tokens generated per answer.")]
@@ -201,26 +206,58 @@ SeedOpt = Annotated[int | None, _opt(
     help="Seed for sampling, so a run can be reproduced.")]
 SystemOpt = Annotated[str | None, _opt("--system", panel=DECODING, metavar="TEXT", help="System prompt.")]
 
-_TREE_DEFAULTS = TreeParams()
-_ENGINE_DEFAULTS = EngineConfig()
+# Every engine setting the command line sets, by its EngineConfig field (bs, w, d: TreeParams'): its option
+# above. A command that starts an engine takes them all with @engine_options; the defaults are the
+# dataclasses' own.
+ENGINE_OPTIONS = {
+    "target": TargetOpt, "draft": DraftOpt, "draft_corpus": DraftCorpusOpt, "target_devices": TargetDevicesOpt,
+    "draft_devices": DraftDevicesOpt, "gpus": GpusOpt, "target_procs": TargetProcsOpt, "draft_procs": DraftProcsOpt,
+    "device": DeviceOpt, "dtype": DTypeOpt, "threads": ThreadsOpt, "max_seq_len": MaxSeqLenOpt,
+    "trust_remote_code": TrustRemoteCodeOpt, "bs": BsOpt, "w": WOpt, "d": DOpt, "verify_cost": VerifyCostOpt,
+}
+TREE_FIELDS = {f.name for f in dataclasses.fields(TreeParams)}
 
 
-def engine_config(
-    target: Path | None, draft: str, draft_corpus: str, target_devices: str | None, draft_devices: str | None,
-    gpus: int | None, target_procs: int, draft_procs: int, device: str, dtype: str, threads: int | None,
-    max_seq_len: int, trust_remote_code: bool, bs: int, w: int, d: int | None,
-) -> EngineConfig:
-    """Builds and validates the EngineConfig from the shared flags (ConfigError on a bad combination)."""
-    if gpus is not None and (target_devices or draft_devices):
+def engine_config(**given) -> EngineConfig:
+    """The EngineConfig of the engine options' values (ConfigError on a bad combination)."""
+    target, target_devices, draft_devices = given.pop("target"), given.pop("target_devices"), given.pop("draft_devices")
+    if given["gpus"] is not None and (target_devices or draft_devices):
         raise ConfigError("--gpus chooses the split itself; give it or --target-devices/--draft-devices")
     if bool(target_devices) != bool(draft_devices):
         raise ConfigError("--target-devices and --draft-devices go together")
-    return EngineConfig(
-        target=str(target) if target else None, draft=draft, draft_corpus=draft_corpus,
-        target_devices=_device_list(target_devices), draft_devices=_device_list(draft_devices), gpus=gpus,
-        target_procs=target_procs, draft_procs=draft_procs, device=device, dtype=dtype,
-        threads=threads, max_seq_len=max_seq_len, trust_remote_code=trust_remote_code, tree=TreeParams(bs=bs, w=w, d=d),
-    ).validate()
+    tree = TreeParams(**{name: given.pop(name) for name in TREE_FIELDS})
+    return EngineConfig(target=str(target) if target else None, target_devices=_device_list(target_devices),
+                        draft_devices=_device_list(draft_devices), tree=tree, **given).validate()
+
+
+def engine_options(command):
+    """Adds the engine's options (ENGINE_OPTIONS) to a command in place of its ``config`` parameter, and
+    calls it with the one EngineConfig they make; a refused value is a usage error that says where it
+    came from (the command's ``ctx``)."""
+    import functools
+    import inspect
+
+    defaults, tree = EngineConfig(), TreeParams()
+    params = list(inspect.signature(command, eval_str=True).parameters.values())
+    at = [p.name for p in params].index("config")
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    options = [inspect.Parameter(name, keyword, annotation=option,
+                                 default=getattr(tree if name in TREE_FIELDS else defaults, name))
+               for name, option in ENGINE_OPTIONS.items()]
+    params = params[:at] + options + [p.replace(kind=keyword) for p in params[at + 1:]]
+
+    @functools.wraps(command)
+    def with_config(*args, **kwargs):
+        given = {name: kwargs.pop(name) for name in ENGINE_OPTIONS}
+        try:
+            kwargs["config"] = engine_config(**given)
+        except ConfigError as e:
+            raise _fail(_with_origin(kwargs["ctx"], e), 2) from None
+        return command(*args, **kwargs)
+
+    with_config.__signature__ = inspect.Signature(params)
+    with_config.__annotations__ = {p.name: p.annotation for p in params}
+    return with_config
 
 
 def chat_defaults(target: str | None) -> SamplingParams:
@@ -255,24 +292,14 @@ CHAT_SAMPLING = (f"Sampling defaults (the flags left out): a model directory's g
 
 
 @app.command(no_args_is_help=False, epilog=CHAT_SAMPLING + "\n\n" + SOURCES)
+@engine_options
 def chat(
     ctx: typer.Context,
     prompt_arg: Annotated[str | None, typer.Argument(
         metavar="PROMPT", show_default=False,
         help="Answer this prompt and exit, as -p PROMPT does.")] = None,
-    target: TargetOpt = None,
-    draft: DraftOpt = "suffix",
-    draft_corpus: DraftCorpusOpt = _ENGINE_DEFAULTS.draft_corpus,
-    target_devices: TargetDevicesOpt = None,
-    draft_devices: DraftDevicesOpt = None,
-    gpus: GpusOpt = None,
-    target_procs: TargetProcsOpt = _ENGINE_DEFAULTS.target_procs,
-    draft_procs: DraftProcsOpt = _ENGINE_DEFAULTS.draft_procs,
-    device: DeviceOpt = "auto",
-    dtype: DTypeOpt = "auto",
-    threads: ThreadsOpt = None,
-    max_seq_len: MaxSeqLenOpt = _ENGINE_DEFAULTS.max_seq_len,
-    trust_remote_code: TrustRemoteCodeOpt = False,
+    *,
+    config: EngineConfig,  # the engine's options (engine_options)
     mode: Annotated[str, _opt(
         "--mode", panel=DECODING, metavar="MODE", autocompletion=_complete(*MODES),
         help="async: SwiftSpec (draft and target in parallel; the default, also on one GPU, where it measured "
@@ -295,9 +322,6 @@ def chat(
     stop: Annotated[list[str] | None, _opt(
         "--stop", panel=DECODING, metavar="TEXT",
         help="End the answer before this text; repeat for several.")] = None,
-    bs: BsOpt = _TREE_DEFAULTS.bs,
-    w: WOpt = _TREE_DEFAULTS.w,
-    d: DOpt = None,
     prompt: Annotated[str | None, typer.Option(
         "-p", "--prompt", metavar="TEXT", rich_help_panel=SCRIPTED,
         help="Answer this prompt and exit (scripted mode). Piped stdin, if any, is appended as material.")
@@ -342,7 +366,7 @@ def chat(
                      repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
                      frequency_penalty=frequency_penalty, loop_guard=loop_guard, loop_repeats=loop_repeats)
         params = dataclasses.replace(
-            chat_defaults(str(target) if target else None), mode=mode, seed=seed, max_new_tokens=max_new_tokens,
+            chat_defaults(config.target), mode=mode, seed=seed, max_new_tokens=max_new_tokens,
             stop=stop or [], **{name: value for name, value in given.items() if value is not None}).validate()
     except ConfigError as e:
         raise _fail(_with_origin(ctx, e), 2) from None
@@ -365,13 +389,8 @@ def chat(
         for warning in conversation.take_warnings():
             typer.echo(f"swiftspec: #{conversation.id}: {warning}", err=True)
     conversation = conversation or Conversation(store if (save or not scripted) else None, defaults)
-    try:
-        config = engine_config(target, draft, draft_corpus, target_devices, draft_devices, gpus, target_procs,
-                               draft_procs, device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
-        if conversation.params.mode == "ar":  # nothing would ever ask the draft for a token
-            config = dataclasses.replace(config, draft="none", draft_corpus="none")
-    except ConfigError as e:
-        raise _fail(_with_origin(ctx, e), 2) from None
+    if conversation.params.mode == "ar":  # nothing would ever ask the draft for a token
+        config = dataclasses.replace(config, draft="none", draft_corpus="none")
 
     if scripted:
         raise typer.Exit(_chat_scripted(config, conversation, prompt, each_line, jsonl, quiet))
@@ -438,7 +457,7 @@ def _chat_scripted(config, conversation, prompt, each_line, jsonl, quiet) -> int
         if _may_not_fit(prompts, conversation, config):  # then tell now, not after the workers' start
             from swiftspec.engine.client import Engine
 
-            context = Engine.context(config, say)
+            context = window.Context(*Engine.context(config, say))
             for text in prompts:
                 conversation.plan("ask", context, text)
         engine = _start_engine(config, say)
@@ -506,23 +525,10 @@ def _model_line(config: EngineConfig) -> str:
 
 
 @app.command(epilog=SOURCES)
+@engine_options
 def bench(
-    target: TargetOpt = None,
-    draft: DraftOpt = "suffix",
-    draft_corpus: DraftCorpusOpt = _ENGINE_DEFAULTS.draft_corpus,
-    target_devices: TargetDevicesOpt = None,
-    draft_devices: DraftDevicesOpt = None,
-    gpus: GpusOpt = None,
-    target_procs: TargetProcsOpt = _ENGINE_DEFAULTS.target_procs,
-    draft_procs: DraftProcsOpt = _ENGINE_DEFAULTS.draft_procs,
-    device: DeviceOpt = "auto",
-    dtype: DTypeOpt = "auto",
-    threads: ThreadsOpt = None,
-    max_seq_len: MaxSeqLenOpt = _ENGINE_DEFAULTS.max_seq_len,
-    trust_remote_code: TrustRemoteCodeOpt = False,
-    bs: BsOpt = _TREE_DEFAULTS.bs,
-    w: WOpt = _TREE_DEFAULTS.w,
-    d: DOpt = None,
+    ctx: typer.Context,
+    config: EngineConfig,  # the engine's options (engine_options)
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
@@ -559,8 +565,6 @@ def bench(
     Example: [bold]swiftspec bench --set chat,code --limit 2 --max-new-tokens 64 --json bench.json[/bold]
     """
     try:
-        config = engine_config(target, draft, draft_corpus, target_devices, draft_devices, gpus, target_procs,
-                               draft_procs, device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                   repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -663,7 +667,7 @@ app.add_typer(cache_app, name="cache")
 def cache_list() -> None:
     """List the cache's entries with their sizes."""
     from swiftspec.cache import entries, human_size
-    from swiftspec.embedded import cache_dir
+    from swiftspec.engine.embedded import cache_dir
 
     found = entries()
     typer.echo(f"{cache_dir()} (SWIFTSPEC_CACHE moves it)")

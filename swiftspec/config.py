@@ -8,9 +8,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
-MODES = ("ar", "sync", "async")
+Mode = Literal["ar", "sync", "async"]
+MODES: tuple[str, ...] = get_args(Mode)
+Role = Literal["target", "draft"]  # a worker rank's group
+# "eos" | "stop" (a stop string, matched by the Engine) | "length" (max_new_tokens) | "context" |
+# "repetition" (the loop guard) | "cancelled"
+FinishReason = Literal["eos", "stop", "length", "context", "repetition", "cancelled"]
 DTYPES = ("auto", "float32", "bfloat16", "float16", "gguf", "int4")  # --dtype (gguf, int4: CPU only)
 
 # Drafts named by a word rather than a model path. "int8" runs on the CPU only: a copy of the target with
@@ -58,7 +63,7 @@ class SamplingParams:
     tokens are one span repeated ``loop_repeats`` times or more (engine/loop.py, LoopGuard).
     """
 
-    mode: str = "async"
+    mode: Mode = "async"
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -195,8 +200,8 @@ class EngineConfig:
     # for the embedded default, none for other targets; "none"; or a corpus file from swiftspec train-draft.
     draft_corpus: str = "auto"
     # Verify only as many of the bs best nodes as are worth their profiled target cost (DraftState.
-    # verify_cost): where extra rows cost a good part of a step (a CPU: 2 to 8 rows cost 1.7 to 3 steps on
-    # this project's 2-core machine) a weak draft then degrades to ~one row per round instead of being
+    # verify_cost): where extra rows cost a good part of a step (a 2-core CPU: 2 to 8 rows cost 1.7 to 3
+    # steps) a weak draft then degrades to ~one row per round instead of being
     # slower than ar (benchmarks/sync_vs_ar.py --cost: suffix sync 0.76x -> 0.97x of ar on fresh questions).
     verify_cost: bool = True
     startup_timeout_s: float = 600.0
@@ -247,6 +252,7 @@ class StepStats:
     d: int = 0  # draft expansions per round in use
     prefill_tokens: int = 0  # tokens prefilled for this turn (after KV reuse)
     generated: int = 0  # tokens generated so far this turn
+    ms_per_token_p50: float = 0.0  # running: the median of every token's latency this turn
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -260,17 +266,7 @@ class StepEvent:
     text: str
     stats: StepStats
     finished: bool = False
-    # "eos" | "stop" | "length" (max_new_tokens) | "context" | "repetition" (the loop guard) | "cancelled"
-    finish_reason: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "token_ids": self.token_ids,
-            "text": self.text,
-            "stats": self.stats.to_dict(),
-            "finished": self.finished,
-            "finish_reason": self.finish_reason,
-        }
+    finish_reason: FinishReason | None = None
 
 
 # The chat's sampling defaults (TUI and chat -p) for the embedded model and GGUF files; a model directory's

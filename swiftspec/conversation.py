@@ -21,8 +21,9 @@ from typing import Any, Literal
 
 from swiftspec import window
 from swiftspec.config import ConfigError, SamplingParams, StepEvent
+from swiftspec.engine.answer import AnswerSummary
 from swiftspec.engine.protocol import EngineAPI
-from swiftspec.history import HistoryError, HistoryStore, TurnRecorder, title_from, to_markdown
+from swiftspec.history import HistoryError, HistoryStore, title_from, to_markdown
 from swiftspec.history import Message as StoredMessage
 
 # Finish reasons after which the answer can go on (/continue): cut by the token limit or the context,
@@ -44,7 +45,7 @@ class Message:
     content: str
     key: int  # unique in its Conversation, for as long as it runs: what a widget showing it is named after
     id: int | None = None  # in the history store; None while not saved
-    stats: dict[str, Any] | None = None  # an answer's figures (history.TurnRecorder.summary)
+    stats: dict[str, Any] | None = None  # an answer's figures (AnswerSummary.to_dict, as stored)
 
     @property
     def finish_reason(self) -> str | None:
@@ -75,7 +76,7 @@ class Reply:
     kept: int  # turns the model sees
     earlier: int  # turns before the question, in all
     replaces: int  # the index of the first message the answer replaces (its question's, for ask)
-    recorder: TurnRecorder
+    last: StepEvent | None = None  # the answer's latest event: its figures so far
     answer: Message | None = None
     error: str | None = None  # why the engine did not answer (or stopped answering)
     fatal: bool = False  # the engine is gone, not just this answer
@@ -227,7 +228,7 @@ class Conversation:
         return Reply(kind, text if kind in ("ask", "edit") else None, self.engine_messages(dialogue, new_start),
                      params, new_start, window.turns_between(dialogue, start, new_start),
                      window.turns_between(dialogue, new_start, len(dialogue)),
-                     window.turns_between(dialogue, 0, question), replaces, TurnRecorder(params.mode))
+                     window.turns_between(dialogue, 0, question), replaces)
 
     def run(self, reply: Reply, engine: EngineAPI, on_accept: Callable[[Reply], None] | None = None,
             on_event: Callable[[StepEvent], None] | None = None) -> Reply:
@@ -295,10 +296,10 @@ class Conversation:
         with self._lock:
             if reply.done:  # ended meanwhile (the app quit): what was saved stays
                 return
-            reply.recorder.add(event)
+            reply.last = event
             reply.answer.content += event.text
             if time.monotonic() - reply.saved_at >= SAVE_EVERY_S:
-                reply.answer.stats = {**reply.recorder.summary(), "finish_reason": "partial"}
+                reply.answer.stats = {**AnswerSummary.of(reply.params.mode, event).to_dict(), "finish_reason": "partial"}
                 self._store_update(reply.answer)
                 reply.saved_at = time.monotonic()
 
@@ -311,10 +312,9 @@ class Conversation:
             reply.done = True
             if reply.answer is None:
                 return
-            summary = reply.recorder.summary()
-            if summary["finish_reason"] is None:
-                summary["finish_reason"] = reason or "cancelled"
-            reply.answer.stats = summary
+            summary = AnswerSummary.of(reply.params.mode, reply.last)
+            summary.finish_reason = summary.finish_reason or reason or "cancelled"
+            reply.answer.stats = summary.to_dict()
             self._store_update(reply.answer)
 
     # --- clearing ---------------------------------------------------------------------------------

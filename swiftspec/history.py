@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from typing import Any
 
 import platformdirs
 
-from swiftspec.config import StepEvent, StepStats
+from swiftspec.engine.answer import AnswerSummary
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -330,45 +329,5 @@ def to_markdown(title: str, system: str | None, messages: list[Message]) -> str:
         heading = {"user": "## You", "assistant": "## Assistant"}.get(m.role, f"## {m.role.title()}")
         parts.append(f"{heading}\n\n{m.content.rstrip()}\n")
         if m.role == "assistant" and m.stats:
-            parts.append(f"<sub>{stats_line(m.stats)}</sub>\n")
+            parts.append(f"<sub>{AnswerSummary.from_dict(m.stats).line()}</sub>\n")
     return "\n".join(parts)
-
-
-class TurnRecorder:
-    """Folds one answer's StepEvents into the figures kept with it (and printed after it)."""
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-        self.latencies: list[float] = []  # one entry per token, so the median is per token
-        self.last: StepStats | None = None
-        self.finish_reason: str | None = None
-
-    def add(self, ev: StepEvent) -> None:
-        self.last = ev.stats
-        self.latencies.extend([ev.stats.token_latency_ms] * len(ev.token_ids))
-        if ev.finished:
-            self.finish_reason = ev.finish_reason
-
-    def summary(self) -> dict[str, Any]:
-        out = self.last.to_dict() if self.last else StepStats().to_dict()
-        del out["accepted"]  # the last step's count: the answer's figures are acceptance_rate and mean_accepted
-        out.update(mode=self.mode, finish_reason=self.finish_reason,
-                   ms_per_token_p50=statistics.median(self.latencies) if self.latencies else 0.0)
-        return out
-
-
-def stats_line(stats: dict[str, Any], short: bool = False) -> str:
-    """An answer's figures on one line: scripted mode's stderr and exports (full), a chat footer (short)."""
-    speculative = stats.get("mode") != "ar"
-    bits = [str(stats.get("mode", "?")), f"{stats.get('generated', 0)} tok",
-            f"{stats.get('tokens_per_s', 0.0):.1f} tok/s"]
-    if speculative:
-        bits.append(f"acc {100 * stats.get('acceptance_rate', 0.0):.0f}%")
-    if not short:
-        if speculative:
-            bits.append(f"{stats.get('mean_accepted', 0.0):.2f} tok/verify")
-        bits.append(f"p50 {stats.get('ms_per_token_p50', 0.0):.1f} ms/tok")
-    reason = stats.get("finish_reason")
-    if reason and (not short or reason not in ("eos", "stop")):
-        bits.append(reason)
-    return " · ".join(bits)

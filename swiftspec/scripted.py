@@ -13,8 +13,8 @@ from typing import TextIO
 from swiftspec import window
 from swiftspec.config import StepEvent
 from swiftspec.conversation import Conversation
+from swiftspec.engine.answer import AnswerSummary
 from swiftspec.engine.protocol import EngineAPI
-from swiftspec.history import stats_line
 
 EXIT_OK, EXIT_ENGINE, EXIT_USAGE = 0, 1, 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a reader that went away
@@ -106,7 +106,7 @@ def _answer_each(engine: EngineAPI, prompts: Sequence[str], conversation: Conver
             out.write("\n")
             out.flush()
         if not quiet:
-            err.write(f"[{stats_line(summary)}]\n")
+            err.write(f"[{AnswerSummary.from_dict(summary).line()}]\n")
             err.flush()
     return EXIT_ENGINE if failed else EXIT_OK
 

@@ -8,7 +8,7 @@
    its EOS ids); ``d2t`` in the checkpoint maps them back.
    Before it, the answers are also written as ``OUT/corpus.safetensors``: a corpus for the suffix drafter
    (``--draft suffix --draft-corpus``, engine/corpus.py), all that ``--corpus-only`` makes.
-3. Training: the head is unrolled ``--steps`` deep over whole sequences (DraftHead.forward_train: step s
+3. Training: the head is unrolled ``--steps`` deep over whole sequences (``unroll``: step s
    predicts as a tree node at depth s - 1 does), with a cross-entropy on the target's greedy token and a
    smooth-L1 regression on the target's feature (weighted 0.1: SmolLM2's features have outlier dimensions
    near 50, whose regression otherwise drowns the token loss), later steps weighted 0.8x less each. The checkpoint in ``OUT`` is
@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from swiftspec import kernels
 from swiftspec.engine.corpus import save_corpus
 from swiftspec.engine.draft_head import DraftHead, HeadArgs, save_head
 
@@ -213,6 +214,58 @@ def _batch(seqs: list[Sequence], labels: list[Tensor], t2d: Tensor, max_len: int
     return tokens, f_in, f_out, lab, valid, first
 
 
+def unroll(head: DraftHead, tokens: Tensor, features: list[Tensor], positions: Tensor) -> list[Tensor]:
+    """The head unrolled over whole sequences (B x L) for training, as its tree forward computes it.
+
+    ``features[0]`` [B, L, dim]: row j's input feature (the target's at j - 1). Step s >= 2 feeds
+    row j the prediction of row j - 1 at step s - 1: the row of a tree node at depth s - 1 whose
+    root sits at j - s + 1. Its keys are then what the draft tree gives it: the step-1 rows at
+    positions <= j - s + 1 (the prefix and the root) and the step-t row at j - s + t for t = 2..s (its
+    ancestors and itself). Returns the predicted features of each step ([B, L, dim] each).
+    """
+    a = head.attention
+    B, L, _ = features[0].shape
+    nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
+    freqs = positions.to(torch.float32)[..., None] * head.inv_freq_for(features[0].device)[None, None]
+    emb = torch.cat((freqs, freqs), dim=-1).reshape(B * L, -1)
+    cos, sin = emb.cos(), emb.sin()
+    idx = torch.arange(L, device=tokens.device)
+    keys, values, outs = [], [], []
+    feats = features[0]
+    steps = len(features)
+    for s in range(1, steps + 1):
+        x = head.fuse(tokens, feats)
+        qk, v = a.wqkv(x).split_with_sizes([(nh + nkv) * hd, nkv * hd], dim=-1)
+        qk = kernels.rope_rotate_half(qk.reshape(B * L, nh + nkv, hd), cos, sin).reshape(B, L, nh + nkv, hd)
+        q, k = qk.split_with_sizes([nh, nkv], dim=2)
+        rep = nh // nkv
+        k = k.repeat_interleave(rep, dim=2).transpose(1, 2)  # [B, H, L, hd]
+        v = v.reshape(B, L, nkv, hd).repeat_interleave(rep, dim=2).transpose(1, 2)
+        q = q.transpose(1, 2)
+        keys.append(k)
+        values.append(v)
+        # step-1 keys at positions <= j - s + 1
+        scores = [torch.matmul(q, keys[0].transpose(-1, -2)) * a.scale]
+        allowed = idx[None, :] <= (idx[:, None] - s + 1)
+        scores[0] = scores[0].masked_fill(~allowed, float("-inf"))
+        # the step-t key at j - s + t, t = 2..s: one key per row, shifted by s - t
+        for t in range(2, s + 1):
+            shift = s - t
+            kt = F.pad(keys[t - 1], (0, 0, shift, 0))[:, :, :L]  # row j reads key j - shift
+            scores.append((q * kt).sum(-1, keepdim=True) * a.scale)
+        probs = torch.cat(scores, dim=-1).float().softmax(-1).to(q.dtype)
+        probs = torch.nan_to_num(probs)  # rows j < s - 1 have no root: no key at all
+        attn_out = torch.matmul(probs[..., :L], values[0])
+        for t in range(2, s + 1):
+            shift = s - t
+            vt = F.pad(values[t - 1], (0, 0, shift, 0))[:, :, :L]
+            attn_out = attn_out + probs[..., L + t - 2:L + t - 1] * vt
+        out = head.finish(x + a.wo(attn_out.transpose(1, 2).reshape(B, L, nh * hd)))
+        outs.append(out)
+        feats = F.pad(out, (0, 0, 1, 0))[:, :L]  # row j's next input: row j - 1's prediction
+    return outs
+
+
 def unrolled_loss(head: DraftHead, batch, steps: int, noise: float, gen: torch.Generator | None
                   ) -> tuple[Tensor, list[tuple[int, int]]]:
     """Loss over the unrolled steps, and per step (correct top-1, rows) on the answers."""
@@ -221,7 +274,7 @@ def unrolled_loss(head: DraftHead, batch, steps: int, noise: float, gen: torch.G
     if noise:
         f_in = f_in + (torch.rand(f_in.shape, generator=gen) * 2 - 1) * noise
     positions = torch.arange(L)[None].expand(B, L)
-    outs = head.forward_train(tokens, [f_in] * steps, positions)
+    outs = unroll(head, tokens, [f_in] * steps, positions)
     idx = torch.arange(L)[None]
     total = torch.zeros(())
     stats = []

@@ -13,7 +13,13 @@ SESSION_DIR = Path(tempfile.mkdtemp(prefix="swiftspec-tests-"))
 os.environ["SWIFTSPEC_CACHE"] = str(SESSION_DIR / "cache")
 os.environ["SWIFTSPEC_DATA_DIR"] = str(SESSION_DIR / "data")
 os.environ["SWIFTSPEC_CONFIG"] = str(SESSION_DIR / "no-config.toml")
-SESSION_ENV = {name: os.environ[name] for name in ("SWIFTSPEC_CACHE", "SWIFTSPEC_DATA_DIR", "SWIFTSPEC_CONFIG")}
+# What the libraries write for themselves goes there too: matplotlib's font cache (the bench's plot tests)
+# and Triton's kernel cache (the kernels run under TRITON_INTERPRET) land in ~/.cache and ~/.triton otherwise.
+os.environ["MPLCONFIGDIR"] = str(SESSION_DIR / "matplotlib")
+os.environ["TRITON_CACHE_DIR"] = str(SESSION_DIR / "triton" / "cache")
+os.environ["TRITON_HOME"] = str(SESSION_DIR / "triton")
+SESSION_ENV = {name: os.environ[name] for name in ("SWIFTSPEC_CACHE", "SWIFTSPEC_DATA_DIR", "SWIFTSPEC_CONFIG",
+                                                   "MPLCONFIGDIR", "TRITON_CACHE_DIR", "TRITON_HOME")}
 
 
 def pytest_unconfigure(config):
@@ -46,3 +52,35 @@ def embedded_tokenizer(embedded_dir):
     from swiftspec.engine.model_dir import load_tokenizer
 
     return load_tokenizer(embedded_dir)
+
+
+@pytest.fixture(scope="session")
+def target_dir():
+    """The tiny target that the engine, launcher and failure tests start worker groups on."""
+    from tiny_models import tiny_model_dir
+
+    return tiny_model_dir(seed=0, layers=2)
+
+
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch):
+    """A scratch data directory (the history store) for one test."""
+    monkeypatch.setenv("SWIFTSPEC_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Routes the CLI's engine start to the FakeEngine and records the configs it was given."""
+    from fake_engine import FakeEngine
+
+    from swiftspec import cli
+
+    configs = []
+
+    def start(config, progress):
+        configs.append(config)
+        return FakeEngine.start(config, progress)
+
+    monkeypatch.setattr(cli, "_start_engine", start)
+    return configs

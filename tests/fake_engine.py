@@ -6,6 +6,7 @@ is exercised by the tests marked ``slow``.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -119,6 +120,7 @@ class FakeEngine:
         if params.loop_guard and self.loops_at is not None and self.loops_at < len(pieces):
             pieces, cut_reason = pieces[:self.loops_at], "repetition"
         produced = accepted_total = verified = steps = 0
+        self._latencies: list[float] = []  # every token's, for the running median the Engine reports
         i = 0
         while i < len(pieces):
             if self._cancel.is_set():
@@ -151,11 +153,13 @@ class FakeEngine:
         return sum(len(m["content"].split()) + 4 for m in messages)
 
     def _stats(self, accepted: int, accepted_total: int, verified: int, steps: int, produced: int) -> StepStats:
+        latency = 40.0 / (accepted + 1)
+        self._latencies += [latency] * (produced - len(self._latencies))
         return StepStats(
             accepted=accepted, tree_size=8, draft_ms=3.0, target_ms=40.0,
-            token_latency_ms=40.0 / (accepted + 1), acceptance_rate=accepted_total / max(verified, 1),
+            token_latency_ms=latency, acceptance_rate=accepted_total / max(verified, 1),
             mean_accepted=produced / max(steps, 1), tokens_per_s=50.0, d=4, prefill_tokens=12,
-            generated=produced,
+            generated=produced, ms_per_token_p50=statistics.median(self._latencies) if self._latencies else 0.0,
         )
 
     @property

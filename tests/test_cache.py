@@ -70,14 +70,17 @@ def test_clear_one_then_all(scratch):
 
 
 def test_the_suite_writes_nothing_into_the_users_directories():
-    """conftest moves the cache, the data dir and the config file into one temporary directory per session."""
+    """conftest moves the cache, the data dir, the config file and the libraries' own caches (matplotlib's,
+    Triton's) into one temporary directory per session."""
+    import os
     import tempfile
     from pathlib import Path
 
-    from swiftspec.embedded import cache_dir
+    from swiftspec.engine.embedded import cache_dir
     from swiftspec.history import data_dir
     from swiftspec.settings import config_path
 
     scratch = Path(tempfile.gettempdir()).resolve()
-    for path in (cache_dir(), data_dir(), config_path()):
+    libraries = [Path(os.environ[name]) for name in ("MPLCONFIGDIR", "TRITON_CACHE_DIR", "TRITON_HOME")]
+    for path in (cache_dir(), data_dir(), config_path(), *libraries):
         assert path.resolve().is_relative_to(scratch) and not path.resolve().is_relative_to(Path.home()), path

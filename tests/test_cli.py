@@ -11,34 +11,11 @@ import sys
 
 import pytest
 from fake_engine import ANSWER, FakeEngine
-from typer.testing import CliRunner
+from helpers.cli import invoke
 
 from swiftspec import cli
 from swiftspec.config import CHAT_DEFAULTS, EngineConfig, SamplingParams
 from swiftspec.history import HistoryStore
-
-
-@pytest.fixture
-def data_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("SWIFTSPEC_DATA_DIR", str(tmp_path / "data"))
-    return tmp_path / "data"
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    """Routes the CLI's engine start to the FakeEngine and records the configs it was given."""
-    configs = []
-
-    def start(config, progress):
-        configs.append(config)
-        return FakeEngine.start(config, progress)
-
-    monkeypatch.setattr(cli, "_start_engine", start)
-    return configs
-
-
-def invoke(args, stdin: bytes = b""):
-    return CliRunner().invoke(cli.app, cli.normalise_argv(args), input=stdin)
 
 
 def test_help_lists_every_flag():
@@ -177,6 +154,8 @@ def test_layout_flags_reach_the_engine_config(fake, data_dir):
     config = fake[0]
     assert (config.target_devices, config.draft_devices, config.draft) == ([0, 1], [2], "/models/small")
     assert (config.tree.bs, config.tree.w, config.tree.d, config.max_seq_len, config.threads) == (16, 4, 3, 2048, 2)
+    assert config.verify_cost  # EngineConfig's default
+    assert invoke(["chat", "-p", "hi", "--no-verify-cost"]).exit_code == 0 and not fake[-1].verify_cost
 
 
 def test_the_draft_corpus_flag_goes_with_the_suffix_drafter(fake, data_dir):

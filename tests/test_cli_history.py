@@ -6,7 +6,7 @@ import json
 
 import pytest
 from fake_engine import ANSWER
-from test_cli import data_dir, fake, invoke  # noqa: F401 (fixtures)
+from helpers.cli import invoke
 
 from swiftspec import history
 from swiftspec.history import HistoryStore

@@ -4,6 +4,9 @@ dequantisation bit for bit: on a tiny synthetic GGUF with every kind of tensor a
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tiny_models import make_tiny_gguf, q4_k_blocks
 
-from swiftspec import cache, embedded
+from swiftspec import cache
+from swiftspec.engine import embedded
 from swiftspec.engine.loader import (
     GGUF_BLOCKS,
     convert_hf_state_dict,
@@ -137,3 +141,71 @@ def test_a_cold_conversion_draws_no_progress_bar(tmp_path, monkeypatch, capfd):
     lines = []
     embedded.ensure_converted(make_tiny_gguf(tmp_path / "tiny.Q4_1.gguf"), lines.append)
     assert capfd.readouterr().err == "" and len(lines) >= 4
+
+
+def _fake_convert(gguf, out, say) -> None:
+    """Stands in for the 25 s dequantisation: a small but well-formed converted directory."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(1000)}, str(out / "model.safetensors"))
+    (out / "config.json").write_text("{}")
+
+
+@pytest.fixture
+def fake_gguf(tmp_path, monkeypatch):
+
+    monkeypatch.setenv("SWIFTSPEC_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(os.urandom(4096))
+    return gguf
+
+
+def test_conversion_killed_half_way_is_cleaned_up_by_the_next_start(fake_gguf, monkeypatch):
+    import subprocess
+    import sys
+
+    from swiftspec.engine import embedded
+
+    converted = embedded.converted_dir(fake_gguf).parent
+    hang = ("import sys, time\nfrom swiftspec.engine import embedded\n"
+            "def hang(gguf, out, console):\n    (out / 'model.safetensors').write_bytes(b'x' * 4096)\n"
+            "    time.sleep(60)\n"
+            "embedded._convert = hang\nembedded.ensure_converted(embedded.Path(sys.argv[1]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", hang, str(fake_gguf)])
+    try:
+        deadline = time.monotonic() + 30
+        while not list(converted.glob(".tmp-*/model.safetensors")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        running = list(converted.glob(".tmp-*"))
+        assert len(running) == 1
+        embedded._remove_stale_temp_dirs(converted)  # a conversion still running is left alone
+        assert running[0].is_dir()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert running[0].is_dir()  # what a SIGKILL leaves behind
+    monkeypatch.setattr(embedded, "_convert", _fake_convert)
+    out = embedded.ensure_converted(fake_gguf)
+    assert embedded.damage(out) is None
+    assert sorted(p.name for p in converted.iterdir()) == [out.name]
+
+
+@pytest.mark.parametrize("harm, why", [
+    (lambda out: os.truncate(out / "model.safetensors", 2000), "bytes, its header says"),
+    (lambda out: (out / "model.safetensors").unlink(), "model.safetensors is missing"),
+    (lambda out: (out / "model.safetensors").write_bytes(b"\xff" * 16), "no readable header"),
+])
+def test_damaged_conversion_is_detected_and_converted_again(harm, why, fake_gguf, monkeypatch):
+    from swiftspec.engine import embedded
+
+    calls = []
+    monkeypatch.setattr(embedded, "_convert", lambda *a: (calls.append(1), _fake_convert(*a)))
+    out = embedded.ensure_converted(fake_gguf)
+    assert embedded.ensure_converted(fake_gguf) == out and len(calls) == 1  # intact: used as it is
+    harm(out)
+    assert why in embedded.damage(out)
+    said = []
+    assert embedded.ensure_converted(fake_gguf, said.append) == out and len(calls) == 2
+    assert embedded.damage(out) is None
+    assert any("damaged" in line for line in said)  # through the caller's progress callback

@@ -11,9 +11,8 @@ import torch
 from tiny_models import make_tiny_gguf, q4_k_blocks, single_thread, tiny_model_dir
 from tree_steps import tree_and_steps as verified_and_stepped
 
-from swiftspec import embedded
 from swiftspec.config import SamplingParams, TreeParams
-from swiftspec.engine import cpu_backends, loader
+from swiftspec.engine import cpu_backends, embedded, loader
 from swiftspec.engine.cpu_backends import Blocks, PackedLinear
 from swiftspec.engine.decode import DraftState, TargetState
 from swiftspec.engine.drafters import ModelDrafter

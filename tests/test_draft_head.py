@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers.stats import chi_square_p
 from tiny_models import single_thread, tiny_model_dir
 
 from swiftspec.config import SamplingParams, TreeParams
@@ -26,6 +27,7 @@ from swiftspec.engine.model import FP16WeightLinear
 from swiftspec.engine.model_dir import resolve_draft
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.tree_cache import causal_mask
+from swiftspec.train_draft import unroll
 
 PROMPTS = [[5, 17, 300, 42, 8, 99], [1, 200, 201, 202, 203, 200, 201]]
 
@@ -62,7 +64,7 @@ def random_head(target, seed=0, d2t=None, std=0.1, final_norm=True) -> DraftHead
 
 
 def test_training_unrolling_equals_the_tree_forward(target):
-    """Step s of forward_train at row j is, to rounding, what the drafter computes for the node at depth
+    """Step s of train_draft.unroll at row j is, to rounding, what the drafter computes for the node at depth
     s - 1 of a tree rooted at j - s + 1 (prefix rows from true features, deeper rows from predictions)."""
     head = random_head(target, std=0.2)
     head.setup_cache(64)
@@ -70,7 +72,7 @@ def test_training_unrolling_equals_the_tree_forward(target):
     x = torch.randint(0, 500, (1, L))
     f = torch.randn(1, L, dim)
     feat_in = torch.nn.functional.pad(f, (0, 0, 1, 0))[:, :L]
-    outs = head.forward_train(x, [feat_in] * S, torch.arange(L)[None])
+    outs = unroll(head, x, [feat_in] * S, torch.arange(L)[None])
     checked = 0
     for root in range(1, L - S + 1):
         head.setup_cache(64)
@@ -167,7 +169,6 @@ def test_sampling_with_a_head_is_lossless(target, target_dir, mode):
     """Sampling through the shipped loops with the echo head drafting: the first two tokens (the
     prefill's draw, then the first verification's) follow p(t1) p(t2 | t1) of the processed target
     distribution (chi-square over every seed's answer), while the head's drafts are really accepted."""
-    from test_verify import chi_square_p
 
     params = SamplingParams(mode=mode, temperature=1.0, top_k=3, max_new_tokens=2, ignore_eos=True)
     prompt = [77] * 4

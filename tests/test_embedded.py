@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from swiftspec import embedded
 from swiftspec.config import SamplingParams
+from swiftspec.engine import embedded
 from swiftspec.engine.client import encode_chat
 from swiftspec.engine.decode import TargetState
 from swiftspec.engine.loader import load_model

@@ -10,8 +10,7 @@ import stat
 import pytest
 
 from swiftspec import history
-from swiftspec.config import StepEvent, StepStats
-from swiftspec.history import HistoryError, HistoryStore, TurnRecorder, default_path, title_from
+from swiftspec.history import HistoryError, HistoryStore, default_path, title_from
 
 
 def test_data_dir_from_env(tmp_path, monkeypatch):
@@ -48,15 +47,6 @@ def test_conversations_round_trip(tmp_path):
 def test_title_is_shortened():
     assert title_from("x" * 100).endswith("…") and len(title_from("x" * 100)) == 60
     assert title_from("   \n") == "untitled"
-
-
-def test_turn_recorder_median_is_per_token():
-    rec = TurnRecorder("async")
-    rec.add(StepEvent([1, 2, 3], "abc", StepStats(token_latency_ms=10.0, generated=3)))
-    rec.add(StepEvent([4], "d", StepStats(token_latency_ms=40.0, generated=4), True, "eos"))
-    summary = rec.summary()
-    assert summary["ms_per_token_p50"] == 10.0 and summary["finish_reason"] == "eos"
-    assert summary["generated"] == 4 and summary["mode"] == "async"
 
 
 def test_messages_edit_delete_and_figures(tmp_path):
@@ -159,3 +149,13 @@ def test_unopenable_location_runs_unsaved(tmp_path):
     blocker.write_text("")
     store = HistoryStore(blocker / "history.sqlite3")  # its directory cannot exist
     assert not store.available and str(blocker) in store.problem and store.notice is None
+
+
+def test_the_history_database_is_private(tmp_path):
+    from swiftspec.history import HistoryStore
+
+    store = HistoryStore(tmp_path / "data" / "history.sqlite3")
+    store.add(store.create("t"), "user", "a secret")
+    store.close()
+    assert (tmp_path / "data" / "history.sqlite3").stat().st_mode & 0o077 == 0
+    assert (tmp_path / "data").stat().st_mode & 0o077 == 0

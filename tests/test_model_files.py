@@ -39,7 +39,7 @@ def _truncate(path, keep: float) -> None:
 
 
 def _embedded_gguf():
-    from swiftspec.embedded import embedded_gguf_path
+    from swiftspec.engine.embedded import embedded_gguf_path
 
     return embedded_gguf_path()
 
@@ -85,3 +85,12 @@ def test_broken_files_are_found_before_the_tui(tiny_dir, tmp_path, scratch_cache
         result = CliRunner().invoke(cli.app, ["chat", "--model", path])
         assert result.exit_code == 2 and message in result.stderr, (path, result.output)
         assert "Traceback" not in result.output
+
+
+def test_a_symlink_loop_is_named_as_such(tmp_path):
+    from swiftspec.engine.model_dir import LoadError, resolve_model_dir
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(LoadError, match="symbolic link that cannot be followed"):
+        resolve_model_dir(str(tmp_path / "a"))

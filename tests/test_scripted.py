@@ -12,7 +12,7 @@ from fake_engine import ANSWER, FakeEngine, chunks
 from swiftspec import scripted
 from swiftspec.config import SamplingParams
 from swiftspec.conversation import Conversation, Message, Settings
-from swiftspec.engine.client import Engine
+from swiftspec.engine.client import Engine, EngineError
 from swiftspec.engine.protocol import EngineAPI
 
 
@@ -157,3 +157,53 @@ def test_saved_prompts_are_turns_of_one_conversation(tmp_path):
     assert code == 0 and [m["content"] for m in engine.calls[1][0]] == ["first", "ok", "second"]
     (saved,) = store.list()
     assert [m.content for m in store.messages(saved.id)] == ["first", "ok", "second", "ok"]
+
+
+def test_each_line_answers_the_other_lines_after_one_is_refused():
+    import io
+
+    from fake_engine import FakeEngine
+
+    from swiftspec import scripted
+
+    class RefusesLongPrompts(FakeEngine):
+        def generate(self, messages, params):
+            if len(messages[-1]["content"]) > 20:
+                raise EngineError("the conversation is 9000 tokens, but the context length is 4096")
+            return super().generate(messages, params)
+
+    out, err = io.StringIO(), io.StringIO()
+    code = scripted.run(RefusesLongPrompts(answer="ok"), ["first", "x" * 100, "third"], Conversation(None, Settings()),
+                        jsonl=True, out=out, err=err)
+    events = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert code == scripted.EXIT_ENGINE and "context length" in err.getvalue()
+    assert [(e["event"], e["index"]) for e in events if e["event"] != "token"] == [
+        ("done", 0), ("error", 1), ("done", 2)]
+
+
+def test_a_closed_stdout_is_not_an_engine_error():
+    """`swiftspec chat -p ... | head -c 1`: the reader goes away; that is no engine error."""
+    import io
+
+    from fake_engine import FakeEngine
+
+    from swiftspec import scripted
+
+    class ClosedAfterOneWrite(io.StringIO):
+        def write(self, text):
+            if self.getvalue():
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().write(text)
+
+    err = io.StringIO()
+    engine = FakeEngine()
+    code = scripted.run(engine, ["one", "two"], Conversation(None, Settings()), out=ClosedAfterOneWrite(), err=err)
+    assert code == scripted.EXIT_BROKEN_PIPE and "engine error" not in err.getvalue()
+    assert len(engine.calls) == 1
+
+
+def test_a_prompt_that_is_not_utf8_is_a_usage_error():
+    from swiftspec import scripted
+
+    with pytest.raises(scripted.InputError, match="not valid UTF-8"):
+        scripted.read_prompts(b"", prompt=b"caf\xe9".decode("utf-8", "surrogateescape"))

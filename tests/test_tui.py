@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import threading
 import time
 
 import pytest
 from fake_engine import ANSWER, FakeEngine
-from rich.console import Console
+from helpers.pilot import boxes, figures, idle, make_app, ready, resumed_app, text_of, type_and_send, wait_for
 from textual import events
 
-from swiftspec.config import SamplingParams
-from swiftspec.conversation import Conversation, Settings
 from swiftspec.history import HistoryStore
-from swiftspec.tui.app import SwiftSpecApp
 from swiftspec.tui.dialogs import ConfirmScreen
 from swiftspec.tui.screens import ErrorScreen, HelpScreen, LoadingScreen
 from swiftspec.tui.widgets.chat_view import ChatView
@@ -29,54 +25,6 @@ def store(tmp_path):
     s = HistoryStore(tmp_path / "history.sqlite3")
     yield s
     s.close()
-
-
-def make_app(store, factory=None, **params) -> SwiftSpecApp:
-    return SwiftSpecApp(factory or FakeEngine.factory(), Settings(params=SamplingParams(**params)), store=store,
-                        model_line="fake")
-
-
-def resumed_app(store, conversation_id: int, factory=None) -> SwiftSpecApp:
-    conversation = Conversation.resume(store, conversation_id, Settings())
-    return SwiftSpecApp(factory or FakeEngine.factory(), Settings(), store=store, conversation=conversation)
-
-
-async def wait_for(pilot, condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for the app")
-        await pilot.pause(0.02)
-
-
-async def ready(pilot, timeout: float = 10.0) -> None:
-    await wait_for(pilot, lambda: pilot.app.engine is not None and not isinstance(pilot.app.screen, LoadingScreen),
-                   timeout)
-
-
-async def idle(pilot, timeout: float = 10.0) -> None:
-    await wait_for(pilot, lambda: pilot.app._turn is None, timeout)
-    await pilot.pause()
-
-
-async def type_and_send(pilot, text: str) -> None:
-    pilot.app.query_one(PromptInput).load_text(text)
-    await pilot.press("enter")
-
-
-def boxes(app) -> list[tuple[str, str]]:
-    return [(b.role, b.text) for b in app.query_one(ChatView).query(MessageBox)]
-
-
-def text_of(static) -> str:
-    """What a Static shows, as plain text (Rich renderables included)."""
-    console = Console(width=60, file=io.StringIO(), record=True)
-    console.print(static.content)
-    return console.export_text()
-
-
-def figures(app) -> str:
-    return text_of(app.query_one(StatsPanel).query_one("#figures"))
 
 
 async def test_type_send_stream_stats_and_history(store, monkeypatch):
@@ -109,7 +57,8 @@ async def test_type_send_stream_stats_and_history(store, monkeypatch):
     saved = store.messages(app.conversation.id)
     assert [(m.role, m.content) for m in saved] == [("user", "hello"), ("assistant", ANSWER)]
     assert saved[1].stats["finish_reason"] == "eos"
-    assert engine.closed  # leaving the app closes the engine
+    app.closing.join(5)
+    assert engine.closed  # leaving the app closes the engine (in a thread of its own)
 
 
 async def test_newline_keys_and_prompt_recall(store):

@@ -9,7 +9,7 @@ import stat
 
 import pytest
 from fake_engine import ANSWER, FakeEngine, chunks
-from test_tui import boxes, idle, make_app, ready, resumed_app, type_and_send, wait_for
+from helpers.pilot import boxes, idle, make_app, ready, resumed_app, type_and_send, wait_for
 
 from swiftspec import history
 from swiftspec.config import SamplingParams

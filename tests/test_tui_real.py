@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_tui import boxes, figures, idle, ready, text_of, type_and_send, wait_for
+from helpers.pilot import boxes, figures, idle, ready, text_of, type_and_send, wait_for
 
 from swiftspec.config import EngineConfig, SamplingParams
 from swiftspec.conversation import Conversation, Settings

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from fake_engine import FakeEngine
-from test_tui import idle, ready, type_and_send, wait_for
+from helpers.pilot import idle, ready, type_and_send, wait_for
 
 from swiftspec.conversation import Settings
 from swiftspec.history import HistoryStore

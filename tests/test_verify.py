@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers.stats import chi_square_p
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -82,21 +83,6 @@ def synthetic_logits(context: tuple[int, ...], sharp: float) -> torch.Tensor:
     """A fixed, context-dependent target distribution over V tokens (some nearly zero)."""
     g = torch.Generator().manual_seed(hash(context) % (2**31))
     return torch.randn(V, generator=g) * sharp
-
-
-def chi_square_p(observed: torch.Tensor, expected_p: torch.Tensor) -> float:
-    """p-value of Pearson's chi-square test. Cells of zero expected mass must be empty; cells expecting
-    fewer than 5 counts are pooled into one, as the test's approximation requires."""
-    n = observed.sum()
-    live = expected_p > 0
-    assert observed[~live].sum() == 0, "a token of zero target probability was emitted"
-    exp, obs = expected_p[live] * n, observed[live]
-    small = exp < 5
-    exp = torch.cat([exp[~small], exp[small].sum(0, keepdim=True)])
-    obs = torch.cat([obs[~small], obs[small].sum(0, keepdim=True)])
-    stat = ((obs - exp) ** 2 / exp.clamp_min(1e-12)).sum()
-    df = len(exp) - 1 - int(not small.any())
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2.0))
 
 
 TREES = {  # (parents, tokens): the root's token counts only for a penalty, the others are draft candidates

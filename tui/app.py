@@ -24,8 +24,9 @@ from textual.widgets import Footer, Header
 from swiftspec import window
 from swiftspec.config import MODES
 from swiftspec.conversation import CannotAnswer, Conversation, Kind, Settings, describe
+from swiftspec.engine.answer import AnswerSummary
 from swiftspec.engine.protocol import EngineAPI
-from swiftspec.history import HistoryStore, stats_line
+from swiftspec.history import HistoryStore
 from swiftspec.tui import clipboard, commands, preferences
 from swiftspec.tui.history_screen import HistoryResult, HistoryScreen
 from swiftspec.tui.messages import (
@@ -76,6 +77,7 @@ class SwiftSpecApp(App[int]):
         self.store = store or HistoryStore()
         self.conversation = conversation or Conversation(self.store, defaults.copy())
         self.model_line = model_line
+        self.closing: threading.Thread | None = None  # the engine's close, once the app is gone
         self.engine: EngineAPI | None = None
         self._turn: Turn | None = None  # set while an answer is being generated
         self._store_problem_shown = False
@@ -110,9 +112,10 @@ class SwiftSpecApp(App[int]):
         with self._engine_lock:
             self._leaving = True
             engine, self.engine = self.engine, None
-        if engine is not None:
+        if engine is not None:  # off the event loop: ending the workers takes seconds, the screen is gone at once
             engine.cancel()
-            engine.close()
+            self.closing = threading.Thread(target=engine.close, name="engine-close")  # the interpreter waits for it
+            self.closing.start()
 
     # --- engine lifecycle -------------------------------------------------------------------------
 
@@ -267,7 +270,7 @@ class SwiftSpecApp(App[int]):
         self._notify_warnings()
         self._check_store()
         if reply.accepted or reply.kind == "continue":
-            await turn.box.finish(stats_line(self.conversation.messages[-1].stats or {}, short=True))
+            await turn.box.finish(AnswerSummary.from_dict(self.conversation.messages[-1].stats or {}).line(short=True))
         else:  # nothing changed: the proposed boxes go, the question back into the input
             await turn.box.remove()
             if turn.question is not None:

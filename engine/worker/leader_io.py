@@ -8,8 +8,19 @@ import queue
 import threading
 from collections import deque
 
-from swiftspec.config import ConfigError, SamplingParams
-from swiftspec.engine import protocol
+from swiftspec.config import SamplingParams
+from swiftspec.engine import frames, protocol
+from swiftspec.engine.frames import (
+    BadRequest,
+    Cancel,
+    Failure,
+    Frame,
+    Generate,
+    Progress,
+    Ready,
+    Shutdown,
+    Stepped,
+)
 from swiftspec.engine.loop import Request
 from swiftspec.engine.protocol import Step
 
@@ -21,9 +32,9 @@ class SocketIO:
 
     def __init__(self, conn: protocol.Connection, speculative: bool):
         self.conn, self.speculative = conn, speculative
-        self.inbox: queue.Queue[dict] = queue.Queue()
-        self.outbox: queue.Queue[tuple[str, dict] | None] = queue.Queue()
-        self.pending: deque[dict] = deque()
+        self.inbox: queue.Queue[Frame | BadRequest] = queue.Queue()
+        self.outbox: queue.Queue[Frame | None] = queue.Queue()
+        self.pending: deque[Generate | BadRequest] = deque()
         self.cancel_ids: set[int] = set()
         self.shutdown = False
         threading.Thread(target=self._read, daemon=True, name="engine-socket-in").start()
@@ -33,25 +44,30 @@ class SocketIO:
     def _read(self) -> None:
         try:
             while True:
-                self.inbox.put(self.conn.recv())
-        except (OSError, protocol.ProtocolError):  # the Engine went away: finish and exit
-            self.inbox.put({"type": "shutdown"})
+                try:
+                    self.inbox.put(frames.recv(self.conn))
+                except BadRequest as e:  # answered in turn, as the request it was meant to be
+                    self.inbox.put(e)
+        except (OSError, protocol.ProtocolError):  # the Engine went away, or broke the protocol: finish and exit
+            self.inbox.put(Shutdown())
 
     def _write(self) -> None:
-        while (item := self.outbox.get()) is not None:
+        while (frame := self.outbox.get()) is not None:
             try:
-                self.conn.send(item[0], **item[1])
+                frames.send(self.conn, frame)
             except OSError:
-                self.inbox.put({"type": "shutdown"})
+                self.inbox.put(Shutdown())
 
-    def _note(self, msg: dict) -> None:
-        kind = msg["type"]
-        if kind == "generate":
-            self.pending.append(msg)
-        elif kind == "cancel" and isinstance(msg.get("id"), int):
-            self.cancel_ids.add(msg["id"])
-        elif kind == "shutdown":
-            self.shutdown = True
+    def _note(self, frame: Frame | BadRequest) -> None:
+        match frame:
+            case Generate() | BadRequest():
+                self.pending.append(frame)
+            case Cancel(rid):
+                self.cancel_ids.add(rid)
+            case Shutdown():
+                self.shutdown = True
+            case _:
+                raise protocol.ProtocolError(f"the Engine sent {frame!r}, which only workers send")
 
     def next_request(self) -> Request | None:
         while True:
@@ -59,25 +75,17 @@ class SocketIO:
                 self._note(self.inbox.get())
             if self.shutdown:
                 return None
-            msg = self.pending.popleft()
-            rid = msg.get("id")
-            try:
-                if not isinstance(rid, int):
-                    raise ConfigError("request without an integer id")
-                ids = msg.get("token_ids")
-                if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-                    raise ConfigError("token_ids must be a non-empty list of integers")
-                params = SamplingParams.from_dict(msg.get("params") or {})
-                if params.mode != "ar" and not self.speculative:
-                    raise ConfigError(f"mode {params.mode} needs a draft, and these workers have none")
-            except (ConfigError, TypeError) as e:
-                self.send("error", id=rid, message=f"invalid request: {e}", fatal=False)
+            req = self.pending.popleft()
+            if isinstance(req, Generate) and req.params.mode != "ar" and not self.speculative:
+                req = BadRequest(f"mode {req.params.mode} needs a draft, and these workers have none", req.id)
+            if isinstance(req, BadRequest):
+                self.send(Failure(f"invalid request: {req}", req.id, fatal=False))
                 continue
-            if rid in self.cancel_ids:
-                self.cancel_ids.discard(rid)
-                self.step(rid, Step([], "cancelled"))
+            if req.id in self.cancel_ids:
+                self.cancel_ids.discard(req.id)
+                self.step(req.id, Step([], "cancelled"))
                 continue
-            return Request(rid, ids, params)
+            return Request(req.id, req.token_ids, req.params)
 
     def cancelled(self, rid: int) -> bool:
         while True:
@@ -90,13 +98,13 @@ class SocketIO:
     def step(self, rid: int, step: Step) -> None:
         if step.finish is not None:
             self.cancel_ids.discard(rid)
-        self.send("step", id=rid, step=step.to_dict())
+        self.send(Stepped(rid, step))
 
     def progress(self, text: str) -> None:
-        self.send("progress", text=text)
+        self.send(Progress(text))
 
-    def send(self, type_: str, **fields) -> None:
-        self.outbox.put((type_, fields))
+    def send(self, frame: Frame) -> None:
+        self.outbox.put(frame)
 
     def flush(self) -> None:
         """Sends everything queued, then stops the writer."""
@@ -137,14 +145,14 @@ class ScriptIO:
     def progress(self, text: str) -> None:
         print(f"-- {text}", flush=True)
 
-    def send(self, type_: str, **fields) -> None:
-        if type_ == "ready":
-            info = fields["info"]
-            print(f"-- ready: d={info['d']} (t_verify {info['t_verify_ms']:.1f} ms, "
-                  f"t_expand {info['t_expand_ms']:.2f} ms)", flush=True)
-            for r in info["ranks"]:
-                print(f"   rank {r['rank']}: {r['role']} tp {r['tp_rank']}/{r['tp_world']} on "
-                      f"{r['host']} {r['device']} ({r['threads']} threads)", flush=True)
+    def send(self, frame: Frame) -> None:
+        if isinstance(frame, Ready):
+            info = frame.info
+            print(f"-- ready: d={info.d} (t_verify {info.t_verify_ms:.1f} ms, "
+                  f"t_expand {info.t_expand_ms:.2f} ms)", flush=True)
+            for r in info.ranks:
+                print(f"   rank {r.rank}: {r.role} tp {r.tp_rank}/{r.tp_world} on "
+                      f"{r.host} {r.device} ({r.threads} threads)", flush=True)
 
     def flush(self) -> None:
         first = self.results[0]

@@ -10,6 +10,7 @@ again (worth it after a start on a busy machine, whose times would be too slow).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -24,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from swiftspec.config import BUILTIN_DRAFTS, SamplingParams
-from swiftspec.embedded import cache_dir
 from swiftspec.engine.decode import profile_verify_cost, tree_forward_ms
 from swiftspec.engine.drafters import Features
+from swiftspec.engine.embedded import cache_dir
 from swiftspec.engine.model_dir import read_args
 from swiftspec.engine.protocol import RankInfo
 from swiftspec.engine.sampling import Sampler
@@ -42,6 +43,9 @@ from swiftspec.engine.worker.setup import (
 D_MAX = 16
 PROFILE_FORMAT = 1  # bump when what is measured changes
 MAX_PROFILES = 64  # the least recently written beyond these are removed
+# EngineConfig fields that cannot change a step time (the models count by their files' identity); every
+# other setting is part of a profile's key, a new one too
+NOT_TIMING = {"target", "draft", "startup_timeout_s"}
 
 
 def choose_d(t_verify_ms: float, t_expand_ms: float) -> int:
@@ -51,11 +55,11 @@ def choose_d(t_verify_ms: float, t_expand_ms: float) -> int:
 
 def profile(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> tuple[float, float]:
     """The slowest rank's target verification of bs nodes and draft expansion (ms), the same on every
-    rank; ``say`` hears whether they are measured or read. With --verify-cost the draft also gets the target's cost
-    of verifying 1..bs nodes (DraftState.verify_cost); every rank learns whether the drafter reads the
-    target's hidden states (Ctx.features)."""
-    bs = ctx.args.bs
-    if ctx.args.draft == "none":  # plain decoding: no d to choose, no tree to size
+    rank; ``say`` hears whether they are measured or read. With verify_cost the draft also gets the target's
+    cost of verifying 1..bs nodes (DraftState.verify_cost)."""
+    config = ctx.spec.config
+    bs = config.tree.bs
+    if ctx.spec.draft == "none":  # plain decoding: no d to choose, no tree to size
         return 0.0, 0.0
     path = profile_path(ctx, ranks) if ctx.rank == 0 else None
     cached = torch.zeros(3 + bs, dtype=torch.float64)  # found, t_verify, t_expand, cost[bs]
@@ -64,22 +68,20 @@ def profile(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> tupl
     dist.broadcast(cached, src=0)
     hit = bool(cached[0])
     say("step times from the profile cache" if hit else "profiling the draft expansion and target verification times")
-    wants = ctx.role == "draft" and ctx.draft.drafter.wants_features
-    t_verify, t_expand, cost = (0.0, 0.0, [0.0] * bs) if hit else _measure(ctx, wants)
-    mine = torch.tensor([t_verify, t_expand, wants, *cost], dtype=torch.float64)
-    allr = [torch.zeros_like(mine) for _ in range(ctx.world)]
-    dist.all_gather(allr, mine)
-    ctx.features = any(bool(t[2]) for t in allr)
     if hit:
         t_verify, t_expand, cost = float(cached[1]), float(cached[2]), cached[3:].tolist()
     else:
+        t_verify, t_expand, cost = _measure(ctx)
+        mine = torch.tensor([t_verify, t_expand, *cost], dtype=torch.float64)
+        allr = [torch.zeros_like(mine) for _ in range(ctx.world)]
+        dist.all_gather(allr, mine)
         t_verify, t_expand = max(float(t[0]) for t in allr), max(float(t[1]) for t in allr)
-        cost = allr[0][3:].tolist()
+        cost = allr[0][2:].tolist()
         if path is not None:
             _write(path, t_verify, t_expand, cost)
-    if ctx.role == "draft" and ctx.args.verify_cost:
+    if ctx.role == "draft" and config.verify_cost:
         ctx.draft.verify_cost = cost
-        if ctx.args.d is None:  # an explicit d means d expansions a round, whatever they cost
+        if config.tree.d is None:  # an explicit d means d expansions a round, whatever they cost
             ctx.draft.step_ms = t_verify / cost[-1]  # a one-node share of the verification
     return t_verify, t_expand
 
@@ -91,7 +93,7 @@ def choose_kernel_threads(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], 
     verification while the draft rank drafts beside it as it does in a round (a tree's expansions, then
     a wait for the verdict). Measured at the first start of a setup, then read from the cache. Every rank
     calls this."""
-    free = free_threads(ctx.args, ctx.rank, ctx.n_target) if ctx.role == "target" else 0
+    free = free_threads(ctx.spec.config.threads, ctx.rank, ctx.n_target) if ctx.role == "target" else 0
     state = torch.zeros(5, dtype=torch.int64)  # applies, found, ar, sync, async
     path = None
     if ctx.rank == 0 and ctx.n_target == 1 and uses_cpu_kernels(ctx) and free > ctx.threads:
@@ -121,7 +123,7 @@ MODES_BY_THREADS = ("ar", "sync", "async")
 def _measure_threads(ctx: Ctx, candidates: list[int]) -> list[int]:
     """choose_kernel_threads' measurement, on every rank: the target leader times, the draft rank (one
     only) drafts beside its second half; returns the threads for ar, sync and async (on every rank)."""
-    bs, reps = ctx.args.bs, 3
+    bs, reps = ctx.spec.config.tree.bs, 3
     timing = torch.zeros(1, dtype=torch.float64)  # the split's verification: how long the draft drafts a round
     idle: dict[int, tuple[float, float]] = {}
     if ctx.rank == 0:
@@ -154,8 +156,7 @@ def _measure_threads(ctx: Ctx, candidates: list[int]) -> list[int]:
 
 def _draft_rounds(ctx: Ctx, seconds: float, round_s: float) -> None:
     """Drafting as in async rounds, for ``seconds``: a tree's expansions, then the rest of the round idle."""
-    wants = ctx.draft.drafter.wants_features
-    _warm_draft(ctx, wants)
+    _warm_draft(ctx)
     end = time.perf_counter() + seconds
     while (now := time.perf_counter()) < end:
         ctx.draft.start(DUMMY[-1])
@@ -167,17 +168,17 @@ def _draft_rounds(ctx: Ctx, seconds: float, round_s: float) -> None:
 DUMMY = list(range(1, 9)) * 4  # repetitive, so that the suffix drafter has something to propose
 
 
-def _warm_draft(ctx: Ctx, wants: bool) -> None:
+def _warm_draft(ctx: Ctx) -> None:
     """The draft's state over DUMMY (with zero features for a drafter that reads them), ready to expand."""
-    ctx.draft.prefill(DUMMY, Features(0, torch.zeros(len(DUMMY), read_args(Path(ctx.args.target)).dim))
-                      if wants else None)
+    ctx.draft.prefill(DUMMY, Features(0, torch.zeros(len(DUMMY), read_args(Path(ctx.spec.target_dir)).dim))
+                      if ctx.features else None)
     ctx.draft.start(DUMMY[-1])
 
 
-def _measure(ctx: Ctx, wants: bool) -> tuple[float, float, list[float]]:
+def _measure(ctx: Ctx) -> tuple[float, float, list[float]]:
     """This rank's part: a target rank times verifications of bs nodes (median of 3, after a warm-up) and,
-    with --verify-cost, chains of 1..bs nodes; a draft rank times its expansions."""
-    bs = ctx.args.bs
+    with verify_cost, chains of 1..bs nodes; a draft rank times its expansions."""
+    bs = ctx.spec.config.tree.bs
     dummy = DUMMY
     if ctx.role == "target":
         sampler = Sampler(SamplingParams(), ctx.device)
@@ -188,9 +189,9 @@ def _measure(ctx: Ctx, wants: bool) -> tuple[float, float, list[float]]:
             v = ctx.target.verify([root, *dummy[:bs - 1]], list(range(-1, bs - 1)), sampler)
             times.append(time.perf_counter() - t0)
             root = v.path[-1]
-        cost = profile_verify_cost(ctx.target, bs) if ctx.args.verify_cost else [0.0] * bs
+        cost = profile_verify_cost(ctx.target, bs) if ctx.spec.config.verify_cost else [0.0] * bs
         return sorted(times[1:])[1] * 1e3, 0.0, cost
-    _warm_draft(ctx, wants)  # a drafter that reads features: any of the target's size will do
+    _warm_draft(ctx)  # a drafter that reads features: any of the target's size will do
     times = [ctx.draft.expand() for _ in range(4) if ctx.draft.can_expand()]
     t_expand = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else (times or [0.0])[0]
     return 0.0, t_expand, [0.0] * bs
@@ -199,16 +200,17 @@ def _measure(ctx: Ctx, wants: bool) -> tuple[float, float, list[float]]:
 def profile_path(ctx: Ctx, ranks: list[RankInfo]) -> Path | None:
     """Where this setup's profile is kept; None when it cannot be named (a model path that is not a
     local file or directory)."""
-    args = ctx.args
+    spec = ctx.spec
+    settings = {k: v for k, v in spec.config.to_dict().items() if k not in NOT_TIMING}
     key = {
         "format": PROFILE_FORMAT, "swiftspec": _version("swiftspec"), "torch": torch.__version__,
         "machine": [platform.machine(), _cpu_name(), os.cpu_count()],
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if torch.cuda.is_available() else [],
         "ranks": [[r.role, r.device, r.threads, r.host] for r in ranks],
-        "target": _files(args.target), "draft": args.draft if args.draft in BUILTIN_DRAFTS else _files(args.draft),
-        "settings": [args.dtype, args.batch_invariant, args.bs, args.w, args.verify_cost, args.draft_history,
-                     args.draft_corpus],
+        "target": _files(spec.target_dir), "draft": spec.draft if spec.draft in BUILTIN_DRAFTS else _files(spec.draft),
+        "spec": {"config": {**settings, "dtype": ctx.dtype}, "layout": dataclasses.asdict(spec.layout),
+                 "corpus": spec.corpus},
     }
     if key["target"] is None or key["draft"] is None:
         return None
@@ -291,13 +293,13 @@ def choose_cpu_backend(ctx: Ctx, say: Callable[[str], None]) -> str:
     from swiftspec.engine import cpu_backends
     from swiftspec.engine.model_dir import gguf_block_kinds, stored_float_dtype
 
-    args = ctx.args
-    model_args = read_args(Path(args.target))
+    spec = ctx.spec
+    model_args = read_args(Path(spec.target_dir))
     if cpu_backends.kernels_available(model_args, ctx.tp_world) is not None:
         return "float32"  # torch's linears, exact through one-row forwards (engine/loader.py)
     # the checkpoint as stored, or a GGUF's own blocks: never a narrower width than the file holds
-    candidates = [stored_float_dtype(Path(args.target))]
-    if gguf_block_kinds(Path(args.target)) & set(cpu_backends.BLOCK_FORMATS) and ctx.tp_world == 1:
+    candidates = [stored_float_dtype(Path(spec.target_dir))]
+    if gguf_block_kinds(Path(spec.target_dir)) & set(cpu_backends.BLOCK_FORMATS) and ctx.tp_world == 1:
         candidates.insert(0, "gguf")
     if len(candidates) == 1:
         say(f"CPU backend {candidates[0]} (the checkpoint's own width)")
@@ -308,8 +310,8 @@ def choose_cpu_backend(ctx: Ctx, say: Callable[[str], None]) -> str:
                "machine": [platform.machine(), _cpu_name(), os.cpu_count()], "threads": ctx.threads,
                "shape": [model_args.dim, model_args.n_layers, model_args.n_heads, model_args.n_kv_heads,
                          model_args.intermediate_size, model_args.vocab_size, ctx.tp_world],
-               "candidates": candidates, "draft": args.draft if args.draft in BUILTIN_DRAFTS else "model",
-               "bs": args.bs}
+               "candidates": candidates, "draft": spec.draft if spec.draft in BUILTIN_DRAFTS else "model",
+               "bs": spec.config.tree.bs}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
         path = cache_dir() / "profiles" / "backends" / f"{digest}.json"
         try:
@@ -317,10 +319,10 @@ def choose_cpu_backend(ctx: Ctx, say: Callable[[str], None]) -> str:
             assert set(costs) == set(candidates)
         except (OSError, ValueError, KeyError, TypeError, AssertionError):
             say("measuring the CPU backends (" + ", ".join(candidates) + ")")
-            rows = 1 if args.draft == "none" else args.bs  # plain decoding: only the one-row step counts
+            rows = 1 if spec.draft == "none" else spec.config.tree.bs  # plain decoding: only the one-row step counts
             costs = {b: cpu_backends.synthetic_costs(model_args, b, rows) for b in candidates}
             _write_json(path, {"costs": costs})
-        p = ACCEPTANCE_PRIOR.get(args.draft, ACCEPTANCE_OTHER)
+        p = ACCEPTANCE_PRIOR.get(spec.draft, ACCEPTANCE_OTHER)
         rates = {b: expected_rate(c, p) for b, c in costs.items()}
         best = max(rates, key=rates.get)
         say("CPU backend " + best + " (expected tok/s: "

@@ -6,21 +6,28 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from swiftspec.config import BUILTIN_DRAFTS, MODES, SamplingParams
+from swiftspec.config import BUILTIN_DRAFTS, SamplingParams
 from swiftspec.engine import protocol
-from swiftspec.engine.loop import Finisher, Op, Request, lead_draft, lead_target
+from swiftspec.engine.decode import DraftState, TargetState
+from swiftspec.engine.frames import Failure, Hello, Ready
+from swiftspec.engine.loop import Finisher, Request, lead_draft, lead_target
+from swiftspec.engine.messages import Follow, FollowerStep, WireError
 from swiftspec.engine.model_dir import load_tokenizer
 from swiftspec.engine.protocol import EngineInfo
 from swiftspec.engine.sampling import Sampler
+from swiftspec.engine.spec import WorkerSpec
 from swiftspec.engine.worker.leader_io import ScriptIO, SocketIO
 from swiftspec.engine.worker.profiling import choose_cpu_backend, choose_d, choose_kernel_threads, profile
 from swiftspec.engine.worker.setup import (
     Ctx,
+    HandRun,
+    agree_on_features,
     barrier,
     gather_ranks,
     load,
@@ -31,47 +38,46 @@ from swiftspec.engine.worker.setup import (
 )
 from swiftspec.engine.worker.wire import DistLink
 
-# Request header, broadcast by the leader to every rank: int64[4] = cmd, mode, prompt length, params length.
+# Request header, broadcast by the leader to every rank: int64[3] = cmd, prompt length, params length.
 CMD_SHUTDOWN, CMD_GENERATE = 0, 1
 
 
-def follow_target(ctx: Ctx, req: Request) -> None:
-    sampler = Sampler(req.params, ctx.device)
-    ctx.target.prefill(req.prompt, sampler)
-    buf = ctx.wire.buffer()
+def follow_target(target: TargetState, req: Request, next_step: Callable[[], FollowerStep]) -> None:
+    """A target TP follower's part of one answer: the leader's model calls, mirrored step by step."""
+    sampler = Sampler(req.params, target.device)
+    target.prefill(req.prompt, sampler)
     while True:
-        dist.broadcast(buf, src=0, group=ctx.target_group)
-        op, toks, parents, _, _ = ctx.wire.unpack(buf)
-        if op == Op.END:
-            return
-        if op == Op.DECODE:
-            ctx.target.decode_step(toks[0], sampler)
-        else:
-            ctx.target.verify(toks, parents, sampler)
+        match next_step():
+            case FollowerStep(Follow.END):
+                return
+            case FollowerStep(Follow.DECODE, [token]):
+                target.decode_step(token, sampler)
+            case FollowerStep(Follow.VERIFY, tokens, parents) if tokens:
+                target.verify(tokens, parents, sampler)
+            case step:
+                raise WireError(f"a target follower cannot take {step}")
 
 
-def follow_draft(ctx: Ctx, req: Request) -> None:
-    ds = ctx.draft
+def follow_draft(ds: DraftState, req: Request, next_step: Callable[[], FollowerStep]) -> None:
+    """A draft TP follower's part of one answer (the leader's subtree choice needs no model call)."""
     ds.prefill(req.prompt)
-    buf = ctx.wire.buffer()
     while True:
-        dist.broadcast(buf, src=ctx.n_target, group=ctx.draft_group)
-        op, toks, _, _, _ = ctx.wire.unpack(buf)
-        if op == Op.END:
-            return
-        if op == Op.EXPAND:
-            ds.expand()
-        elif op == Op.START:
-            ds.start(toks[0])
-        elif op == Op.REROOT:
-            ds.reroot(toks)
-        else:
-            ds.subtree()
+        match next_step():
+            case FollowerStep(Follow.END):
+                return
+            case FollowerStep(Follow.EXPAND):
+                ds.expand()
+            case FollowerStep(Follow.START, [root]):
+                ds.start(root)
+            case FollowerStep(Follow.REROOT, path) if path:
+                ds.reroot(path)
+            case step:
+                raise WireError(f"a draft follower cannot take {step}")
 
 
 def _request(ctx: Ctx, io) -> Request | None:
     """The leader's next request, on every rank (None: shut down)."""
-    hdr = torch.zeros(4, dtype=torch.int64)
+    hdr = torch.zeros(3, dtype=torch.int64)
     req = None
     if ctx.rank == 0:
         req = io.next_request()
@@ -79,9 +85,9 @@ def _request(ctx: Ctx, io) -> Request | None:
             if req.params.seed is None:  # TP peers must draw the same random numbers
                 req.params.seed = secrets.randbits(31)
             blob = torch.frombuffer(bytearray(json.dumps(req.params.to_dict()).encode()), dtype=torch.uint8)
-            hdr = torch.tensor([CMD_GENERATE, MODES.index(req.params.mode), len(req.prompt), len(blob)])
+            hdr = torch.tensor([CMD_GENERATE, len(req.prompt), len(blob)])
     dist.broadcast(hdr, src=0)
-    cmd, _, n_prompt, n_blob = hdr.tolist()
+    cmd, n_prompt, n_blob = hdr.tolist()
     if cmd == CMD_SHUTDOWN:
         return None
     if ctx.rank == 0:
@@ -101,28 +107,27 @@ def serve(ctx: Ctx, io) -> None:
     while (req := _request(ctx, io)) is not None:
         use_kernel_threads(ctx, req.params.mode)
         if ctx.rank == 0:
-            fin = Finisher(req, ctx.args.max_seq_len, ctx.eos, lambda rid=req.id: io.cancelled(rid))
+            fin = Finisher(req, ctx.spec.config.max_seq_len, ctx.eos, lambda rid=req.id: io.cancelled(rid))
             lead_target(ctx.target, link, req, fin, lambda step, rid=req.id: io.step(rid, step), ctx.tell,
                         ctx.features and req.params.mode != "ar")
         elif ctx.role == "target":
-            follow_target(ctx, req)
+            follow_target(ctx.target, req, ctx.next_step)
         elif req.params.mode == "ar":
             continue
         elif ctx.rank == draft_leader:
             lead_draft(ctx.draft, link, req, ctx.d, ctx.tell)
         else:
-            follow_draft(ctx, req)
+            follow_draft(ctx.draft, req, ctx.next_step)
 
 
-def _io(ctx: Ctx) -> SocketIO | ScriptIO | None:
-    args = ctx.args
+def _io(ctx: Ctx, hand: HandRun | None) -> SocketIO | ScriptIO | None:
     if ctx.rank != 0:
         return None
-    if args.prompt is not None:
-        tok = load_tokenizer(Path(args.target), args.trust_remote_code)
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+    if hand is not None:
+        tok = load_tokenizer(Path(ctx.spec.target_dir), ctx.spec.config.trust_remote_code)
+        ids = tok.apply_chat_template([{"role": "user", "content": hand.prompt}], add_generation_prompt=True,
                                       return_dict=True)["input_ids"]
-        return ScriptIO(tok, list(ids), args.modes.split(","), args.max_new_tokens)
+        return ScriptIO(tok, list(ids), hand.modes, hand.max_new_tokens)
     addr, key = os.environ.get(protocol.ENV_ADDR), os.environ.get(protocol.ENV_KEY)
     if not addr or not key:
         raise SystemExit(f"{protocol.ENV_ADDR} / {protocol.ENV_KEY} are not set: start the workers "
@@ -130,40 +135,43 @@ def _io(ctx: Ctx) -> SocketIO | ScriptIO | None:
     return SocketIO(protocol.connect(addr, key), speculative=ctx.world > ctx.n_target)
 
 
+def _draft_name(spec: WorkerSpec) -> str:
+    corpus = f" + corpus {Path(spec.corpus).stem}" if spec.corpus else ""
+    return (spec.draft if spec.draft in BUILTIN_DRAFTS else Path(spec.draft).name) + corpus
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    ctx = setup(args)
-    io = _io(ctx)
+    spec, hand = parse_args(argv)
+    ctx = setup(spec)
+    io = _io(ctx, hand)
+    say = io.progress if io is not None else lambda _text: None
     try:
         ranks = gather_ranks(ctx)
         if io is not None:
-            io.send("hello", pids=[[r.rank, r.pid] for r in ranks])
-            draft = (BUILTIN_DRAFTS.get(args.draft) or f"draft {Path(args.draft).name}") + (
-                f" with the corpus {Path(args.draft_corpus).stem}" if args.draft_corpus else "")
-            io.progress(f"loading target {args.target_name or Path(args.target).name} on {ctx.n_target} "
-                        f"rank(s)" + (f" and {draft} on {ctx.world - ctx.n_target} rank(s)" if args.draft != "none"
-                                      else ", no draft"))
-        if ctx.role == "target" and ctx.device.type == "cpu" and args.dtype == "auto" and args.batch_invariant != "off":
-            args.dtype = choose_cpu_backend(ctx, io.progress if io is not None else lambda _text: None)
+            io.send(Hello([[r.rank, r.pid] for r in ranks]))
+            draft = (BUILTIN_DRAFTS.get(spec.draft) or f"draft {Path(spec.draft).name}") + (
+                f" with the corpus {Path(spec.corpus).stem}" if spec.corpus else "")
+            say(f"loading target {spec.name} on {ctx.n_target} rank(s)"
+                + (f" and {draft} on {ctx.world - ctx.n_target} rank(s)" if spec.draft != "none" else ", no draft"))
+        config = spec.config
+        if ctx.role == "target" and ctx.device.type == "cpu" and config.dtype == "auto" and config.batch_invariant != "off":
+            ctx.dtype = choose_cpu_backend(ctx, say)
         load(ctx)
-        barrier()
-        say = io.progress if io is not None else lambda _text: None
+        agree_on_features(ctx)  # a collective over every rank: all have loaded
         t_verify, t_expand = profile(ctx, ranks, say)
         choose_kernel_threads(ctx, ranks, say)
-        ctx.d = 0 if args.draft == "none" else args.d or choose_d(t_verify, t_expand)
+        ctx.d = 0 if spec.draft == "none" else config.tree.d or choose_d(t_verify, t_expand)
         if io is not None:
             info = EngineInfo(
-                target=f"{args.target_name or Path(args.target).name} · {target_precision(ctx)}",
-                draft=(args.draft if args.draft in BUILTIN_DRAFTS else Path(args.draft).name)
-                + (f" + corpus {Path(args.draft_corpus).stem}" if args.draft_corpus else ""),
-                ranks=ranks, context_length=args.max_seq_len, backend=ctx.backend, bs=args.bs, w=args.w,
-                d=ctx.d, d_auto=args.d is None, t_verify_ms=t_verify, t_expand_ms=t_expand,
+                target=f"{spec.name} · {target_precision(ctx)}", draft=_draft_name(spec), ranks=ranks,
+                context_length=config.max_seq_len, backend=ctx.backend, bs=config.tree.bs, w=config.tree.w,
+                d=ctx.d, d_auto=config.tree.d is None, t_verify_ms=t_verify, t_expand_ms=t_expand,
                 eos_token_ids=sorted(ctx.eos), kernel_threads=ctx.kernel_threads)
-            io.send("ready", info=info.to_dict())
+            io.send(Ready(info))
         serve(ctx, io)
     except BaseException as e:
         if isinstance(io, SocketIO):
-            io.send("error", id=None, message=f"{type(e).__name__}: {e}", fatal=True)
+            io.send(Failure(f"{type(e).__name__}: {e}"))
             io.flush()
         raise
     if io is not None:

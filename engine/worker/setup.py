@@ -13,17 +13,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from swiftspec.config import ConfigError, TreeParams
+from swiftspec.config import ConfigError, EngineConfig, Role
 from swiftspec.engine import launcher
 from swiftspec.engine.cuda_graphs import GraphedModel
 from swiftspec.engine.decode import DraftState, TargetState
 from swiftspec.engine.draft_head import is_head_dir
 from swiftspec.engine.drafters import make_drafter
 from swiftspec.engine.loader import default_dtype, load_model
-from swiftspec.engine.loop import Message, Op
+from swiftspec.engine.messages import FollowerStep, Wire
 from swiftspec.engine.model_dir import eos_token_ids
 from swiftspec.engine.protocol import RankInfo
-from swiftspec.engine.worker.wire import Wire
+from swiftspec.engine.spec import WorkerSpec
 
 PG_TIMEOUT = timedelta(days=3650)  # followers wait in a broadcast while the chat is idle
 INIT_TIMEOUT = timedelta(seconds=120)  # for every rank to reach init_process_group and new_group
@@ -34,14 +34,15 @@ DRAFT_TREE_SLOTS = 512  # draft KV slots for the token tree beyond the verified 
 class Ctx:
     """This rank's place in the world and what it holds."""
 
-    args: argparse.Namespace
+    spec: WorkerSpec
     rank: int
     world: int
     n_target: int
-    role: str
+    role: Role
     device: torch.device
     threads: int
     backend: str
+    dtype: str  # the target's: the spec's, or on the CPU with auto the backend chosen (choose_cpu_backend)
     target_group: dist.ProcessGroup | None = None
     draft_group: dist.ProcessGroup | None = None
     target: TargetState | None = None  # on target ranks
@@ -68,57 +69,63 @@ class Ctx:
     def tp_world(self) -> int:
         return self.n_target if self.role == "target" else self.world - self.n_target
 
-    def tell(self, op: Op, tokens: list[int] = (), parents: list[int] = ()) -> None:
+    def tell(self, step: FollowerStep) -> None:
         """A group leader tells its TP followers which step comes next (loop.lead_target's ``tell``)."""
         if self.tp_world > 1:
-            dist.broadcast(self.wire.pack(Message(op, tokens, parents)), src=self.group_leader, group=self.group)
+            dist.broadcast(self.wire.pack_step(step), src=self.group_leader, group=self.group)
+
+    def next_step(self) -> FollowerStep:
+        """A TP follower's next step from its group leader."""
+        buf = self.wire.buffer()
+        dist.broadcast(buf, src=self.group_leader, group=self.group)
+        return self.wire.unpack_step(buf)
 
 
 # ---------------------------------------------------------------------------------------------- set-up
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+@dataclass(frozen=True)
+class HandRun:
+    """A worker group started by hand (``--prompt``): each mode answers the prompt, printed, compared."""
+
+    prompt: str
+    modes: list[str]
+    max_new_tokens: int
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[WorkerSpec, HandRun | None]:
+    """The Engine's WorkerSpec (``--spec``), or for a hand run one made of the few flags below, every
+    other setting at EngineConfig's default."""
+    defaults = EngineConfig()
     p = argparse.ArgumentParser(prog="python -m swiftspec.engine.worker",
                                 description="SwiftSpec worker (started by torchrun; one process per rank)")
-    p.add_argument("--target", required=True, help="target model directory (Hugging Face layout)")
-    p.add_argument("--draft", default="suffix",
-                   help="draft model directory, 'suffix', 'int8', or 'none' (ar only: no draft ranks)")
-    p.add_argument("--no-draft-history", dest="draft_history", action="store_false",
-                   help="the suffix drafter forgets earlier conversations (fair benchmarks)")
-    p.add_argument("--draft-corpus", help="the suffix drafter's corpus file (the target's own answers)")
-    p.add_argument("--target-name", help="name shown for the target (default: its directory name)")
-    p.add_argument("--target-procs", type=int, default=1, help="ranks 0..N-1 form the target group")
-    p.add_argument("--target-devices", help="CUDA devices of the target ranks, e.g. 0,1,2")
-    p.add_argument("--draft-devices", help="CUDA devices of the draft ranks, e.g. 3 (empty: CPU)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="cuda without device lists: each rank uses cuda:LOCAL_RANK (multi-node)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--batch-invariant", choices=["auto", "on", "off"], default="auto",
-                   help="the target's rows independent of the call's size (exact 16-bit speculation); "
-                        "auto: on except for fp32 on the CPU")
-    p.add_argument("--max-seq-len", type=int, default=4096)
-    # (--tree-*: torchrun's parser would take a bare --d for an abbreviation of its own options)
-    p.add_argument("--tree-bs", dest="bs", type=int, default=8, help="nodes verified per target forward")
-    p.add_argument("--tree-w", dest="w", type=int, default=8, help="leaves expanded per draft forward")
-    p.add_argument("--tree-d", dest="d", type=int, default=None,
-                   help="draft expansions per round (default: from profiled step times)")
-    p.add_argument("--verify-cost", action="store_true",
-                   help="verify only the subtree size worth its profiled target cost (DraftState.verify_cost)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads per node, all ranks together")
-    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--spec", type=Path, help="the WorkerSpec JSON the Engine wrote into its run directory")
+    p.add_argument("--target", help="without --spec: the target model directory (Hugging Face layout)")
+    p.add_argument("--draft", default=defaults.draft,
+                   help="without --spec: a draft model directory, 'suffix', 'int8', or 'none'")
+    p.add_argument("--target-procs", type=int, default=defaults.target_procs,
+                   help="without --spec: ranks 0..N-1 form the target group")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=defaults.device,
+                   help="without --spec: cuda puts each rank on cuda:LOCAL_RANK (several nodes)")
+    p.add_argument("--threads", type=int, default=defaults.threads,
+                   help="without --spec: CPU threads per node, all ranks together")
     p.add_argument("--prompt", help="no Engine: run this prompt in each of --modes and print the results")
     p.add_argument("--modes", default="ar,async", help="with --prompt: modes to run, compared with the first")
     p.add_argument("--max-new-tokens", type=int, default=64, help="with --prompt")
     args = p.parse_args(argv)
-    TreeParams(args.bs, args.w, args.d).validate()
-    return args
+    hand = HandRun(args.prompt, args.modes.split(","), args.max_new_tokens) if args.prompt is not None else None
+    if args.spec is not None:
+        return WorkerSpec.read(args.spec), hand
+    if args.target is None or hand is None:
+        p.error("give --spec (the Engine does), or --target and --prompt")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    config = EngineConfig(target=args.target, draft=args.draft, target_procs=args.target_procs,
+                          device=args.device, threads=args.threads, draft_corpus="none").validate()
+    return WorkerSpec(config, launcher.Layout(args.target_procs, world - args.target_procs), args.target,
+                      args.draft), hand
 
 
-def _devices(spec: str | None) -> list[int]:
-    return [int(x) for x in spec.split(",") if x.strip()] if spec else []
-
-
-def _cpu_threads(args: argparse.Namespace, rank: int, n_target: int) -> int:
-    """Divides this node's cores between its local ranks (``--threads``, or every core but one on the node
+def _cpu_threads(threads: int | None, draft: str, rank: int, n_target: int) -> int:
+    """Divides this node's cores between its local ranks (``threads``, or every core but one on the node
     that holds the Engine, whose process streams the text). The suffix drafter (light Python) and a draft
     head (one layer) take one thread each, on a core of their own, and the target ranks share the rest; a
     draft model gets its share like any rank. These are torch's threads, and the CPU kernels' in a draft
@@ -126,9 +133,9 @@ def _cpu_threads(args: argparse.Namespace, rank: int, n_target: int) -> int:
     (profiling.choose_kernel_threads, by measurement)."""
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     engine_here = rank == local_rank  # this node holds rank 0, the Engine's peer
-    total = args.threads or max(1, len(os.sched_getaffinity(0)) - engine_here)
+    total = threads or max(1, len(os.sched_getaffinity(0)) - engine_here)
     local = range(rank - local_rank, rank - local_rank + local_world)
-    if args.draft not in ("suffix", "none") and not is_head_dir(Path(args.draft)):
+    if draft not in ("suffix", "none") and not is_head_dir(Path(draft)):
         return max(1, total // local_world)
     if rank >= n_target:
         return 1
@@ -136,12 +143,12 @@ def _cpu_threads(args: argparse.Namespace, rank: int, n_target: int) -> int:
     return max(1, (total - (local_world - n_local_target)) // max(1, n_local_target))
 
 
-def free_threads(args: argparse.Namespace, rank: int, n_target: int) -> int:
+def free_threads(threads: int | None, rank: int, n_target: int) -> int:
     """A target rank's share of its node's cores while no draft runs beside its forwards (``ar``, and
-    ``sync`` between its drafts): all of them (``--threads``, or every core) over the node's target ranks."""
+    ``sync`` between its drafts): all of them (``threads``, or every core) over the node's target ranks."""
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     local = range(rank - local_rank, rank - local_rank + local_world)
-    return max(1, (args.threads or len(os.sched_getaffinity(0))) // max(1, sum(r < n_target for r in local)))
+    return max(1, (threads or len(os.sched_getaffinity(0))) // max(1, sum(r < n_target for r in local)))
 
 
 def uses_cpu_kernels(ctx: Ctx) -> bool:
@@ -162,26 +169,26 @@ def use_kernel_threads(ctx: Ctx, mode: str) -> None:
         set_kernel_threads(ctx.kernel_threads.get(mode, ctx.threads))
 
 
-def setup(args: argparse.Namespace) -> Ctx:
+def setup(spec: WorkerSpec) -> Ctx:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    n_target = args.target_procs
-    if args.draft == "none" and n_target != world:
+    config, layout = spec.config, spec.layout
+    n_target = layout.n_target
+    if spec.draft == "none" and n_target != world:
         raise ConfigError(f"without a draft all {world} ranks are target ranks, not {n_target}")
-    if args.draft != "none" and not 1 <= n_target < world:
+    if spec.draft != "none" and not 1 <= n_target < world:
         raise ConfigError(f"{world} ranks cannot hold {n_target} target rank(s) and at least one draft rank")
     role = "target" if rank < n_target else "draft"
-    if args.target_devices is not None:
-        layout = launcher.Layout(n_target, world - n_target, _devices(args.target_devices), _devices(args.draft_devices))
+    if layout.cuda:
         devices = launcher.rank_devices(layout)
     else:
-        devices = ["cuda" if args.device == "cuda" else "cpu"] * world
+        devices = ["cuda" if config.device == "cuda" else "cpu"] * world
     device = torch.device(devices[rank] if devices[rank] != "cuda" else f"cuda:{os.environ['LOCAL_RANK']}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         share = launcher.memory_fraction(devices, rank, n_target)
         if share is not None:
             torch.cuda.set_per_process_memory_fraction(share, device)
-    threads = _cpu_threads(args, rank, n_target)
+    threads = _cpu_threads(config.threads, spec.draft, rank, n_target)
     torch.set_num_threads(threads)
     groups = launcher.process_groups(devices, n_target)
     store_path = os.environ.get(launcher.ENV_STORE)
@@ -191,14 +198,20 @@ def setup(args: argparse.Namespace) -> Ctx:
     else:  # several nodes: torchrun's rendezvous (MASTER_ADDR / MASTER_PORT)
         dist.init_process_group(groups["world"].backend, timeout=INIT_TIMEOUT)
     backend = groups["target"].backend if role == "target" else groups["draft"].backend
-    ctx = Ctx(args, rank, world, n_target, role, device, threads, backend, wire=Wire(args.bs))
+    ctx = Ctx(spec, rank, world, n_target, role, device, threads, backend, dtype=config.dtype,
+              wire=Wire(config.tree.bs))
     ctx.target_group = dist.new_group(list(groups["target"].ranks), timeout=INIT_TIMEOUT,
                                       backend=groups["target"].backend)
     if world > n_target:
         ctx.draft_group = dist.new_group(list(groups["draft"].ranks), timeout=INIT_TIMEOUT,
                                          backend=groups["draft"].backend)
+    # torch has no public way to lengthen a group's timeout once it exists: without this private one, an
+    # idle chat would time its followers out, so its absence is an error at start, not an hour later
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        raise RuntimeError(f"torch {torch.__version__} lacks torch.distributed's _set_pg_timeout")
     for group in (None, ctx.group):  # all met: from now on, waits while the chat is idle are fine
-        dist.distributed_c10d._set_pg_timeout(PG_TIMEOUT, group)
+        set_timeout(PG_TIMEOUT, group)
     return ctx
 
 
@@ -228,9 +241,9 @@ def gather_ranks(ctx: Ctx) -> list[RankInfo]:
 
 def load(ctx: Ctx) -> None:
     """Target ranks load their shard of the target; draft ranks build the drafter and its tree state."""
-    args = ctx.args
-    target_dir = Path(args.target)
-    slots = args.max_seq_len + args.bs + 1  # the prefix plus one tree being verified
+    spec, config = ctx.spec, ctx.spec.config
+    target_dir = Path(spec.target_dir)
+    slots = config.max_seq_len + config.tree.bs + 1  # the prefix plus one tree being verified
 
     def model_for(path: Path, n_slots: int, group, int8: bool = False, batch_invariant: bool | None = False):
         """Our model on this rank's device; on CUDA wrapped in CUDA graphs (one more slot: the graphs'
@@ -238,40 +251,47 @@ def load(ctx: Ctx) -> None:
         only changes what is proposed, never what is output); on the CPU the invariant kernels are also
         the fast ones, and a draft runs them too."""
         cuda = ctx.device.type == "cuda"
-        model = load_model(path, ctx.device, args.dtype, max_slots=n_slots + cuda, tp_group=group,
+        model = load_model(path, ctx.device, ctx.dtype, max_slots=n_slots + cuda, tp_group=group,
                            tp_rank=ctx.tp_rank, tp_world=ctx.tp_world, int8=int8, batch_invariant=batch_invariant)
         return GraphedModel(model) if cuda else model
 
     if ctx.role == "target":
-        invariant = {"auto": None, "on": True, "off": False}[args.batch_invariant]
+        invariant = {"auto": None, "on": True, "off": False}[config.batch_invariant]
         model = model_for(target_dir, slots, ctx.target_group, batch_invariant=invariant)
         ctx.target = TargetState(model, slots)
         if ctx.rank == 0:
-            ctx.eos = set(eos_token_ids(target_dir, args.trust_remote_code))
+            ctx.eos = set(eos_token_ids(target_dir, config.trust_remote_code))
     else:
-        drafter = make_drafter(args.draft, target_dir, args.trust_remote_code, args.draft_history,
+        drafter = make_drafter(spec.draft, target_dir, config.trust_remote_code, config.draft_history,
                                lambda path, int8: model_for(path, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8,
                                                             None if ctx.device.type == "cpu" else False),
-                               ctx.device, default_dtype(ctx.device, args.dtype), slots + DRAFT_TREE_SLOTS,
-                               Path(args.draft_corpus) if args.draft_corpus else None)
-        if ctx.device.type == "cpu" and args.draft not in ("suffix", "none") and not is_head_dir(Path(args.draft)):
+                               ctx.device, default_dtype(ctx.device, ctx.dtype), slots + DRAFT_TREE_SLOTS,
+                               Path(spec.corpus) if spec.corpus else None, spec.vocab_size)
+        if ctx.device.type == "cpu" and spec.draft not in ("suffix", "none") and not is_head_dir(Path(spec.draft)):
             from swiftspec.engine.cpu_backends import kernels_available
 
             if kernels_available() is None:  # a draft model runs the kernels too, on its share of the cores
                 set_kernel_threads(ctx.threads)
         if drafter.wants_features and ctx.tp_world > 1:
             raise ConfigError("a draft that reads the target's hidden states runs on one draft rank only")
-        ctx.draft = DraftState(drafter, TreeParams(args.bs, args.w, args.d))
+        ctx.draft = DraftState(drafter, config.tree)
+
+
+def agree_on_features(ctx: Ctx) -> None:
+    """Every rank learns whether the drafter reads the target's hidden states (Ctx.features): only the
+    draft ranks hold the drafter that knows."""
+    mine = torch.tensor([ctx.role == "draft" and ctx.draft.drafter.wants_features], dtype=torch.int64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    ctx.features = bool(mine)
 
 
 def target_precision(ctx: Ctx) -> str:
     """What the title bar says the target runs at: the CPU backend's label ("int4 (Q4_1 blocks) · int16
     activations · AVX2"), else the dtype, and for a converted GGUF the type its blocks came in."""
-    from swiftspec.embedded import precision_label
+    from swiftspec.engine.embedded import precision_label
     from swiftspec.engine.model_dir import default_dtype_name
 
     model = getattr(ctx.target.model, "model", ctx.target.model)  # through a CUDA-graphs wrapper
     if model.precision:
         return model.precision
-    return precision_label(Path(ctx.args.target), default_dtype_name(ctx.device.type == "cuda", ctx.args.dtype))
-
+    return precision_label(Path(ctx.spec.target_dir), default_dtype_name(ctx.device.type == "cuda", ctx.dtype))

@@ -1,5 +1,5 @@
-"""The messages between ranks as fixed-size int64 tensors (gloo needs the size known to the receiver),
-and the torch.distributed Link between the two group leaders."""
+"""The torch.distributed Link between the two group leaders: messages packed by ``engine/messages.py``'s
+Wire, hidden states as 16-bit tensors."""
 
 from __future__ import annotations
 
@@ -9,29 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from swiftspec.engine.loop import Message, Op
-
-
-class Wire:
-    """int64[4 + 2 bs]: kind, n, a, b, tokens[bs], parents[bs]."""
-
-    def __init__(self, bs: int):
-        self.bs = bs
-        self.size = 4 + 2 * bs
-
-    def pack(self, msg: Message) -> Tensor:
-        kind, tokens, parents, a, b = msg
-        vals = [kind, len(tokens), a, b, *tokens, *[0] * (self.bs - len(tokens)), *parents,
-                *[0] * (self.bs - len(parents))]
-        return torch.tensor(vals, dtype=torch.int64)
-
-    def buffer(self) -> Tensor:
-        return torch.zeros(self.size, dtype=torch.int64)
-
-    def unpack(self, t: Tensor) -> Message:
-        v = t.tolist()
-        n = v[1]
-        return Message(Op(v[0]), v[4:4 + n], v[4 + self.bs:4 + self.bs + n], v[2], v[3])
+from swiftspec.engine.messages import LeaderMessage, Wire
 
 
 def features_to_wire(hidden: Tensor) -> Tensor:
@@ -51,17 +29,17 @@ class DistLink:
         self.wire, self.peer = wire, peer
         self.buf = wire.buffer()
 
-    def send(self, msg: Message) -> None:
+    def send(self, msg: LeaderMessage) -> None:
         dist.send(self.wire.pack(msg), dst=self.peer)
 
-    def recv(self) -> Message:
+    def recv(self) -> LeaderMessage:
         dist.recv(self.buf, src=self.peer)
         return self.wire.unpack(self.buf)
 
-    def post_recv(self) -> Callable[[], Message]:
+    def post_recv(self) -> Callable[[], LeaderMessage]:
         work = dist.irecv(self.buf, src=self.peer)
 
-        def wait() -> Message:
+        def wait() -> LeaderMessage:
             work.wait()
             return self.wire.unpack(self.buf)
 

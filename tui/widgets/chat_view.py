@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual.containers import VerticalScroll
 
 from swiftspec.conversation import Message
-from swiftspec.history import stats_line
+from swiftspec.engine.answer import AnswerSummary
 from swiftspec.tui.widgets.message import MessageBox
 from swiftspec.tui.widgets.notice import Notice
 
@@ -27,7 +27,7 @@ class ChatView(VerticalScroll):
         """A conversation afresh: one box per message, named by its key, with an answer's figures."""
         await self.clear()
         for m in messages:
-            await self.add(m.role, m.content, footer=stats_line(m.stats, short=True) if m.stats else "", key=m.key)
+            await self.add(m.role, m.content, footer=AnswerSummary.from_dict(m.stats).line(short=True) if m.stats else "", key=m.key)
 
     async def add_context_notice(self, left_out: int, kept: int, before: MessageBox) -> Notice:
         """Above the message it made room for: how many turns the model no longer sees."""

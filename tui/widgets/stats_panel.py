@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 
 from rich.console import Group
@@ -54,7 +53,6 @@ class StatsPanel(VerticalScroll, can_focus=False):
         super().__init__(**kwargs)
         self.border_title = "Live stats"
         self._recent: deque[float] = deque(maxlen=SPARK_STEPS)  # per-token latency of recent steps
-        self._turn_latencies: list[float] = []  # one per token this turn, for the median
         self._stats = StepStats()
         self._mode = ""
         self._d_configured = ""  # d as the workers chose it at start, e.g. "4 auto"
@@ -77,7 +75,6 @@ class StatsPanel(VerticalScroll, can_focus=False):
 
     def start_turn(self, mode: str) -> None:
         self._mode = mode
-        self._turn_latencies = []
         self._stats = StepStats()
         self._refresh_figures()
 
@@ -87,14 +84,13 @@ class StatsPanel(VerticalScroll, can_focus=False):
             self._stats = stats
             if tokens:
                 self._recent.append(stats.token_latency_ms)
-                self._turn_latencies.extend([stats.token_latency_ms] * tokens)
         self.query_one(Sparkline).data = list(self._recent)
         self._refresh_figures()
 
     def _refresh_figures(self) -> None:
         s = self._stats
         speculative = self._mode != "ar"
-        p50 = statistics.median(self._turn_latencies) if self._turn_latencies else 0.0
+        p50 = s.ms_per_token_p50
         dash = "–"
         self.query_one("#figures", Static).update(_grid([
             ("mode", self._mode or dash),

@@ -1,0 +1,203 @@
+"""Placing the worker group: the process layout, the communicators, the torchrun command, the spec the
+workers read, their threads, and what a start decides before any process runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from swiftspec.config import ConfigError, EngineConfig, TreeParams
+from swiftspec.engine import launcher
+from swiftspec.engine.client import Engine
+from swiftspec.engine.spec import WorkerSpec
+from swiftspec.engine.worker.profiling import choose_d
+from swiftspec.engine.worker.setup import _cpu_threads, parse_args
+
+
+def test_plan_layout():
+    cfg = EngineConfig(target_procs=2)
+    assert launcher.plan_layout(cfg, 0) == launcher.Layout(2, 1)
+    with pytest.raises(ConfigError, match="one process"):
+        launcher.plan_layout(EngineConfig(draft_procs=2), 0)
+    assert launcher.plan_layout(EngineConfig(), 4) == launcher.Layout(4, 1, [0, 1, 2, 3], [])
+    lay = launcher.plan_layout(EngineConfig(draft="/m", gpus=8), 8)
+    assert (lay.n_target, lay.n_draft, lay.draft_devices) == (6, 2, [6, 7])
+    lay = launcher.plan_layout(EngineConfig(draft="/m", target_devices=[0, 1, 2], draft_devices=[3]), 4)
+    assert (lay.n_target, lay.n_draft, lay.world) == (3, 1, 4)
+    with pytest.raises(ConfigError, match="overlap"):
+        launcher.plan_layout(EngineConfig(draft="/m", target_devices=[0, 1], draft_devices=[1]), 4)
+    with pytest.raises(ConfigError, match="do not exist"):
+        launcher.plan_layout(EngineConfig(draft="/m", target_devices=[0, 5], draft_devices=[1]), 4)
+    with pytest.raises(ConfigError, match="no CUDA"):
+        launcher.plan_layout(EngineConfig(device="cuda"), 0)
+    # no draft (--mode ar): no draft ranks, every GPU asked for goes to the target
+    assert launcher.plan_layout(EngineConfig(draft="none", target_procs=2), 0) == launcher.Layout(2, 0)
+    assert launcher.plan_layout(EngineConfig(draft="none", gpus=1), 4) == launcher.Layout(1, 0, [0], [])
+
+
+@pytest.mark.parametrize("n_gpus", [1, 2, 4, 8])
+@pytest.mark.parametrize("draft", ["suffix", "/models/draft"])
+def test_no_nccl_communicator_holds_two_ranks_of_one_gpu(n_gpus, draft):
+    """Every GPU layout the planner makes (with --gpus N, and split by hand): control over gloo alone, NCCL
+    only in TP groups of distinct GPUs, and a GPU shared by both groups split into memory shares.
+    (A learned draft head, issue 12, will be placed like a draft model.)"""
+    configs = [EngineConfig(draft=draft, device="cuda", gpus=n) for n in range(1, n_gpus + 1)]
+    if n_gpus > 1:
+        configs.append(EngineConfig(draft=draft, target_devices=list(range(n_gpus - 1)), draft_devices=[n_gpus - 1]))
+    for config in configs:
+        layout = launcher.plan_layout(config, n_gpus)
+        devices = launcher.rank_devices(layout)
+        groups = launcher.process_groups(devices, layout.n_target)
+        assert groups["world"].backend == "gloo"
+        for spec in groups.values():
+            gpus = [devices[r] for r in spec.ranks]
+            if "nccl" in spec.backend:
+                assert len(set(gpus)) == len(gpus) > 1 and all(d.startswith("cuda:") for d in gpus), (config, spec)
+        shares = {}
+        for rank, dev in enumerate(devices):
+            share = launcher.memory_fraction(devices, rank, layout.n_target)
+            assert (share is None) == (devices.count(dev) == 1 or dev == "cpu")
+            shares[dev] = shares.get(dev, 0.0) + (share or 0.0)
+        assert all(total <= 1.0 for total in shares.values())
+    one_gpu = launcher.rank_devices(launcher.plan_layout(EngineConfig(draft=draft, device="cuda"), 1))
+    assert one_gpu == ["cuda:0", "cpu" if draft == "suffix" else "cuda:0"]
+
+
+def test_process_groups_refuse_a_shared_gpu_inside_one_group():
+    with pytest.raises(ConfigError, match="share a GPU"):
+        launcher.process_groups(["cuda:0", "cuda:0", "cuda:1"], 2)
+    assert launcher.process_groups(["cpu", "cpu", "cpu"], 2)["target"].backend == "gloo"  # CPU TP: gloo
+    groups = launcher.process_groups(["cuda", "cuda", "cuda"], 2)  # one GPU per local rank (several nodes)
+    assert groups["target"].backend == "cpu:gloo,cuda:nccl" and groups["draft"].backend == "gloo"
+
+
+def test_the_workers_read_the_spec_the_engine_wrote(tmp_path):
+    cfg = EngineConfig(tree=TreeParams(bs=6, w=4, d=3), threads=2, trust_remote_code=True, verify_cost=True)
+    spec = WorkerSpec(cfg, launcher.Layout(2, 1), "/models/t", "suffix", "/c/answers.safetensors", "T")
+    path = spec.write(tmp_path)
+    read, hand = parse_args([f"--spec={path}"])  # the worker reads them as meant
+    assert read == spec and hand is None
+    c = read.config
+    assert (c.tree.bs, c.tree.w, c.tree.d, c.threads, c.verify_cost, c.draft_history) == (6, 4, 3, 2, True, True)
+    assert (read.corpus, read.layout.n_target, read.name) == ("/c/answers.safetensors", 2, "T")
+
+
+def test_build_command():
+    worker = ["--spec=/run/x/spec.json"]
+    cmd = launcher.build_command(worker, 3, Path("/run/x"))
+    assert cmd[1:4] == ["-m", "swiftspec.engine.torchrun", "--nproc-per-node=3"]
+    # no --standalone: its TCPStore would listen on every interface
+    assert "--standalone" not in cmd and "--rdzv-backend=swiftspec-local" in cmd and "--log-dir=/run/x/logs" in cmd
+    assert cmd[cmd.index("swiftspec.engine.worker") + 1:] == worker
+    from torch.distributed.run import get_args_parser
+
+    parsed = get_args_parser().parse_args(cmd[3:])  # torchrun must hand every worker flag through
+    assert parsed.training_script == "swiftspec.engine.worker" and parsed.training_script_args == worker
+    multi = launcher.build_command(worker, 1, nnodes=2, rdzv_endpoint="h:29400")
+    assert multi[1:3] == ["-m", "torch.distributed.run"]
+    assert "--nnodes=2" in multi and "--rdzv-endpoint=h:29400" in multi and "--rdzv-backend=c10d" in multi
+    assert "--standalone" not in multi
+    with pytest.raises(ConfigError):
+        launcher.build_command(worker, 1, nnodes=2)
+
+
+def test_the_engine_resolves_the_models_and_plans_the_layout_without_torch(target_dir):
+    """Importing torch costs ~1.5 s of start-up: the Engine's work before it spawns torchrun must not."""
+    code = ("import sys; from swiftspec.engine import launcher, startup; from swiftspec.engine.model_dir import "
+            "read_args, resolve_draft, resolve_model_dir; from swiftspec.config import EngineConfig; "
+            f"d = resolve_model_dir({str(target_dir)!r}); resolve_draft('suffix', d); read_args(d); "
+            "c = EngineConfig(target=str(d)).validate(); layout = launcher.plan_layout(c, launcher.visible_gpus('auto')); "
+            "startup.target_name(c); assert 'torch' not in sys.modules, 'torch was imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_no_gpu_driver_means_no_cuda_devices_without_asking_torch(monkeypatch, tmp_path):
+    monkeypatch.setattr(launcher, "GPU_DRIVER_NODES", (str(tmp_path / "nvidiactl"),))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what torch would say on a 3-GPU machine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert launcher.visible_gpus("auto") == 0 and launcher.visible_gpus("cpu") == 0
+    assert launcher.visible_gpus("cuda") == 3  # asked for: torch decides (and plan_layout words a refusal)
+    (tmp_path / "nvidiactl").touch()
+    assert launcher.visible_gpus("auto") == 3 and launcher.visible_gpus("cpu") == 0
+
+
+def test_cpu_threads_never_oversubscribe_the_cores(monkeypatch, tmp_path):
+    """One target and one draft rank on a node of 4 cores: the suffix drafter and a head take one core of
+    their own, a draft model an even share; without --threads one core stays with the Engine."""
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head" / "config.json").write_text(json.dumps({"swiftspec_draft_head": 1}))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(4)))
+    cases = [  # (--threads, draft, local ranks, threads of each)
+        (4, "suffix", 2, [3, 1]), (4, str(tmp_path / "head"), 2, [3, 1]), (4, str(tmp_path), 2, [2, 2]),
+        (None, "suffix", 2, [2, 1]), (None, str(tmp_path), 2, [1, 1]), (None, "none", 1, [3]),
+    ]
+    for threads, draft, world, want in cases:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+        got = []
+        for rank in range(world):
+            monkeypatch.setenv("LOCAL_RANK", str(rank))
+            got.append(_cpu_threads(threads, draft, rank, n_target=1))
+        assert got == want, (threads, draft)
+
+
+def test_choose_d():
+    assert choose_d(70.0, 8.0) == 8
+    assert choose_d(70.0, 0.01) == 16
+    assert choose_d(5.0, 9.0) == 1
+
+
+def test_a_model_directory_named_like_an_option_reaches_the_worker(tmp_path, monkeypatch):
+    spec = WorkerSpec(EngineConfig(target="-model"), launcher.Layout(1, 1), "-model", "-draft", None, "-model")
+    read, _ = parse_args([f"--spec={spec.write(tmp_path)}"])
+    assert (read.target_dir, read.draft, read.name) == ("-model", "-draft", "-model")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a hand run names its models by flags
+    read, hand = parse_args(["--target=-model", "--draft=-draft", "--prompt=-p"])
+    assert (read.target_dir, read.draft, hand.prompt, read.layout) == ("-model", "-draft", "-p", launcher.Layout(1, 1))
+
+
+def test_max_seq_len_beyond_the_model_is_limited_before_any_process_starts(target_dir, monkeypatch):
+    class Spawned(Exception):
+        pass
+
+    def record(worker, *args, **kwargs):
+        raise Spawned(WorkerSpec.read(Path(worker[0].removeprefix("--spec="))))
+
+    said = []
+    monkeypatch.setattr(launcher, "build_command", record)
+    with pytest.raises(Spawned) as spawned:
+        Engine.start(EngineConfig(target=str(target_dir), max_seq_len=10**12), progress=said.append)
+    spec = spawned.value.args[0]
+    assert spec.config.max_seq_len == 4096  # the tiny model's max_position_embeddings
+    assert any("beyond the models' 4096 positions" in line for line in said)
+
+
+@pytest.mark.parametrize("gguf_type, device, dtype, backend, name", [
+    ("Q4_1", "cpu", "gguf", "int4 (Q4_1 blocks) · int16 activations · AVX2", "int4 (Q4_1 blocks) · int16 activations · AVX2"),
+    ("Q4_1", "cpu", "float32", None, "fp32 (from Q4_1 GGUF)"),  # torch's linears: no backend label
+    ("Q4_K", "cuda", "auto", None, "bf16 (from Q4_K GGUF)"),
+    (None, "cuda", "float16", None, "fp16"),
+])
+def test_title_names_the_precision_the_target_runs_at(gguf_type, device, dtype, backend, name, tmp_path):
+    """The CPU backend's own label, else the dtype and, for a GGUF, the type its weights came in."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from swiftspec.engine.embedded import SOURCE_METADATA
+    from swiftspec.engine.startup import target_name
+    from swiftspec.engine.worker.setup import target_precision
+
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"),
+              metadata={SOURCE_METADATA: gguf_type} if gguf_type else None)
+    ctx = SimpleNamespace(target=SimpleNamespace(model=SimpleNamespace(precision=backend)), device=torch.device(device),
+                          spec=SimpleNamespace(target_dir=str(tmp_path)), dtype=dtype)
+    assert target_precision(ctx) == name
+    assert target_name(EngineConfig()) == "SmolLM2-135M-Instruct (embedded)"
+    assert target_name(EngineConfig(target="/models/Qwen2.5-7B")) == "Qwen2.5-7B"

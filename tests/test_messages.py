@@ -1,0 +1,141 @@
+"""The messages between ranks (engine/messages.py) and the TP follower loops that read them: every kind
+round-trips, and what does not fit or is not known is a clear error, never a silently wrong step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swiftspec.config import SamplingParams
+from swiftspec.engine.loop import Request
+from swiftspec.engine.messages import Follow, FollowerStep, Kind, Start, Subtree, Verdict, Wire, WireError
+from swiftspec.engine.worker.serve import follow_draft, follow_target
+
+BS = 4
+
+
+@pytest.mark.parametrize("msg", [Start(7), Start(7, reuse=3, hidden_size=64), Subtree([5, 6, 7], [-1, 0, 0], 2, 1500),
+                                 Verdict([9]), Verdict([1, 2, 3, 4], last=True)])
+def test_leader_messages_round_trip(msg):
+    wire = Wire(BS)
+    t = wire.pack(msg)
+    assert t.shape == (wire.size,) and t.dtype == torch.int64
+    assert wire.unpack(t) == msg
+
+
+@pytest.mark.parametrize("step", [FollowerStep(Follow.END), FollowerStep(Follow.EXPAND),
+                                  FollowerStep(Follow.VERIFY, [1, 2], [-1, 0]), FollowerStep(Follow.REROOT, [3, 4])])
+def test_follower_steps_round_trip(step):
+    wire = Wire(BS)
+    got = wire.unpack_step(wire.pack_step(step))
+    assert (got.op, list(got.tokens)) == (step.op, list(step.tokens))
+    if step.parents:
+        assert list(got.parents) == list(step.parents)
+
+
+def test_what_does_not_fit_is_refused_by_the_sender():
+    wire = Wire(BS)
+    with pytest.raises(WireError, match="do not fit"):
+        wire.pack(Subtree(list(range(BS + 1)), list(range(-1, BS))))
+    with pytest.raises(WireError, match="parents"):
+        wire.pack(Subtree([1, 2], [-1]))
+    with pytest.raises(WireError, match="do not fit"):
+        wire.pack_step(FollowerStep(Follow.REROOT, list(range(BS + 1))))
+
+
+def _raw(kind: int, n: int) -> torch.Tensor:
+    t = Wire(BS).buffer()
+    t[0], t[1] = kind, n
+    return t
+
+
+def test_unknown_or_over_long_leader_messages_are_errors():
+    wire = Wire(BS)
+    with pytest.raises(WireError, match="unknown leader message"):
+        wire.unpack(_raw(99, 1))
+    with pytest.raises(WireError, match="more than bs"):
+        wire.unpack(_raw(Kind.SUBTREE, BS + 1))
+    with pytest.raises(WireError, match="unknown leader message"):
+        wire.unpack(_raw(Kind.START, 2))  # a start names one root
+
+
+class _Target:
+    """Stands in for TargetState: records the model calls a follower makes."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.calls = []
+
+    def prefill(self, prompt, sampler):
+        self.calls.append(("prefill", list(prompt)))
+
+    def decode_step(self, token, sampler):
+        self.calls.append(("decode", token))
+
+    def verify(self, tokens, parents, sampler):
+        self.calls.append(("verify", list(tokens), list(parents)))
+
+
+class _Draft:
+    def __init__(self):
+        self.calls = []
+
+    def prefill(self, prompt):
+        self.calls.append(("prefill",))
+
+    def start(self, root):
+        self.calls.append(("start", root))
+
+    def expand(self):
+        self.calls.append(("expand",))
+
+    def reroot(self, path):
+        self.calls.append(("reroot", list(path)))
+
+
+def _feed(*tensors: torch.Tensor):
+    """A follower's ``next_step`` that decodes these tensors, as the group's broadcast delivers them."""
+    wire, it = Wire(BS), iter(tensors)
+    return lambda: wire.unpack_step(next(it))
+
+
+REQ = Request(-1, [1, 2, 3], SamplingParams(mode="sync"))
+
+
+def test_followers_mirror_their_leaders_steps():
+    wire = Wire(BS)
+    target = _Target()
+    follow_target(target, REQ, _feed(wire.pack_step(FollowerStep(Follow.VERIFY, [4, 5], [-1, 0])),
+                                     wire.pack_step(FollowerStep(Follow.DECODE, [6])),
+                                     wire.pack_step(FollowerStep(Follow.END))))
+    assert target.calls == [("prefill", [1, 2, 3]), ("verify", [4, 5], [-1, 0]), ("decode", 6)]
+    draft = _Draft()
+    follow_draft(draft, REQ, _feed(*(wire.pack_step(s) for s in [
+        FollowerStep(Follow.START, [4]), FollowerStep(Follow.EXPAND), FollowerStep(Follow.REROOT, [4, 5]),
+        FollowerStep(Follow.END)])))
+    assert draft.calls == [("prefill",), ("start", 4), ("expand",), ("reroot", [4, 5])]
+
+
+@pytest.mark.parametrize("follow, state", [(follow_target, _Target), (follow_draft, _Draft)])
+def test_each_follower_refuses_an_unknown_op(follow, state):
+    with pytest.raises(WireError, match="unknown follower step: op 99"):
+        follow(state(), REQ, _feed(_raw(99, 0)))
+
+
+@pytest.mark.parametrize("follow, state, op", [(follow_target, _Target, Follow.VERIFY),
+                                               (follow_draft, _Draft, Follow.REROOT)])
+def test_each_follower_refuses_an_over_long_subtree(follow, state, op):
+    with pytest.raises(WireError, match=f"claims {BS + 1} tokens, more than bs = {BS}"):
+        follow(state(), REQ, _feed(_raw(op, BS + 1)))
+
+
+@pytest.mark.parametrize("follow, state, step", [
+    (follow_target, _Target, FollowerStep(Follow.EXPAND)),  # a draft's step on a target rank
+    (follow_target, _Target, FollowerStep(Follow.DECODE, [1, 2])),  # ar decodes one token
+    (follow_draft, _Draft, FollowerStep(Follow.VERIFY, [1], [-1])),
+    (follow_draft, _Draft, FollowerStep(Follow.START, [])),
+])
+def test_each_follower_refuses_a_step_that_is_not_its_own(follow, state, step):
+    with pytest.raises(WireError, match="follower cannot take"):
+        follow(state(), REQ, _feed(Wire(BS).pack_step(step)))
