@@ -113,6 +113,7 @@ class Engine:
         another vocabulary (before any process starts), LoadError for a tokenizer that cannot be loaded
         (it loads while the workers start; they are ended), EngineError if the workers fail.
         """
+        from swiftspec.engine.history_corpus import summarise, tokenizer_fingerprint
         from swiftspec.engine.model_dir import load_tokenizer
 
         config = (config or EngineConfig()).validate()
@@ -134,6 +135,9 @@ class Engine:
 
             tokenizer = tokenizer or load_tokenizer(target_dir, config.trust_remote_code)
             check_corpus(corpus, tokenizer)
+        vocab = tokenizer_fingerprint(target_dir)
+        if config.drafts_from_store:
+            say(summarise(Path(config.history_db), vocab).line())
         layout = launcher.plan_layout(config, launcher.visible_gpus(config.device))
         target_name = _target_name(config)
         worker = launcher.worker_args(config, layout, target_dir, draft, corpus) + [f"--target-name={target_name}"]
@@ -158,7 +162,8 @@ class Engine:
         try:
             deadline = time.monotonic() + config.startup_timeout_s
             conn = _accept_worker(listener, key, proc, tail, deadline)
-            info = dataclasses.replace(_wait_ready(conn, proc, tail, deadline, pgids, say), max_context=limit)
+            info = dataclasses.replace(_wait_ready(conn, proc, tail, deadline, pgids, say), max_context=limit,
+                                       vocab=vocab)
             if isinstance(tokenizer, Future):
                 tokenizer = tokenizer.result()
         except BaseException as e:

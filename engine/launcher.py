@@ -183,6 +183,8 @@ def worker_args(config: EngineConfig, layout: Layout, target_dir: Path, draft: s
         args.append("--trust-remote-code")
     if not config.draft_history:
         args.append("--no-draft-history")
+    elif config.drafts_from_store:
+        args.append(f"--history-db={config.history_db}")
     if corpus is not None:
         args.append(f"--draft-corpus={corpus}")
     if config.verify_cost:

@@ -237,6 +237,7 @@ class EngineInfo:
     t_expand_ms: float  # profiled draft expansion (w leaves)
     eos_token_ids: list[int] = field(default_factory=list)
     max_context: int = 0  # the models' own limit of positions (context_length is at most this); 0: unknown
+    vocab: str = ""  # the target tokenizer's fingerprint (history_corpus.tokenizer_fingerprint); "": unknown
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -114,6 +114,11 @@ DraftCorpusOpt = Annotated[str, _opt(
     "--draft-corpus", panel=MODEL, metavar="FILE",
     help="The suffix drafter's corpus of the target's own answers (swiftspec train-draft writes one): a FILE, "
          "'none', or 'auto': the one shipped for the embedded default, none for other targets.")]
+DraftHistoryOpt = Annotated[str, _opt(
+    "--draft-history", panel=MODEL, metavar="SWITCH", autocompletion=_complete("on", "off"),
+    help="on or off. on: the suffix drafter also proposes what the target answered in earlier conversations (the saved "
+         "history's answers, newest first up to 1M tokens; an unsaved chat: the session's); off: from this "
+         "conversation and the corpus only.")]
 TargetDevicesOpt = Annotated[str | None, _opt(
     "--target-devices", panel=MODEL, metavar="GPUS",
     help="GPU indices of the target group, e.g. 0,1 (tensor parallel over them).")]
@@ -208,9 +213,11 @@ _ENGINE_DEFAULTS = EngineConfig()
 def engine_config(
     target: Path | None, draft: str, draft_corpus: str, target_devices: str | None, draft_devices: str | None,
     gpus: int | None, target_procs: int, draft_procs: int, device: str, dtype: str, threads: int | None,
-    max_seq_len: int, trust_remote_code: bool, bs: int, w: int, d: int | None,
+    max_seq_len: int, trust_remote_code: bool, bs: int, w: int, d: int | None, draft_history: str = "on",
 ) -> EngineConfig:
     """Builds and validates the EngineConfig from the shared flags (ConfigError on a bad combination)."""
+    if draft_history not in ("on", "off"):
+        raise ConfigError("draft-history must be on or off")
     if gpus is not None and (target_devices or draft_devices):
         raise ConfigError("--gpus chooses the split itself; give it or --target-devices/--draft-devices")
     if bool(target_devices) != bool(draft_devices):
@@ -220,6 +227,7 @@ def engine_config(
         target_devices=_device_list(target_devices), draft_devices=_device_list(draft_devices), gpus=gpus,
         target_procs=target_procs, draft_procs=draft_procs, device=device, dtype=dtype,
         threads=threads, max_seq_len=max_seq_len, trust_remote_code=trust_remote_code, tree=TreeParams(bs=bs, w=w, d=d),
+        draft_history=draft_history == "on",
     ).validate()
 
 
@@ -263,6 +271,7 @@ def chat(
     target: TargetOpt = None,
     draft: DraftOpt = "suffix",
     draft_corpus: DraftCorpusOpt = _ENGINE_DEFAULTS.draft_corpus,
+    draft_history: DraftHistoryOpt = "on",
     target_devices: TargetDevicesOpt = None,
     draft_devices: DraftDevicesOpt = None,
     gpus: GpusOpt = None,
@@ -367,7 +376,11 @@ def chat(
     conversation = conversation or Conversation(store if (save or not scripted) else None, defaults)
     try:
         config = engine_config(target, draft, draft_corpus, target_devices, draft_devices, gpus, target_procs,
-                               draft_procs, device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d)
+                               draft_procs, device, dtype, threads, max_seq_len, trust_remote_code, bs, w, d,
+                               draft_history)
+        kept = conversation.store  # its answers are the drafter's history; unsaved chats draft from the session's
+        if kept is not None and kept.available:
+            config = dataclasses.replace(config, history_db=str(kept.path))
         if conversation.params.mode == "ar":  # nothing would ever ask the draft for a token
             config = dataclasses.replace(config, draft="none", draft_corpus="none")
     except ConfigError as e:

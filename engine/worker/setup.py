@@ -83,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="draft model directory, 'suffix', 'int8', or 'none' (ar only: no draft ranks)")
     p.add_argument("--no-draft-history", dest="draft_history", action="store_false",
                    help="the suffix drafter forgets earlier conversations (fair benchmarks)")
+    p.add_argument("--history-db", help="the suffix drafter also drafts from the answers in this history "
+                                        "database (default: from the session's earlier conversations)")
     p.add_argument("--draft-corpus", help="the suffix drafter's corpus file (the target's own answers)")
     p.add_argument("--target-name", help="name shown for the target (default: its directory name)")
     p.add_argument("--target-procs", type=int, default=1, help="ranks 0..N-1 form the target group")
@@ -225,7 +227,8 @@ def load(ctx: Ctx) -> None:
                                lambda path, int8: model_for(path, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8,
                                                             None if ctx.device.type == "cpu" else False),
                                ctx.device, default_dtype(ctx.device, args.dtype), slots + DRAFT_TREE_SLOTS,
-                               Path(args.draft_corpus) if args.draft_corpus else None)
+                               Path(args.draft_corpus) if args.draft_corpus else None,
+                               Path(args.history_db) if args.history_db else None)
         if drafter.wants_features and ctx.tp_world > 1:
             raise ConfigError("a draft that reads the target's hidden states runs on one draft rank only")
         ctx.draft = DraftState(drafter, TreeParams(args.bs, args.w, args.d))
