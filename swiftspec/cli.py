@@ -557,8 +557,18 @@ def bench(
     prompt_set: Annotated[str | None, _opt(
         "--set", panel=BENCH, metavar="SETS",
         help="Built-in prompt sets, comma-separated: chat, code, math, qa, summarisation, "
-        "extraction, fresh (everyday questions no built-in training prompt shares a topic with; "
-        "and humaneval when installed). Default: all built-in sets.")] = None,
+        "extraction, fresh (everyday questions no built-in training prompt shares a topic with), multiturn "
+        "(two-turn conversations, for --turns all); and humaneval when installed. Default: all built-in sets.")] = None,
+    turns: Annotated[str, _opt(
+        "--turns", panel=BENCH, metavar="TURNS", autocompletion=_complete("first", "all"),
+        help="first: each record's first turn; all: every turn of an MT-Bench-style record as one conversation, "
+             "each later turn after the mode's own earlier answers (figures per turn in the table and the JSON's "
+             "by_turn).")] = "first",
+    warm: Annotated[int, _opt(
+        "--warm", parser=_whole_number, panel=BENCH, metavar="N",
+        help="First answer N prompts of the built-in sets not measured, and let the suffix drafter learn from "
+             "those answers (and only those): the effect of a history, measured in one run. Default 0: the "
+             "drafter's history is off.")] = 0,
     limit: Annotated[int | None, _opt("--limit", parser=_whole_number, panel=BENCH, metavar="N", help="At most N prompts per set.")] = None,
     json_path: Annotated[Path | None, _opt(
         "--json", panel=BENCH, metavar="FILE", help="Write the results as JSON.")] = None,
@@ -584,7 +594,8 @@ def bench(
 
     try:
         report = bench_command(config=config, modes=modes, prompts=prompts, prompt_set=prompt_set, limit=limit,
-                               sampling=sampling, system=system, json_path=json_path, plot_path=plot_path)
+                               sampling=sampling, system=system, json_path=json_path, plot_path=plot_path,
+                               turns=turns, warm=warm)
     except (ValueError, FileNotFoundError) as e:  # bad options, prompts or model paths
         raise _fail(str(e), 2) from None
     except KeyboardInterrupt:
