@@ -6,6 +6,7 @@ conversation, and exactness of every mode with history drafting on."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 from pathlib import Path
 
@@ -285,4 +286,24 @@ def test_every_mode_is_exact_with_history_drafting_on(tmp_path):
         for messages, ref in zip(PROMPTS, references, strict=True):
             assert accepted(eng, messages, "async", ref) > 0
     assert any("from 3 earlier answers" in line and "1 answers by another tokenizer" in line for line in lines)
+    store.close()
+
+
+def test_a_history_match_is_sized_by_its_length_and_support(tmp_path):
+    """p = c / (t + h / n): one sighting gives n / (n + h), a context seen often its frequencies."""
+    store = HistoryStore(tmp_path / "history.sqlite3")
+    for tail in ([7], [7], [7], [8]):
+        save(store, [1, 2, 3] + tail)
+    save(store, [4, 5, 6])
+    sd = SuffixDrafter(max_order=4, history_tokens=0, stored=StoredHistory(store.path, VOCAB, cache=tmp_path / "c"))
+    sd.prefill([9], 0)
+    h = sd.history_unseen
+    assert sd.lookup([9, 4, 5]) == ({6: 1}, 1 / (1 + h / 2))
+    assert sd.lookup([9, 2, 3]) == ({7: 3, 8: 1}, 4 / (4 + h / 2))
+    state = DraftState(sd, TreeParams(bs=4, w=4))
+    state.prefill([9, 2])
+    state.start(3)
+    state.expand()
+    assert state.tree.token[1:] == [7, 8]  # both continuations, the frequent one first
+    assert [round(math.exp(v), 6) for v in state.tree.value[1:]] == [round(3 / (4 + h / 2), 6), round(1 / (4 + h / 2), 6)]
     store.close()
