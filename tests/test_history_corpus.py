@@ -307,3 +307,16 @@ def test_a_history_match_is_sized_by_its_length_and_support(tmp_path):
     assert state.tree.token[1:] == [7, 8]  # both continuations, the frequent one first
     assert [round(math.exp(v), 6) for v in state.tree.value[1:]] == [round(3 / (4 + h / 2), 6), round(1 / (4 + h / 2), 6)]
     store.close()
+
+
+def test_the_cache_lists_and_clears_the_history_tables(tmp_path):
+    from swiftspec import cache
+
+    store = HistoryStore(tmp_path / "history.sqlite3")
+    save(store, [1, 2, 3])
+    StoredHistory(store.path, VOCAB, cache=tmp_path / "cache" / "history-index")
+    (entry,) = cache.entries(tmp_path / "cache")
+    assert entry.name == "history-index" and "1 table(s)" in entry.what
+    cache.clear("history-index", tmp_path / "cache")
+    assert cache.entries(tmp_path / "cache") == []
+    store.close()
