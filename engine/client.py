@@ -135,9 +135,6 @@ class Engine:
 
             tokenizer = tokenizer or load_tokenizer(target_dir, config.trust_remote_code)
             check_corpus(corpus, tokenizer)
-        vocab = tokenizer_fingerprint(target_dir)
-        if config.drafts_from_store:
-            say(summarise(Path(config.history_db), vocab).line())
         layout = launcher.plan_layout(config, launcher.visible_gpus(config.device))
         target_name = _target_name(config)
         worker = launcher.worker_args(config, layout, target_dir, draft, corpus) + [f"--target-name={target_name}"]
@@ -160,6 +157,9 @@ class Engine:
         pgids = {proc.pid}
         conn = None
         try:
+            vocab = tokenizer_fingerprint(target_dir)  # while the workers import torch
+            if config.drafts_from_store:
+                say(summarise(Path(config.history_db), vocab).line())
             deadline = time.monotonic() + config.startup_timeout_s
             conn = _accept_worker(listener, key, proc, tail, deadline)
             info = dataclasses.replace(_wait_ready(conn, proc, tail, deadline, pgids, say), max_context=limit,
