@@ -13,8 +13,9 @@ draft's next answer; rows of another tokenizer are ignored (the Engine says how 
 The draft worker opens the database read-only and looks for changes before every answer (``PRAGMA
 data_version``: one query when nothing changed). The index is exact: n-gram counts of the answers that
 are in, nothing else. It is a numpy table built once over the answers found at start (``CorpusIndex``
-with every continuation kept), cached between starts in ``<cache>/history-index`` while the set of
-answers is the same, plus a small overlay of counts added and removed since. The drafter still only
+with every continuation kept), cached between starts beside the database (it holds the user's answers, as
+n-grams, and must not outlive them or serve another database) while the answers it was built from are all
+there, unchanged, plus a small overlay of counts added and removed since. The drafter still only
 proposes: the target verifies every token, so the history makes drafting faster or slower, never wrong.
 """
 
@@ -160,7 +161,6 @@ class HistoryIndex:
         """base: the table of exactly these answers, cached; None builds it."""
         self.max_order = max_order
         self.answers = dict(answers)
-        self.base_ids = frozenset(answers)
         self.base = base or CorpusIndex(_joined(answers), max_order, top_k=None)
         self.overlay: dict[tuple[int, ...], dict[int, int]] = {}
         self.changed_tokens = 0  # tokens added or removed through the overlay
@@ -230,19 +230,16 @@ class StoredHistory:
 
     def __init__(self, db: Path, vocab: str, cap: int = TOKEN_CAP, max_order: int = MAX_ORDER,
                  cache: Path | None = None):
-        """cache: the directory of cached tables (None: ``<cache>/history-index``)."""
+        """cache: the directory of the cached table (None: the database's own)."""
         self.reader, self.cap = AnswerReader(db, vocab), cap
         self.reader.changed()
         listing = self.reader.listing()
-        if cache is None:
-            from swiftspec.embedded import cache_dir
-
-            cache = cache_dir() / "history-index"
-        path = cache / f"{vocab[:16]}-o{max_order}.npz"
+        path = (cache or Path(db).parent) / f"{Path(db).name}.index-{vocab[:16]}-o{max_order}.npz"
         cached = _load_table(path, max_order)
         if cached is not None and cached[0] <= {i for i, _ in listing}:
             base = self.reader.tokens(sorted(cached[0]))
-            if set(base) == cached[0]:  # (none deleted since the listing)
+            if set(base) == cached[0] and _digest(base) == cached[2]:  # the same answers (a new database
+                # file reuses ids; none deleted since the listing)
                 self.index = HistoryIndex(base, max_order, cached[1])
                 self._follow(listing)
                 if self.index.changed_tokens <= self.REBUILD_SHARE * max(self.index.tokens, 1):
@@ -268,27 +265,35 @@ class StoredHistory:
         return self.index.lookup(context)
 
 
-def _load_table(path: Path, max_order: int) -> tuple[set[int], CorpusIndex] | None:
-    """The cached table and the ids of the answers it was built from."""
+def _digest(answers: dict[int, np.ndarray]) -> bytes:
+    """What identifies a table's answers: their ids and tokens."""
+    digest = hashlib.sha256()
+    for answer_id in sorted(answers):
+        digest.update(np.int64(answer_id).tobytes() + answers[answer_id].astype("<i4").tobytes())
+    return digest.digest()
+
+
+def _load_table(path: Path, max_order: int) -> tuple[set[int], CorpusIndex, bytes] | None:
+    """The cached table, the ids of the answers it was built from and their digest."""
     try:
         with np.load(path, allow_pickle=False) as f:
             if int(f["format"]) != INDEX_FORMAT:
                 return None
             tables = [tuple(f[f"{name}{order}"] for name in ("keys", "offsets", "nexts", "counts"))
                       for order in range(1, max_order + 1)]
-            return set(f["ids"].tolist()), CorpusIndex.from_tables(max_order, tables)
+            return set(f["ids"].tolist()), CorpusIndex.from_tables(max_order, tables), f["digest"].tobytes()
     except (OSError, KeyError, ValueError):
         return None
 
 
 def _save_table(path: Path, index: HistoryIndex) -> None:
     """Written privately (it holds the user's conversations, as n-grams) and atomically."""
-    arrays = {"format": np.array(INDEX_FORMAT), "ids": np.array(sorted(index.base_ids), dtype=np.int64)}
+    arrays = {"format": np.array(INDEX_FORMAT), "ids": np.array(sorted(index.answers), dtype=np.int64),
+              "digest": np.frombuffer(_digest(index.answers), dtype=np.uint8)}
     for order, table in enumerate(index.base.tables, 1):
         arrays.update({f"{name}{order}": a for name, a in zip(("keys", "offsets", "nexts", "counts"), table,
                                                                strict=True)})
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         with open(os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600), "wb") as f:
             np.savez(f, **arrays)

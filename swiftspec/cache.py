@@ -1,6 +1,5 @@
 """``swiftspec cache list|clear``: what the cache holds (GGUF files converted to Hugging Face directories,
-the step times profiled at start-up, the suffix drafter's tables of the history's answers, the workers'
-logs of failed sessions) and its size, so that
+the step times profiled at start-up, the workers' logs of failed sessions) and its size, so that
 gigabytes of converted weights can be found and removed. A removed conversion is redone, once, the next
 time its GGUF is used; removed profiles are measured again at the next start."""
 
@@ -53,8 +52,7 @@ def _stored_as(model_dir: Path) -> str:
 
 
 def entries(root: Path | None = None) -> list[CacheEntry]:
-    """Converted models (by name), then the profiles, the history's tables and the worker logs as one
-    entry each; hidden
+    """Converted models (by name), then the profiles and the worker logs as one entry each; hidden
     in-progress work left out."""
     root = root or cache_dir()
     out = [CacheEntry(d.name, d, _size(d), f"converted GGUF, {_stored_as(d)}")
@@ -63,11 +61,6 @@ def entries(root: Path | None = None) -> list[CacheEntry]:
     if profiles:
         out.append(CacheEntry("profiles", root / "profiles", sum(_size(f) for f in profiles),
                               f"{len(profiles)} step-time profile(s): removed, the next start measures again"))
-    tables = sorted((root / "history-index").glob("*.npz"))
-    if tables:
-        out.append(CacheEntry("history-index", root / "history-index", sum(_size(f) for f in tables),
-                              f"{len(tables)} table(s) of the history's answers for the suffix drafter: removed, "
-                              "the next start builds them again"))
     logs = sorted((root / "logs").glob("*.log"))
     if logs:
         out.append(CacheEntry("logs", root / "logs", sum(_size(f) for f in logs),

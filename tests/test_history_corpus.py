@@ -80,7 +80,7 @@ def test_the_index_matches_a_brute_force_scan_of_a_growing_history(ops, contexts
         live: dict[int, list[int]] = {}
 
         def start():
-            return StoredHistory(store.path, VOCAB, cap=cap, max_order=max_order, cache=Path(tmp) / "cache")
+            return StoredHistory(store.path, VOCAB, cap=cap, max_order=max_order)
 
         history = start()
         for op, arg in ops:
@@ -115,7 +115,7 @@ def test_nothing_deleted_is_ever_proposed_again(tmp_path):
         return state.subtree()[0]
 
     def drafter():
-        return SuffixDrafter(history_tokens=0, stored=StoredHistory(store.path, VOCAB, cache=tmp_path / "c"))
+        return SuffixDrafter(history_tokens=0, stored=StoredHistory(store.path, VOCAB))
 
     live = drafter()
     assert first_round(live)[:4] == [21, 22, 23, 24]  # copied from the earlier answer
@@ -133,7 +133,7 @@ def test_the_cap_keeps_the_newest_answers(tmp_path):
     save(store, [1, 2, 3, 4])
     save(store, [5, 6, 7, 8])
     save(store, [9, 10, 11, 12])
-    history = StoredHistory(store.path, VOCAB, cap=10, cache=tmp_path / "c")
+    history = StoredHistory(store.path, VOCAB, cap=10)
     assert history.lookup([1, 2]) == ({}, 0) and history.lookup([5, 6]) == ({7: 1}, 2)
     save(store, [13, 14])  # 4 + 4 + 2 tokens: still room for the second answer
     history.update()
@@ -151,16 +151,17 @@ def test_the_cached_table_serves_the_next_start(tmp_path, monkeypatch):
     store = HistoryStore(tmp_path / "history.sqlite3")
     answers = [[i, i + 1, i + 2, i + 3] for i in range(0, 400, 4)]
     ids = [save(store, a) for a in answers]
-    StoredHistory(store.path, VOCAB, cache=tmp_path / "c")
-    assert list((tmp_path / "c").iterdir()) and oct((tmp_path / "c").stat().st_mode & 0o777) == "0o700"
+    StoredHistory(store.path, VOCAB)
+    (table,) = tmp_path.glob("history.sqlite3.index-*.npz")  # beside the database, private
+    assert oct(table.stat().st_mode & 0o777) == "0o600"
     built = []
     init = CorpusIndex.__init__
     monkeypatch.setattr(CorpusIndex, "__init__", lambda self, *a, **k: built.append(1) or init(self, *a, **k))
     save(store, [500, 501, 502])
-    history = StoredHistory(store.path, VOCAB, cache=tmp_path / "c")
+    history = StoredHistory(store.path, VOCAB)
     assert not built and history.lookup([500]) == ({501: 1}, 1) and history.lookup([8, 9]) == ({10: 1}, 2)
     store.delete(ids[2])
-    history = StoredHistory(store.path, VOCAB, cache=tmp_path / "c")
+    history = StoredHistory(store.path, VOCAB)
     assert built == [1] and history.lookup([8, 9]) == ({}, 0)
     store.close()
 
@@ -169,7 +170,7 @@ def test_answers_of_another_tokenizer_are_ignored_with_a_notice(tmp_path):
     store = HistoryStore(tmp_path / "history.sqlite3")
     save(store, [1, 2, 3])
     save(store, [1, 2, 4], vocab="other")
-    history = StoredHistory(store.path, VOCAB, cache=tmp_path / "c")
+    history = StoredHistory(store.path, VOCAB)
     assert history.lookup([1, 2]) == ({3: 1}, 2)
     summary = summarise(store.path, VOCAB)
     assert (summary.answers, summary.tokens, summary.foreign) == (1, 3, 1)
@@ -179,11 +180,11 @@ def test_answers_of_another_tokenizer_are_ignored_with_a_notice(tmp_path):
 
 
 def test_a_missing_or_unreadable_history_drafts_from_nothing(tmp_path):
-    history = StoredHistory(tmp_path / "none.sqlite3", VOCAB, cache=tmp_path / "c")
+    history = StoredHistory(tmp_path / "none.sqlite3", VOCAB)
     history.update()
     assert history.lookup([1, 2]) == ({}, 0)
     (tmp_path / "junk.sqlite3").write_bytes(b"not a database" * 100)
-    assert StoredHistory(tmp_path / "junk.sqlite3", VOCAB, cache=tmp_path / "c").lookup([1]) == ({}, 0)
+    assert StoredHistory(tmp_path / "junk.sqlite3", VOCAB).lookup([1]) == ({}, 0)
 
 
 def test_the_fingerprint_is_the_vocabulary():
@@ -298,7 +299,7 @@ def test_a_history_match_is_sized_by_its_length_and_support(tmp_path):
     for tail in ([7], [7], [7], [8]):
         save(store, [1, 2, 3] + tail)
     save(store, [4, 5, 6])
-    sd = SuffixDrafter(max_order=4, history_tokens=0, stored=StoredHistory(store.path, VOCAB, cache=tmp_path / "c"))
+    sd = SuffixDrafter(max_order=4, history_tokens=0, stored=StoredHistory(store.path, VOCAB))
     sd.prefill([9], 0)
     h = sd.history_unseen
     assert sd.lookup([9, 4, 5]) == ({6: 1}, 1 / (1 + h / 2))
@@ -312,14 +313,16 @@ def test_a_history_match_is_sized_by_its_length_and_support(tmp_path):
     store.close()
 
 
-def test_the_cache_lists_and_clears_the_history_tables(tmp_path):
-    from swiftspec import cache
 
+def test_a_new_database_in_the_same_place_does_not_get_the_old_table(tmp_path):
+    """A history started afresh (moved aside when damaged, or removed) reuses the ids: the cached table
+    is told apart by its answers' digest, never served for other answers."""
     store = HistoryStore(tmp_path / "history.sqlite3")
     save(store, [1, 2, 3])
-    StoredHistory(store.path, VOCAB, cache=tmp_path / "cache" / "history-index")
-    (entry,) = cache.entries(tmp_path / "cache")
-    assert entry.name == "history-index" and "1 table(s)" in entry.what
-    cache.clear("history-index", tmp_path / "cache")
-    assert cache.entries(tmp_path / "cache") == []
+    StoredHistory(store.path, VOCAB)
+    store.close()
+    store.path.unlink()
+    store = HistoryStore(tmp_path / "history.sqlite3")
+    save(store, [1, 2, 4])
+    assert StoredHistory(store.path, VOCAB).lookup([1, 2]) == ({4: 1}, 2)
     store.close()
