@@ -33,8 +33,9 @@ import numpy as np
 from swiftspec.engine.corpus import CorpusIndex
 
 TABLE = "answer_tokens"
-# Newest answers first, up to this many tokens: on the 2-core CPU the table of 1M tokens builds in ~2 s
-# (once per change of the answer set, in the draft process, while the target loads) and takes ~100 MB.
+# Newest answers first, up to this many tokens: on the shared 2-core CPU the table of 1M tokens builds in
+# 3.4 s (after a change of the answer set, in the draft process, while the target loads), loads in 0.15 s
+# and takes 98 MB (benchmarks/history_startup.py).
 TOKEN_CAP = 1_000_000
 MAX_ORDER = 8  # context tokens of the longest n-gram; a copy of a longer span goes on at this order
 INDEX_FORMAT = 1  # of the cached tables
