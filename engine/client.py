@@ -105,6 +105,7 @@ class Engine:
         another vocabulary (before any process starts), LoadError for a tokenizer that cannot be loaded
         (it loads while the workers start; they are ended), EngineError if the workers fail.
         """
+        from swiftspec.engine.history_corpus import summarise, tokenizer_fingerprint
         from swiftspec.engine.model_dir import load_tokenizer
 
         config = (config or EngineConfig()).validate()
@@ -148,9 +149,13 @@ class Engine:
         pgids = {proc.pid}
         conn = None
         try:
+            vocab = tokenizer_fingerprint(target_dir)  # while the workers import torch
+            if config.drafts_from_store:
+                say(summarise(Path(config.history_db), vocab).line())
             deadline = time.monotonic() + config.startup_timeout_s
             conn = accept_worker(listener, key, proc, tail, deadline)
-            info = dataclasses.replace(wait_ready(conn, proc, tail, deadline, pgids, say), max_context=limit)
+            info = dataclasses.replace(wait_ready(conn, proc, tail, deadline, pgids, say), max_context=limit,
+                                       vocab=vocab)
             if isinstance(tokenizer, Future):
                 tokenizer = tokenizer.result()
         except BaseException as e:

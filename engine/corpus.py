@@ -99,7 +99,8 @@ class CorpusIndex:
 
     MULT = 0x100000001B3  # FNV prime: the rolling hash's multiplier
 
-    def __init__(self, tokens: np.ndarray, max_order: int = 6, top_k: int = 4):
+    def __init__(self, tokens: np.ndarray, max_order: int = 6, top_k: int | None = 4):
+        """top_k None keeps every continuation with its exact count (the history index subtracts from it)."""
         self.max_order = max_order
         self.tables = []  # per order: sorted context hashes, offsets, next tokens, counts
         tokens = np.asarray(tokens, dtype=np.int64)
@@ -114,22 +115,41 @@ class CorpusIndex:
             ctx = np.flatnonzero(~broken[:-1] & (tokens[1:] >= 0))  # contexts followed by a token
             self.tables.append(_top_continuations(h[ctx], tokens[ctx + 1], top_k))
 
+    @classmethod
+    def from_tables(cls, max_order: int, tables: list[tuple[np.ndarray, ...]]) -> CorpusIndex:
+        """A table saved before (the history index's cache), without building it again."""
+        self = cls.__new__(cls)
+        self.max_order, self.tables = max_order, tables
+        return self
+
     def lookup(self, context: list[int]) -> tuple[dict[int, int], int]:
         """The top continuations of the longest suffix of context in the table, and its length."""
+        hashes = self.hashes(context)
+        for order in range(len(hashes), 0, -1):
+            counts = self.counts(hashes, order)
+            if counts:
+                return counts, order
+        return {}, 0
+
+    def hashes(self, context: list[int]) -> list[int]:
+        """Per order 1..max_order, the hash of the last `order` tokens of context (as the table hashed them)."""
         hashes, h = [], 0
         for t in reversed(context[-self.max_order:]):  # newest token first, as the table was hashed
             h = (h * self.MULT + t + 2) & 0xFFFFFFFFFFFFFFFF
             hashes.append(h)
-        for order in range(len(hashes), 0, -1):
-            keys, offsets, nexts, counts = self.tables[order - 1]
-            i = int(keys.searchsorted(np.uint64(hashes[order - 1])))
-            if i < len(keys) and int(keys[i]) == hashes[order - 1]:
-                a, b = offsets[i], offsets[i + 1]
-                return dict(zip(nexts[a:b].tolist(), counts[a:b].tolist(), strict=True)), order
-        return {}, 0
+        return hashes
+
+    def counts(self, hashes: list[int], order: int) -> dict[int, int]:
+        """The continuations of the context of that order (empty: not in the table)."""
+        keys, offsets, nexts, counts = self.tables[order - 1]
+        i = int(keys.searchsorted(np.uint64(hashes[order - 1])))
+        if i < len(keys) and int(keys[i]) == hashes[order - 1]:
+            a, b = offsets[i], offsets[i + 1]
+            return dict(zip(nexts[a:b].tolist(), counts[a:b].tolist(), strict=True))
+        return {}
 
 
-def _top_continuations(keys: np.ndarray, nexts: np.ndarray, top_k: int):
+def _top_continuations(keys: np.ndarray, nexts: np.ndarray, top_k: int | None):
     """From (context hash, next token) pairs: the sorted distinct hashes, offsets into the next two arrays,
     and per hash its top_k next tokens with their counts, the most frequent first."""
     by_pair = np.lexsort((nexts, keys))
@@ -141,7 +161,8 @@ def _top_continuations(keys: np.ndarray, nexts: np.ndarray, top_k: int):
     keys, nexts, counts = keys[by_count], nexts[by_count], counts[by_count]
     starts = _run_starts(keys)
     rank = np.arange(len(keys)) - np.repeat(starts, np.diff(np.append(starts, len(keys))))
-    keys, nexts, counts = keys[rank < top_k], nexts[rank < top_k], counts[rank < top_k]
+    if top_k is not None:
+        keys, nexts, counts = keys[rank < top_k], nexts[rank < top_k], counts[rank < top_k]
     starts = _run_starts(keys)
     return keys[starts], np.append(starts, len(keys)), nexts.astype(np.int32), counts.astype(np.int32)
 

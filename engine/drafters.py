@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from swiftspec.engine.corpus import CorpusIndex, load_corpus
+from swiftspec.engine.history_corpus import StoredHistory, tokenizer_fingerprint
 from swiftspec.engine.loader import load_target_io
 from swiftspec.engine.model import fbgemm_available
 from swiftspec.engine.model_dir import load_tokenizer, read_args
@@ -139,12 +140,13 @@ class SuffixIndex:
 
 class SuffixDrafter:
     """Model-free: proposes what followed the current context earlier in the conversation, in earlier
-    conversations of this session, or in the target's own answers to other prompts (a corpus).
+    conversations (the history store's answers, ``stored``, or else this session's), or in the target's
+    own answers to other prompts (a corpus).
 
     A leaf's context is the committed text plus its root path; its children come from the longest suffix
     of that context found in the current conversation's index (the prompt and everything generated). Where
-    that match is shorter than two tokens, a longer one in the session's history index wins (a model reuses
-    its own phrasing across answers), and a longer one still in the corpus (a static ``CorpusIndex`` of
+    that match is shorter than two tokens, a longer one in the history wins (a model reuses its own
+    phrasing across answers), and a longer one still in the corpus (a static ``CorpusIndex`` of
     the target's answers: generic phrasing that no conversation has shown yet). Lookups cost O(max_order)
     per leaf.
 
@@ -153,30 +155,45 @@ class SuffixDrafter:
     and a twelve-token one ~90 % (c = 2); a corpus match of the same length is right less often (c = 4
     calibrates it on held-out questions). So weights stay roughly calibrated and the tree grows deep along
     confident copies and stays small where the context is ambiguous.
+
+    A history match is sized by its support too (adaptive speculation, as SuffixDecoding scores a match by
+    its length and counts): a continuation seen c times after a context seen t times is proposed with
+    p = c / (t + h / n), as if a match of n tokens left h / n continuations unseen. One sighting gives
+    n / (n + h), the rule above; a context seen often gives its frequencies. Measured on SmolLM2's answers
+    (``benchmarks/history_calibration.py``, h = 5): a one-sighting history match of 3-4 tokens is right 39 %
+    of the time (the conversation's rule would say 63 %), a context seen 16 times or more 44 % (it said
+    31 %). The cost-aware trees (``DraftState``) size each round by these probabilities: depth along
+    well-supported copies, siblings where the support is split, nothing where it is thin.
     """
 
     HISTORY_TOKENS = 200_000
     wants_features = False
 
     def __init__(self, max_order: int = 16, confidence: float = 2.0, history_tokens: int = HISTORY_TOKENS,
-                 corpus: CorpusIndex | None = None, corpus_confidence: float = 4.0):
+                 corpus: CorpusIndex | None = None, corpus_confidence: float = 4.0,
+                 stored: StoredHistory | None = None, history_unseen: float = 5.0):
+        """stored: the history store's answers, instead of the session's conversations (history_tokens)."""
         self.max_order = max_order
         self.confidence = confidence
         self.history_tokens = history_tokens
         self.corpus = corpus
         self.corpus_confidence = corpus_confidence
+        self.history_unseen = history_unseen
         self.cache = TreeKVCache(None)
         self.context = SuffixIndex(max_order)
         self.history = SuffixIndex(max_order)
+        self.stored = stored
 
     def prefill(self, tokens: list[int], reuse: int, features: Features | None = None) -> None:
         old = self.context.tokens
         if tokens[:len(old)] != old:  # another conversation, or an edited one: index it afresh
-            if len(self.history.tokens) + len(old) > self.history_tokens:
+            if self.stored is None and len(self.history.tokens) + len(old) > self.history_tokens:
                 self.history = SuffixIndex(self.max_order)
-            if len(old) <= self.history_tokens:  # history_tokens=0: no history at all
+            if self.stored is None and len(old) <= self.history_tokens:  # history_tokens=0: no history at all
                 self.history.extend(old)
             self.context = SuffixIndex(self.max_order)
+        if self.stored is not None:  # answers finished or deleted since the last one
+            self.stored.update()
         self.context.extend(tokens[len(self.context.tokens):])
 
     def extend(self, tokens: list[int], features: Tensor | None = None) -> None:
@@ -184,18 +201,22 @@ class SuffixDrafter:
 
     def lookup(self, context: list[int]) -> tuple[dict[int, int], float]:
         """The continuation counts of the best match of context's suffix, and the chance that such a
-        match predicts right: n / (n + c) for a match of n tokens."""
+        match predicts right: n / (n + c) for a match of n tokens, t / (t + h / n) for a history match of
+        a context seen t times."""
         counts, order = self.context.lookup(context)
-        confidence = self.confidence
+        weight = order / (order + self.confidence)
         if order < 2:
-            older, longer = self.history.lookup(context)
+            older, longer = (self.stored or self.history).lookup(context)
             if longer > order:
                 counts, order = older, longer
+                seen = sum(counts.values())
+                weight = seen / (seen + self.history_unseen / order)
             if self.corpus is not None:
                 common, longer = self.corpus.lookup(context)
                 if longer > order:
-                    counts, order, confidence = common, longer, self.corpus_confidence
-        return counts, order / (order + confidence)
+                    counts, order = common, longer
+                    weight = order / (order + self.corpus_confidence)
+        return counts, weight
 
     def propose(self, exp: Expansion, k: int) -> list[list[tuple[int, float]]]:
         tail = self.context.tokens[-self.max_order:]
@@ -214,18 +235,21 @@ class SuffixDrafter:
 def make_drafter(kind: str, target_dir: Path, trust_remote_code: bool, history: bool,
                  load: Callable[[Path, bool], object], device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, max_slots: int = 4096, corpus: Path | None = None,
-                 vocab_size: int | None = None) -> Drafter:
+                 vocab_size: int | None = None, history_db: Path | None = None) -> Drafter:
     """The one place a draft kind becomes a drafter: "suffix", "int8" (the target, dynamic int8), a draft
     head directory (with the target's embedding and lm_head, on ``device`` in ``dtype``) or a model
     directory. ``load(path, int8)`` loads a draft model on this rank; ``history``: the suffix drafter also
-    drafts from earlier conversations; ``max_slots``: a head's KV cache; ``corpus``: the suffix drafter's
-    corpus file; ``vocab_size``: a draft model's vocabulary shared with the target, as the Engine checked
-    it (None: checked here)."""
+    drafts from earlier conversations, those of ``history_db`` (a history database) when given, else the
+    session's; ``max_slots``: a head's KV cache; ``corpus``: the suffix drafter's corpus file;
+    ``vocab_size``: a draft model's vocabulary shared with the target, as the Engine checked it (None:
+    checked here)."""
     from swiftspec.engine.draft_head import HeadDrafter, is_head_dir, load_head  # it imports this module
 
     if kind == "suffix":
+        stored = StoredHistory(history_db, tokenizer_fingerprint(target_dir)) if history and history_db else None
         return SuffixDrafter(history_tokens=SuffixDrafter.HISTORY_TOKENS if history else 0,
-                             corpus=load_corpus(corpus, read_args(target_dir).vocab_size) if corpus else None)
+                             corpus=load_corpus(corpus, read_args(target_dir).vocab_size) if corpus else None,
+                             stored=stored)
     if kind == "int8":
         return ModelDrafter(load(target_dir, True))
     if is_head_dir(Path(kind)):

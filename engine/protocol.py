@@ -235,6 +235,7 @@ class EngineInfo:
     eos_token_ids: list[int] = field(default_factory=list)
     max_context: int = 0  # the models' own limit of positions (context_length is at most this); 0: unknown
     kernel_threads: dict[str, int] = field(default_factory=dict)  # the target's CPU kernel threads by mode
+    vocab: str = ""  # the target tokenizer's fingerprint (history_corpus.tokenizer_fingerprint); "": unknown
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

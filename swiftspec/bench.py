@@ -35,7 +35,8 @@ PEER_MODES = HF_MODES + ("llama.cpp",)  # other engines: their own kernels, so t
 ENGINE_MODES = ("ar", "sync", "async")
 ALL_MODES = PEER_MODES + ENGINE_MODES
 DEFAULT_MODES = HF_MODES + ENGINE_MODES  # llama.cpp only when asked: it is installed by hand
-BUILTIN_SETS = ("chat", "code", "math", "qa", "summarisation", "extraction", "fresh")
+BUILTIN_SETS = ("chat", "code", "math", "qa", "summarisation", "extraction", "fresh", "multiturn")
+TURNS = ("first", "all")  # --turns: the first turn of each record, or every turn as one conversation
 HUMANEVAL = "humaneval"
 SPEEDUP_BASELINES = ("hf", "llama.cpp", "ar")
 WARMUP_TOKENS = 8
@@ -55,8 +56,10 @@ class BenchError(ConfigError):
 class Prompt:
     source: str  # built-in set name, file stem or "humaneval"
     id: str
-    text: str
+    text: str  # the first turn
     system: str | None = None
+    later: tuple[str, ...] = ()  # the turns after the first (MT-Bench-style records)
+    turn: int = 1  # in a report's rows: which turn of the record this row is
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -118,7 +121,8 @@ def parse_modes(modes: str) -> list[str]:
 
 
 def parse_jsonl(text: str, source: str) -> list[Prompt]:
-    """Reads prompts from JSONL: a ``prompt`` string, or MT-Bench-style ``turns`` (first turn used)."""
+    """Reads prompts from JSONL: a ``prompt`` string, or MT-Bench-style ``turns`` (``--turns all`` runs
+    them all as one conversation, else the first)."""
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -128,12 +132,13 @@ def parse_jsonl(text: str, source: str) -> list[Prompt]:
         except json.JSONDecodeError as e:
             raise BenchError(f"{source}, line {n}: not JSON ({e.msg})") from None
         prompt = rec.get("prompt") if isinstance(rec, dict) else None
+        later: list = []
         if prompt is None and isinstance(rec, dict) and isinstance(rec.get("turns"), list) and rec["turns"]:
-            prompt = rec["turns"][0]
-        if not isinstance(prompt, str) or not prompt.strip():
+            prompt, *later = rec["turns"]
+        if not all(isinstance(t, str) and t.strip() for t in [prompt, *later]):
             raise BenchError(f"{source}, line {n}: needs a non-empty 'prompt' string or a 'turns' list")
         pid = rec.get("id", rec.get("question_id", rec.get("task_id", n)))
-        out.append(Prompt(source, str(pid), prompt))
+        out.append(Prompt(source, str(pid), prompt, later=tuple(later)))
     if not out:
         raise BenchError(f"{source}: no prompts in it")
     return out
@@ -372,10 +377,13 @@ class EngineRunner:
 
 def run_interleaved(runners: dict[str, Runner], prompts: list[Prompt], params: SamplingParams,
                     samples: dict[str, list[Sample]], on_step: Callable[[int, str], None] | None = None,
-                    on_prompt: Callable[[int], None] | None = None, crashed: dict[str, str] | None = None) -> None:
-    """Every mode on prompt i before prompt i+1; the mode order rotates by one per prompt. ``samples`` is
-    filled as answers finish, so that an interrupted run still holds every finished one. A peer that
-    crashes (PeerCrashed) leaves the run: its samples go, ``crashed`` says why."""
+                    on_prompt: Callable[[int], None] | None = None, crashed: dict[str, str] | None = None,
+                    turns: str = "first", decode: Callable[[list[int]], str] | None = None) -> None:
+    """Every mode on prompt i before prompt i+1; the mode order rotates by one per prompt. With ``turns``
+    "all" a mode answers every turn of a record in turn, each after its own earlier answers (``decode``
+    makes their text). ``samples`` is filled as answers finish, one per turn, so that an interrupted run
+    still holds every finished one. A peer that crashes (PeerCrashed) leaves the run: its samples go,
+    ``crashed`` says why."""
     modes = list(runners)
     for i, prompt in enumerate(prompts):
         k = i % len(modes)
@@ -385,7 +393,13 @@ def run_interleaved(runners: dict[str, Runner], prompts: list[Prompt], params: S
             if on_step:
                 on_step(i, mode)
             try:
-                samples.setdefault(mode, []).append(runners[mode](prompt.messages, params))
+                messages = prompt.messages
+                for n, text in enumerate(turns_of(prompt, turns)):
+                    if n:
+                        earlier = decode(samples[mode][-1].token_ids)
+                        messages = messages + [{"role": "assistant", "content": earlier},
+                                               {"role": "user", "content": text}]
+                    samples.setdefault(mode, []).append(runners[mode](messages, params))
             except PeerCrashed as e:
                 if crashed is None:
                     raise
@@ -396,8 +410,19 @@ def run_interleaved(runners: dict[str, Runner], prompts: list[Prompt], params: S
             on_prompt(i)
 
 
+def turns_of(prompt: Prompt, turns: str) -> list[str]:
+    return [prompt.text, *prompt.later] if turns == "all" else [prompt.text]
+
+
+def turn_rows(prompts: list[Prompt], turns: str) -> list[Prompt]:
+    """One row per answer of a run, in the order ``run_interleaved`` gives them to each mode."""
+    return [dataclasses.replace(p, text=text, turn=n) for p in prompts
+            for n, text in enumerate(turns_of(p, turns), 1)]
+
+
 def finished_prompts(samples: dict[str, list[Sample]], modes: list[str]) -> int:
-    """How many prompts every mode has answered (the rest of an interrupted run is left out)."""
+    """How many answers (rows: prompts, or turns with --turns all) every mode has given (the rest of an
+    interrupted run is left out)."""
     return min(len(samples.get(m, [])) for m in modes)
 
 
@@ -432,16 +457,12 @@ def summarise(samples: dict[str, list[Sample]], prompts: list[Prompt],
     results = []
     for mode in modes:
         ss = samples[mode]
-        tokens = sum(len(s.token_ids) for s in ss)
-        seconds = sum(s.seconds for s in ss)
         lat = [x for s in ss for x in s.latencies_ms()]
         ttft = [s.ttft_ms for s in ss if s.ttft_ms is not None]
         p50, p95 = (float(v) for v in np.percentile(lat, [50, 95])) if lat else (None, None)
-        verifications = sum(s.verifications for s in ss)
-        proposed = sum(s.proposed for s in ss)
         per_prompt = []
         for i, (p, s) in enumerate(zip(prompts, ss, strict=True)):
-            row: dict[str, Any] = {"set": p.source, "id": p.id, "tokens": len(s.token_ids),
+            row: dict[str, Any] = {"set": p.source, "id": p.id, "turn": p.turn, "tokens": len(s.token_ids),
                                    "seconds": round(s.seconds, 4),
                                    "tokens_per_s": len(s.token_ids) / s.seconds if s.seconds else None,
                                    "verifications": s.verifications, "step_ms": s.step_ms}
@@ -451,14 +472,15 @@ def summarise(samples: dict[str, list[Sample]], prompts: list[Prompt],
                     row[f"identical_to_{other}"] = diff is None
                     row[f"first_diff_{other}"] = diff
             per_prompt.append(row)
+        figures = _figures(ss)
         results.append({
             "mode": mode,
-            "tokens_per_s": tokens / seconds if seconds else None,
+            "tokens_per_s": figures["tokens_per_s"],
             "ms_per_token_p50": p50,
             "ms_per_token_p95": p95,
             "ttft_ms_p50": float(np.median(ttft)) if ttft else None,
-            "mean_accepted": sum(s.verifications + s.accepted for s in ss) / verifications if verifications else None,
-            "acceptance_rate": sum(s.accepted for s in ss) / proposed if proposed else None,
+            "mean_accepted": figures["mean_accepted"],
+            "acceptance_rate": figures["acceptance_rate"],
             "draft_ms": _median([x for s in ss for x in s.draft_ms]),
             "target_ms": _median([x for s in ss for x in s.target_ms]),
             "step_ms": _median([s.step_ms for s in ss if s.step_ms is not None]),
@@ -467,8 +489,10 @@ def summarise(samples: dict[str, list[Sample]], prompts: list[Prompt],
             "identical_prompts": sum(r.get("identical_to_target", False) for r in per_prompt),
             "prompts": len(ss),
             "prefill_tokens": sum(s.prefill_tokens for s in ss),
-            "tokens": tokens,
-            "seconds": seconds,
+            "tokens": figures["tokens"],
+            "seconds": figures["seconds"],
+            "by_turn": {str(t): _figures([s for p, s in zip(prompts, ss, strict=True) if p.turn == t])
+                        for t in sorted({p.turn for p in prompts})},
             "per_prompt": per_prompt,
         })
     tps = {r["mode"]: r["tokens_per_s"] for r in results}
@@ -476,6 +500,16 @@ def summarise(samples: dict[str, list[Sample]], prompts: list[Prompt],
                if m != b and (b in SPEEDUP_BASELINES or ALL_MODES.index(m) > ALL_MODES.index(b)) and tps[m]
                and tps[b]}
     return results, speedup
+
+
+def _figures(ss: list[Sample]) -> dict[str, Any]:
+    """A mode's speed and speculation figures over some of its answers (all of them, or one turn's)."""
+    tokens, seconds = sum(len(s.token_ids) for s in ss), sum(s.seconds for s in ss)
+    verifications, proposed = sum(s.verifications for s in ss), sum(s.proposed for s in ss)
+    return {"answers": len(ss), "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds else None,
+            "mean_accepted": sum(s.verifications + s.accepted for s in ss) / verifications if verifications else None,
+            "acceptance_rate": sum(s.accepted for s in ss) / proposed if proposed else None}
 
 
 def _fmt(x: float | None, spec: str = ".1f", suffix: str = "") -> str:
@@ -528,6 +562,25 @@ def render_table(report: dict[str, Any]):
         table.add_row(*cells)
     for mode in report.get("crashed", {}):
         table.add_row(mode, "[red]crashed[/]", *[""] * (len(table.columns) - 2))
+    return table
+
+
+def render_turns(report: dict[str, Any]):
+    """The figures of each turn, per mode (a multi-turn run: --turns all); None for one turn."""
+    from rich.table import Table
+
+    results = report["results"]
+    turns = sorted({t for r in results for t in r["by_turn"]}, key=int)
+    if len(turns) < 2:
+        return None
+    table = Table(title="by turn (each later turn follows the mode's own earlier answers)")
+    for col in ("mode", "turn", "answers", "tok/s", "tok/verify", "accept"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for r in results:
+        for t in turns:
+            f = r["by_turn"][t]
+            table.add_row(r["mode"], t, str(f["answers"]), _fmt(f["tokens_per_s"]), _fmt(f["mean_accepted"], ".2f"),
+                          _fmt(None if f["acceptance_rate"] is None else 100 * f["acceptance_rate"], ".0f", "%"))
     return table
 
 
@@ -624,7 +677,8 @@ def load_warning(when: str) -> str | None:
 
 def report_config(config: EngineConfig, info: EngineInfo | None, modes: list[str], prompts: list[Prompt],
                   params: SamplingParams, assist: dict[str, Any] | None, threads: dict[str, str] | None = None,
-                  warnings: list[str] | None = None) -> dict[str, Any]:
+                  warnings: list[str] | None = None, turns: str = "first",
+                  warming: list[Prompt] | None = None) -> dict[str, Any]:
     import torch
     import transformers
 
@@ -649,8 +703,13 @@ def report_config(config: EngineConfig, info: EngineInfo | None, modes: list[str
         "step_ms": STEP_MS,
         "order": "interleaved: every mode on a prompt before the next; mode order rotates per prompt",
         "warmup": f"each mode decodes {WARMUP_TOKENS} tokens of a prompt outside the set before timing",
-        "engine_sessions": "one Engine for ar, sync and async, suffix-drafter session history off; every "
-                           "timed prompt is prefilled in full",
+        "engine_sessions": "one Engine for ar, sync and async; every timed prompt is prefilled in full; the "
+                           "suffix drafter's history " + (
+                               f"holds the {len(warming)} warm-up answers only, never a timed one" if warming
+                               else "is off"),
+        "turns": turns,
+        "warm": {"prompts": len(warming), "sets": list(dict.fromkeys(p.source for p in warming))} if warming
+        else None,
         "reference": reference_mode(modes) if params.greedy else None,
         "hf_assisted": assist,
         "hf_device": "/".join(hf_device(config)),
@@ -714,14 +773,34 @@ def llamacpp_gguf(config: EngineConfig) -> Path:
     return path
 
 
-def _start_engine(config: EngineConfig, err):
+def _start_engine(config: EngineConfig, err, history_db: Path | None = None):
     """One Engine for every engine mode, its suffix drafter without session history: with it, the second
-    mode to answer a prompt would find the first one's answer and accept nearly all of it."""
+    mode to answer a prompt would find the first one's answer and accept nearly all of it. ``history_db``
+    (--warm): the drafter learns from that history only, which holds the warm-up answers alone."""
     from swiftspec import Engine
 
-    config = dataclasses.replace(config, draft_history=False)
+    config = dataclasses.replace(config, draft_history=history_db is not None,
+                                 history_db=None if history_db is None else str(history_db))
     with err.status("starting the engine") as status:
         return Engine.start(config, progress=lambda line: status.update(f"starting the engine: {line}"))
+
+
+def warm_prompts(measured: list[Prompt], n: int) -> list[Prompt]:
+    """--warm N: the first N prompts (first turns) of the built-in sets that are not measured, interleaved."""
+    others = [name for name in BUILTIN_SETS if name not in {p.source for p in measured}]
+    warm = select_prompts(None, others, None)[:n] if others else []
+    if len(warm) < n:
+        raise BenchError(f"--warm {n}: the built-in sets outside the measured ones hold {len(warm)} prompts")
+    return warm
+
+
+def warm_history(runner: Runner, prompts: list[Prompt], params: SamplingParams, store, vocab: str) -> None:
+    """Answers the warm-up prompts and keeps their answers in the bench's own history, as a chat would."""
+    for p in prompts:
+        sample = runner(p.messages, params)
+        cid = store.create(p.id)
+        store.add(cid, "user", p.text)
+        store.append_tokens(store.add(cid, "assistant", ""), vocab, sample.token_ids)
 
 
 def eta_line(done: int, total: int, elapsed_s: float) -> str:
@@ -739,8 +818,11 @@ def _duration(seconds: float) -> str:
 def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), prompts: Path | None = None,
                   prompt_set: str | list[str] | None = None, limit: int | None = None,
                   sampling: SamplingParams | None = None, system: str | None = None, json_path: Path | None = None,
-                  plot_path: Path | None = None, console=None, err=None) -> dict[str, Any]:
+                  plot_path: Path | None = None, console=None, err=None, turns: str = "first",
+                  warm: int = 0) -> dict[str, Any]:
     """Runs the benchmark, prints the table, writes the JSON and the plot if asked; returns the report.
+    ``turns`` "all" runs each record's turns as one conversation; ``warm`` N answers N prompts of other
+    sets first, whose answers (only) the suffix drafter then learns from.
 
     Every option is checked before any model loads, so a typo does not cost a model start. Ctrl-C during
     the timed prompts reports the prompts every mode finished, with ``partial`` set in the report; before
@@ -759,6 +841,13 @@ def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), pr
     params = (sampling or SamplingParams(max_new_tokens=128)).validate()
     mode_list = parse_modes(modes)
     selected = [dataclasses.replace(p, system=system) for p in select_prompts(prompts, prompt_set, limit)]
+    if turns not in TURNS:
+        raise BenchError(f"--turns must be {' or '.join(TURNS)}")
+    if warm < 0:
+        raise BenchError("--warm must be >= 0")
+    if warm and not any(m in ENGINE_MODES for m in mode_list):
+        raise BenchError("--warm teaches the engine's suffix drafter: run an engine mode (ar, sync, async)")
+    warming = [dataclasses.replace(p, system=system) for p in warm_prompts(selected, warm)] if warm else []
     if plot_path is not None:
         _pyplot()
     for out in (json_path, plot_path):
@@ -817,12 +906,26 @@ def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), pr
             threads["llama.cpp"] = str(n)
         if any(m in ENGINE_MODES for m in mode_list):
             say("starting the engine")
-            engine = _start_engine(config, err)
+            store = None
+            if warming:
+                import tempfile
+
+                from swiftspec.history import HistoryStore
+
+                store = HistoryStore(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "history.sqlite3")
+                stack.callback(store.close)
+            engine = _start_engine(config, err, store and store.path)
             stack.callback(engine.close)
             info = engine.info
             for mode in (m for m in mode_list if m in ENGINE_MODES):
                 runners[mode] = EngineRunner(engine, mode, eos)
                 threads[mode] = engine_threads(info, mode)
+            if warming:
+                sets = ", ".join(dict.fromkeys(p.source for p in warming))
+                say(f"warming the suffix drafter's history: {warm} answers of {sets}")
+                with err.status(f"warming the suffix drafter's history with {warm} answers of {sets}"):
+                    warm_mode = next(m for m in ENGINE_MODES if m in mode_list)
+                    warm_history(runners[warm_mode], warming, params, store, info.vocab)
         runners = {m: runners[m] for m in mode_list if m in runners}
 
         say(f"warming up; then {len(selected)} prompts x {len(mode_list)} modes, up to "
@@ -838,7 +941,7 @@ def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), pr
                    TextColumn("ETA"), TimeRemainingColumn())
         t0 = time.perf_counter()
         with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
-            task = progress.add_task("bench", total=len(selected) * len(mode_list))
+            task = progress.add_task("bench", total=len(turn_rows(selected, turns)) * len(mode_list))
 
             def on_step(i: int, mode: str) -> None:
                 p = selected[i]
@@ -850,7 +953,8 @@ def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), pr
                     err.print(eta_line(i + 1, len(selected), time.perf_counter() - t0), highlight=False)
 
             try:
-                run_interleaved(runners, selected, params, samples, on_step, on_prompt, crashed)
+                run_interleaved(runners, selected, params, samples, on_step, on_prompt, crashed, turns,
+                                lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
             except KeyboardInterrupt:
                 interrupted = True
 
@@ -859,15 +963,19 @@ def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), pr
     if interrupted and not finished:
         raise KeyboardInterrupt
     samples = {m: samples[m][:finished] for m in ran}
-    results, speedup = summarise(samples, selected[:finished], params.greedy)
+    rows = turn_rows(selected, turns)[:finished]
+    results, speedup = summarise(samples, rows, params.greedy)
     warnings += [w for w in [load_warning("end")] if w]
-    report = {"config": report_config(config, info, mode_list, selected[:finished], params, assist, threads, warnings),
+    report = {"config": report_config(config, info, mode_list, rows, params, assist, threads, warnings, turns,
+                                      warming),
               "results": results, "speedup": speedup}
     if crashed:
         report["crashed"] = crashed
     if interrupted:
-        report["partial"] = {"finished": finished, "planned": len(selected)}
+        report["partial"] = {"finished": finished, "planned": len(turn_rows(selected, turns))}
     console.print(render_table(report))
+    if (by_turn := render_turns(report)) is not None:
+        console.print(by_turn)
     if json_path is not None:
         write_json(report, json_path)
     if plot_path is not None:

@@ -115,6 +115,11 @@ DraftCorpusOpt = Annotated[str, _opt(
     "--draft-corpus", panel=MODEL, metavar="FILE",
     help="The suffix drafter's corpus of the target's own answers (swiftspec train-draft writes one): a FILE, "
          "'none', or 'auto': the one shipped for the embedded default, none for other targets.")]
+DraftHistoryOpt = Annotated[str, _opt(
+    "--draft-history", panel=MODEL, metavar="SWITCH", autocompletion=_complete("on", "off"),
+    help="on or off. on: the suffix drafter also proposes what the target answered in earlier conversations (the saved "
+         "history's answers, newest first up to 1M tokens; an unsaved chat: the session's); off: from this "
+         "conversation and the corpus only.")]
 TargetDevicesOpt = Annotated[str | None, _opt(
     "--target-devices", panel=MODEL, metavar="GPUS",
     help="GPU indices of the target group, e.g. 0,1 (tensor parallel over them).")]
@@ -300,6 +305,7 @@ def chat(
         help="Answer this prompt and exit, as -p PROMPT does.")] = None,
     *,
     config: EngineConfig,  # the engine's options (engine_options)
+    draft_history: DraftHistoryOpt = "on",
     mode: Annotated[str, _opt(
         "--mode", panel=DECODING, metavar="MODE", autocompletion=_complete(*MODES),
         help="async: SwiftSpec (draft and target in parallel; the default, also on one GPU, where it measured "
@@ -389,6 +395,12 @@ def chat(
         for warning in conversation.take_warnings():
             typer.echo(f"swiftspec: #{conversation.id}: {warning}", err=True)
     conversation = conversation or Conversation(store if (save or not scripted) else None, defaults)
+    if draft_history not in ("on", "off"):
+        raise _fail(_with_origin(ctx, ConfigError("draft-history must be on or off")), 2)
+    config = dataclasses.replace(config, draft_history=draft_history == "on")
+    kept = conversation.store  # its answers are the drafter's history; unsaved chats draft from the session's
+    if kept is not None and kept.available:
+        config = dataclasses.replace(config, history_db=str(kept.path))
     if conversation.params.mode == "ar":  # nothing would ever ask the draft for a token
         config = dataclasses.replace(config, draft="none", draft_corpus="none")
 
@@ -550,8 +562,18 @@ def bench(
     prompt_set: Annotated[str | None, _opt(
         "--set", panel=BENCH, metavar="SETS",
         help="Built-in prompt sets, comma-separated: chat, code, math, qa, summarisation, "
-        "extraction, fresh (everyday questions no built-in training prompt shares a topic with; "
-        "and humaneval when installed). Default: all built-in sets.")] = None,
+        "extraction, fresh (everyday questions no built-in training prompt shares a topic with), multiturn "
+        "(two-turn conversations, for --turns all); and humaneval when installed. Default: all built-in sets.")] = None,
+    turns: Annotated[str, _opt(
+        "--turns", panel=BENCH, metavar="TURNS", autocompletion=_complete("first", "all"),
+        help="first: each record's first turn; all: every turn of an MT-Bench-style record as one conversation, "
+             "each later turn after the mode's own earlier answers (figures per turn in the table and the JSON's "
+             "by_turn).")] = "first",
+    warm: Annotated[int, _opt(
+        "--warm", parser=_whole_number, panel=BENCH, metavar="N",
+        help="First answer N prompts of the built-in sets not measured, and let the suffix drafter learn from "
+             "those answers (and only those): the effect of a history, measured in one run. Default 0: the "
+             "drafter's history is off.")] = 0,
     limit: Annotated[int | None, _opt("--limit", parser=_whole_number, panel=BENCH, metavar="N", help="At most N prompts per set.")] = None,
     json_path: Annotated[Path | None, _opt(
         "--json", panel=BENCH, metavar="FILE", help="Write the results as JSON.")] = None,
@@ -575,7 +597,8 @@ def bench(
 
     try:
         report = bench_command(config=config, modes=modes, prompts=prompts, prompt_set=prompt_set, limit=limit,
-                               sampling=sampling, system=system, json_path=json_path, plot_path=plot_path)
+                               sampling=sampling, system=system, json_path=json_path, plot_path=plot_path,
+                               turns=turns, warm=warm)
     except (ValueError, FileNotFoundError) as e:  # bad options, prompts or model paths
         raise _fail(str(e), 2) from None
     except KeyboardInterrupt:

@@ -193,9 +193,12 @@ class EngineConfig:
     max_seq_len: int = 4096
     tree: TreeParams = field(default_factory=TreeParams)
     trust_remote_code: bool = False
-    # The suffix drafter also drafts from earlier conversations of the session (a model reuses its own
-    # phrasing). Off for benchmarks, where the same prompt runs once per mode.
+    # The suffix drafter also drafts from earlier conversations (a model reuses its own phrasing): with
+    # history_db, the answers kept in that history database (engine/history_corpus.py: across sessions,
+    # newest first up to its token cap, deletions honoured); without, the session's earlier conversations.
+    # Off for benchmarks, where the same prompt runs once per mode (bench --warm gives it a history of its own).
     draft_history: bool = True
+    history_db: str | None = None
     # The suffix drafter's corpus of the target's own answers (engine/corpus.py): "auto" = the shipped one
     # for the embedded default, none for other targets; "none"; or a corpus file from swiftspec train-draft.
     draft_corpus: str = "auto"
@@ -226,6 +229,11 @@ class EngineConfig:
         if self.draft_corpus not in ("auto", "none") and self.draft != "suffix":
             raise ConfigError("a draft corpus feeds the suffix drafter: give --draft-corpus with --draft suffix")
         return self
+
+    @property
+    def drafts_from_store(self) -> bool:
+        """Whether the suffix drafter learns from the answers in ``history_db``."""
+        return self.draft == "suffix" and self.draft_history and self.history_db is not None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -78,6 +78,8 @@ class Reply:
     replaces: int  # the index of the first message the answer replaces (its question's, for ask)
     last: StepEvent | None = None  # the answer's latest event: its figures so far
     answer: Message | None = None
+    tokens: list[int] = field(default_factory=list)  # the answer's (this run's part), for the drafter's history
+    vocab: str = ""  # the tokenizer that wrote them (EngineInfo.vocab; "": not kept)
     error: str | None = None  # why the engine did not answer (or stopped answering)
     fatal: bool = False  # the engine is gone, not just this answer
     done: bool = False
@@ -235,6 +237,7 @@ class Conversation:
         """Generates the answer (blocking), saving it as it streams; returns the reply with its end. An
         engine that refuses or fails sets ``reply.error``; what the callbacks raise (a closed stdout,
         Ctrl-C) ends the answer as cancelled, saved, and is raised again."""
+        reply.vocab = engine.info.vocab
         try:
             try:
                 events = iter(engine.generate(reply.messages, reply.params))
@@ -297,6 +300,7 @@ class Conversation:
             if reply.done:  # ended meanwhile (the app quit): what was saved stays
                 return
             reply.last = event
+            reply.tokens += event.token_ids
             reply.answer.content += event.text
             if time.monotonic() - reply.saved_at >= SAVE_EVERY_S:
                 reply.answer.stats = {**AnswerSummary.of(reply.params.mode, event).to_dict(), "finish_reason": "partial"}
@@ -316,6 +320,8 @@ class Conversation:
             summary.finish_reason = summary.finish_reason or reason or "cancelled"
             reply.answer.stats = summary.to_dict()
             self._store_update(reply.answer)
+            if reply.vocab and reply.tokens and reply.answer.id is not None and self.store is not None:
+                self.store.append_tokens(reply.answer.id, reply.vocab, reply.tokens)
 
     # --- clearing ---------------------------------------------------------------------------------
 

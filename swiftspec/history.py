@@ -36,7 +36,13 @@ CREATE TABLE IF NOT EXISTS messages (
     created REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
-"""
+CREATE TABLE IF NOT EXISTS answer_tokens (
+    message_id INTEGER PRIMARY KEY REFERENCES messages(id) ON DELETE CASCADE,
+    vocab TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    tokens BLOB NOT NULL
+);
+"""  # answer_tokens: the suffix drafter's corpus (engine/history_corpus.py), gone with its message
 
 
 def data_dir() -> Path:
@@ -253,6 +259,18 @@ class HistoryStore:
         """Replaces a message's text and figures (a continued answer)."""
         self._run("UPDATE messages SET content = ?, stats = ? WHERE id = ?",
                   (content, json.dumps(stats) if stats else None, message_id))
+
+    def append_tokens(self, message_id: int, vocab: str, tokens: list[int]) -> None:
+        """Adds a finished answer's token ids to what the suffix drafter learns from (after those it
+        already has, for a continued answer, when the same tokenizer wrote them)."""
+        from swiftspec.engine.history_corpus import TABLE, decode_tokens, encode_tokens
+
+        with self._lock:
+            rows = self._rows(f"SELECT vocab, tokens FROM {TABLE} WHERE message_id = ?", (message_id,))
+            earlier = decode_tokens(rows[0][1]).tolist() if rows and rows[0][0] == vocab else []
+            self._run(f"INSERT OR REPLACE INTO {TABLE} (message_id, vocab, n, tokens) SELECT ?, ?, ?, ? "
+                      "WHERE EXISTS (SELECT 1 FROM messages WHERE id = ?)",  # not deleted meanwhile
+                      (message_id, vocab, len(earlier) + len(tokens), encode_tokens(earlier + tokens), message_id))
 
     def truncate(self, conversation_id: int, from_message_id: int) -> None:
         """Deletes that message and every later one (a retried or edited turn)."""

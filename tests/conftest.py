@@ -84,3 +84,11 @@ def fake(monkeypatch):
 
     monkeypatch.setattr(cli, "_start_engine", start)
     return configs
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The bench tests' tiny target model directory."""
+    from tiny_models import tiny_model_dir
+
+    return tiny_model_dir()

@@ -67,7 +67,7 @@ def test_suffix_history_serves_short_matches():
     sd = SuffixDrafter(max_order=4)
     sd.prefill([1, 2, 3, 4, 5], 0)
     sd.prefill([9, 9, 2, 3], 0)  # a new conversation: the first one becomes history
-    assert sd.lookup([9, 2, 3]) == ({4: 1}, 2 / (2 + sd.confidence))  # only the history knows "2 3"
+    assert sd.lookup([9, 2, 3]) == ({4: 1}, 2 / (2 + sd.history_unseen))  # only the history knows "2 3"
     sd.extend([7, 9, 9])
     assert sd.lookup([5, 9, 9]) == ({2: 1}, 2 / (2 + sd.confidence))  # the conversation's own match wins
 

@@ -45,7 +45,7 @@ PROFILE_FORMAT = 1  # bump when what is measured changes
 MAX_PROFILES = 64  # the least recently written beyond these are removed
 # EngineConfig fields that cannot change a step time (the models count by their files' identity); every
 # other setting is part of a profile's key, a new one too
-NOT_TIMING = {"target", "draft", "startup_timeout_s"}
+NOT_TIMING = {"target", "draft", "startup_timeout_s", "history_db"}
 
 
 def choose_d(t_verify_ms: float, t_expand_ms: float) -> int:

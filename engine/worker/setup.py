@@ -266,7 +266,8 @@ def load(ctx: Ctx) -> None:
                                lambda path, int8: model_for(path, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8,
                                                             None if ctx.device.type == "cpu" else False),
                                ctx.device, default_dtype(ctx.device, ctx.dtype), slots + DRAFT_TREE_SLOTS,
-                               Path(spec.corpus) if spec.corpus else None, spec.vocab_size)
+                               Path(spec.corpus) if spec.corpus else None, spec.vocab_size,
+                               Path(config.history_db) if config.drafts_from_store else None)
         if ctx.device.type == "cpu" and spec.draft not in ("suffix", "none") and not is_head_dir(Path(spec.draft)):
             from swiftspec.engine.cpu_backends import kernels_available
 
