@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from swiftspec.config import BUILTIN_DRAFTS, SamplingParams
 from swiftspec.engine.decode import profile_verify_cost, tree_forward_ms
+from swiftspec.engine.draft_head import is_head_dir
 from swiftspec.engine.drafters import Features
 from swiftspec.engine.embedded import cache_dir
 from swiftspec.engine.model_dir import read_args
@@ -33,7 +34,6 @@ from swiftspec.engine.protocol import RankInfo
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.worker.setup import (
     Ctx,
-    barrier,
     free_threads,
     set_kernel_threads,
     use_kernel_threads,
@@ -89,10 +89,11 @@ def profile(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> tupl
 def choose_kernel_threads(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> None:
     """The CPU kernels' threads per mode on a one-rank CPU target that could use more cores than its share
     of the split (setup.free_threads): of the share and all the node's cores, ``ar`` takes the one with
-    the faster one-row step, ``sync`` the faster verification of bs nodes, and ``async`` the faster
-    verification while the draft rank drafts beside it as it does in a round (a tree's expansions, then
-    a wait for the verdict). Measured at the first start of a setup, then read from the cache. Every rank
-    calls this."""
+    the faster one-row step and ``sync`` (whose drafts and verifications alternate) the faster
+    verification of bs nodes. ``async`` drafts beside the target: it takes sync's choice with a light
+    drafter (the suffix drafter, a draft head: mostly waiting for a verdict, and the kernels' threads
+    claim their work, so the one it delays holds back a unit, not a share), the split with a draft model.
+    Measured at the first start of a setup, then read from the cache. Every rank calls this."""
     free = free_threads(ctx.spec.config.threads, ctx.rank, ctx.n_target) if ctx.role == "target" else 0
     state = torch.zeros(5, dtype=torch.int64)  # applies, found, ar, sync, async
     path = None
@@ -121,48 +122,23 @@ MODES_BY_THREADS = ("ar", "sync", "async")
 
 
 def _measure_threads(ctx: Ctx, candidates: list[int]) -> list[int]:
-    """choose_kernel_threads' measurement, on every rank: the target leader times, the draft rank (one
-    only) drafts beside its second half; returns the threads for ar, sync and async (on every rank)."""
+    """choose_kernel_threads' measurement: the target leader times a one-row step and a verification of
+    bs nodes with each candidate; returns the threads for ar, sync and async (on every rank)."""
     bs, reps = ctx.spec.config.tree.bs, 3
-    timing = torch.zeros(1, dtype=torch.float64)  # the split's verification: how long the draft drafts a round
-    idle: dict[int, tuple[float, float]] = {}
+    choice = torch.zeros(3, dtype=torch.int64)
     if ctx.rank == 0:
         if ctx.target.cache.prefix_len == 0:
             ctx.target.prefill(DUMMY, Sampler(SamplingParams(), ctx.device))
+        step, verify = {}, {}
         for n in candidates:
             set_kernel_threads(n)
-            idle[n] = tree_forward_ms(ctx.target, 1, reps), tree_forward_ms(ctx.target, bs, reps)
-        timing[0] = idle[candidates[0]][1]
-    dist.broadcast(timing, src=0)
-    busy = {n: v for n, (_, v) in idle.items()}
-    drafting = ctx.world - ctx.n_target == 1
-    if drafting:  # the draft drafts for as long as the target verifies with each candidate, and more
-        seconds = timing.item() * 1e-3 * (reps + 2) * len(candidates) * 1.5
-        if ctx.rank == 0:
-            for n in candidates:
-                set_kernel_threads(n)
-                busy[n] = tree_forward_ms(ctx.target, bs, reps)
-        elif ctx.role == "draft":
-            _draft_rounds(ctx, seconds, timing.item() * 1e-3)
-        barrier()
-    choice = torch.zeros(3, dtype=torch.int64)
-    if ctx.rank == 0:
-        choice[:] = torch.tensor([min(candidates, key=lambda n: idle[n][0]), min(candidates, key=lambda n: idle[n][1]),
-                                  min(candidates, key=busy.get)])
+            step[n], verify[n] = tree_forward_ms(ctx.target, 1, reps), tree_forward_ms(ctx.target, bs, reps)
+        light = ctx.spec.draft == "suffix" or is_head_dir(Path(ctx.spec.draft))
+        choice[:] = torch.tensor([min(candidates, key=step.get), min(candidates, key=verify.get),
+                                  min(candidates, key=verify.get) if light else candidates[0]])
         use_kernel_threads(ctx, "ar")
     dist.broadcast(choice, src=0)
     return choice.tolist()
-
-
-def _draft_rounds(ctx: Ctx, seconds: float, round_s: float) -> None:
-    """Drafting as in async rounds, for ``seconds``: a tree's expansions, then the rest of the round idle."""
-    _warm_draft(ctx)
-    end = time.perf_counter() + seconds
-    while (now := time.perf_counter()) < end:
-        ctx.draft.start(DUMMY[-1])
-        while ctx.draft.can_expand() and time.perf_counter() < end:
-            ctx.draft.expand()
-        time.sleep(max(0.0, min(end, now + round_s) - time.perf_counter()))
 
 
 DUMMY = list(range(1, 9)) * 4  # repetitive, so that the suffix drafter has something to propose
