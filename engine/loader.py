@@ -260,6 +260,7 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: str =
     model.eval()
     model.setup_cache(max_slots)
     if cpu:
+        del hf, state, blocks  # the raw and GGUF-ordered copies: the model holds what it runs
         _return_freed_memory()
     return model
 
