@@ -352,10 +352,6 @@ def unpack_gguf(state: dict[str, Tensor], kinds: dict[str, str]) -> dict[str, Bl
     return out
 
 
-
-
-
-
 def synthetic_costs(args, backend: str, rows: int, layers: int | None = None) -> list[float]:
     """Milliseconds of a forward of 1..``rows`` rows with ``backend``, measured on one decoder block and
     the lm_head of the model's shapes with random weights (what a step costs differs between backends in
