@@ -26,6 +26,8 @@ class BadRequest(ProtocolError):
 
 @dataclass(frozen=True)
 class Generate:
+    """Answer ``token_ids`` (the chat, encoded) with ``params``; steps come back as Stepped ``id``."""
+
     id: int
     token_ids: list[int]
     params: SamplingParams
@@ -33,37 +35,49 @@ class Generate:
 
 @dataclass(frozen=True)
 class Cancel:
+    """Stop answering ``id``."""
+
     id: int
 
 
 @dataclass(frozen=True)
 class Shutdown:
-    pass
+    """End the workers: the Engine is closing."""
 
 
 @dataclass(frozen=True)
 class Hello:
+    """The leader's first frame, before the models load."""
+
     pids: list[list[int]]  # [rank, pid] of every worker: the Engine ends their sessions on close
 
 
 @dataclass(frozen=True)
 class Progress:
+    """A line of start-up progress ("loading target ...")."""
+
     text: str
 
 
 @dataclass(frozen=True)
 class Ready:
+    """Loaded and profiled: what the workers hold and measured."""
+
     info: EngineInfo
 
 
 @dataclass(frozen=True)
 class Stepped:
+    """One decoding step of answer ``id``."""
+
     id: int
     step: Step
 
 
 @dataclass(frozen=True)
 class Failure:
+    """An error, said to the Engine before the workers go (``fatal``) or for one request."""
+
     message: str
     id: int | None = None  # the request that failed; None: the workers as a whole
     fatal: bool = True  # the worker group exits after sending it
