@@ -139,33 +139,32 @@ static inline void store(const job_t *j, int r, int n, float s) {
 }
 
 #ifdef SS_AVX2
-/* One tail block's 32 weights as int16: values 0..15 in w[0], 16..31 in w[1] (Q4's nibbles, Q8's int8). */
-static inline __attribute__((always_inline)) void int_block(const job_t *j, const int fmt, int n, int b, __m256i w[2]) {
-    const int nb = j->K / 32;
+/* 32 weights as int16, in w[0] and w[1]: Q4's 16 bytes at byte `at` (the low nibbles, then the high ones),
+ * or Q8's 16 int8 at `at` and 16 more `apart` bytes further on. */
+static inline __attribute__((always_inline)) void widen(const job_t *j, const int fmt, size_t at, int apart,
+                                                        __m256i w[2]) {
     if (fmt == FMT_Q4) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)j->w + ((size_t)n * nb + b) * 16));
+        __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)j->w + at));
         w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0F)));
         w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
         return;
     }
-    const int8_t *q = (const int8_t *)j->w + ((size_t)n * nb + b) * 32;
+    const int8_t *q = (const int8_t *)j->w + at;
     w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
-    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + apart)));
 }
 
-/* Steps s and s + 8 of group g of column n as int16 (kernel order, see the top). */
+/* One tail block's 32 weights: values 0..15 in w[0], 16..31 in w[1]. */
+static inline __attribute__((always_inline)) void int_block(const job_t *j, const int fmt, int n, int b, __m256i w[2]) {
+    const size_t block = (size_t)n * (j->K / 32) + b;
+    widen(j, fmt, fmt == FMT_Q4 ? block * 16 : block * 32, 16, w);
+}
+
+/* Steps s and s + 8 of group g of column n (kernel order, see the top). */
 static inline __attribute__((always_inline)) void int_steps(const job_t *j, const int fmt, int n, int g, int s,
                                                             __m256i w[2]) {
-    const int nb = j->K / 32;
-    if (fmt == FMT_Q4) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)j->w + (size_t)n * nb * 16 + g * 128 + s * 16));
-        w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0F)));
-        w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
-        return;
-    }
-    const int8_t *q = (const int8_t *)j->w + (size_t)n * nb * 32 + g * 256 + s * 16;
-    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
-    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 128)));
+    const size_t column = (size_t)n * (j->K / 32);
+    widen(j, fmt, fmt == FMT_Q4 ? column * 16 + g * 128 + s * 16 : column * 32 + g * 256 + s * 16, 128, w);
 }
 
 /* Integer formats: rows r0 .. r0 + R - 1 of column n (R and fmt constant where inlined). Per full group,
