@@ -71,7 +71,7 @@ def _pairs(qs: Tensor) -> Tensor:
     return qs[:, :nb // 8 * 8].reshape(n, nb // 8, 8, size).view(torch.int16)
 
 
-def to_kernel_order(qs: Tensor, fmt: Format) -> Tensor:
+def to_kernel_order(qs: Tensor) -> Tensor:
     """GGUF-ordered blocks [N, nb, bytes] in cpu_linear.c's kernel order (same shape): in each full group
     of 8 blocks, byte pair j of every block in turn, for j = 0, 1, ... (a Q8 pair is a step's two values;
     a Q4 byte pair holds a step's two values in its low nibbles and those of the step 8 later in its
@@ -84,7 +84,7 @@ def to_kernel_order(qs: Tensor, fmt: Format) -> Tensor:
     return torch.cat([steps, qs[:, full:]], 1)
 
 
-def from_kernel_order(qs: Tensor, fmt: Format) -> Tensor:
+def from_kernel_order(qs: Tensor) -> Tensor:
     """The inverse of to_kernel_order."""
     n, nb, size = qs.shape
     full = nb // 8 * 8
@@ -146,11 +146,11 @@ class Blocks:
     def in_kernel_order(self) -> Blocks:
         if self.kernel_order:
             return self
-        return Blocks(self.fmt, self.kind, to_kernel_order(self.qs, self.fmt), self.d, self.m, True)
+        return Blocks(self.fmt, self.kind, to_kernel_order(self.qs), self.d, self.m, True)
 
     def dequantize(self) -> Tensor:
         """The fp32 weight [N, K] the blocks stand for."""
-        qs = from_kernel_order(self.qs, self.fmt) if self.kernel_order else self.qs
+        qs = from_kernel_order(self.qs) if self.kernel_order else self.qs
         w = _values(qs, self.fmt).float() * self.d[..., None]
         if self.m is not None:
             w = w + self.m[..., None]

@@ -123,7 +123,7 @@ def test_the_kernel_order_holds_the_same_weights(fmt):
     blocks = Blocks.quantize(torch.randn(5, 32 * 19), fmt)  # two groups of 8 blocks and three alone
     ordered = blocks.in_kernel_order()
     assert ordered.kernel_order and not torch.equal(ordered.qs, blocks.qs)
-    assert torch.equal(cpu_backends.from_kernel_order(ordered.qs, fmt), blocks.qs)
+    assert torch.equal(cpu_backends.from_kernel_order(ordered.qs), blocks.qs)
     assert torch.equal(ordered.rows(torch.tensor([3, 1])).dequantize(), blocks.dequantize()[[3, 1]])
 
 

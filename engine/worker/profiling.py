@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 from swiftspec.config import BUILTIN_DRAFTS, SamplingParams
 from swiftspec.engine.decode import profile_verify_cost, tree_forward_ms
-from swiftspec.engine.draft_head import is_head_dir
 from swiftspec.engine.drafters import Features
 from swiftspec.engine.embedded import cache_dir
 from swiftspec.engine.model_dir import read_args
@@ -35,6 +34,7 @@ from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.worker.setup import (
     Ctx,
     free_threads,
+    is_draft_model,
     set_kernel_threads,
     use_kernel_threads,
     uses_cpu_kernels,
@@ -133,22 +133,14 @@ def _measure_threads(ctx: Ctx, candidates: list[int]) -> list[int]:
         for n in candidates:
             set_kernel_threads(n)
             step[n], verify[n] = tree_forward_ms(ctx.target, 1, reps), tree_forward_ms(ctx.target, bs, reps)
-        light = ctx.spec.draft == "suffix" or is_head_dir(Path(ctx.spec.draft))
         choice[:] = torch.tensor([min(candidates, key=step.get), min(candidates, key=verify.get),
-                                  min(candidates, key=verify.get) if light else candidates[0]])
+                                  candidates[0] if is_draft_model(ctx.spec.draft) else min(candidates, key=verify.get)])
         use_kernel_threads(ctx, "ar")
     dist.broadcast(choice, src=0)
     return choice.tolist()
 
 
 DUMMY = list(range(1, 9)) * 4  # repetitive, so that the suffix drafter has something to propose
-
-
-def _warm_draft(ctx: Ctx) -> None:
-    """The draft's state over DUMMY (with zero features for a drafter that reads them), ready to expand."""
-    ctx.draft.prefill(DUMMY, Features(0, torch.zeros(len(DUMMY), read_args(Path(ctx.spec.target_dir)).dim))
-                      if ctx.features else None)
-    ctx.draft.start(DUMMY[-1])
 
 
 def _measure(ctx: Ctx) -> tuple[float, float, list[float]]:
@@ -167,7 +159,10 @@ def _measure(ctx: Ctx) -> tuple[float, float, list[float]]:
             root = v.path[-1]
         cost = profile_verify_cost(ctx.target, bs) if ctx.spec.config.verify_cost else [0.0] * bs
         return sorted(times[1:])[1] * 1e3, 0.0, cost
-    _warm_draft(ctx)  # a drafter that reads features: any of the target's size will do
+    # a drafter that reads features: any of the target's size will do
+    ctx.draft.prefill(dummy, Features(0, torch.zeros(len(dummy), read_args(Path(ctx.spec.target_dir)).dim))
+                      if ctx.features else None)
+    ctx.draft.start(dummy[-1])
     times = [ctx.draft.expand() for _ in range(4) if ctx.draft.can_expand()]
     t_expand = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else (times or [0.0])[0]
     return 0.0, t_expand, [0.0] * bs

@@ -124,6 +124,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerSpec, HandRun | Non
                       args.draft), hand
 
 
+def is_draft_model(draft: str) -> bool:
+    """The draft is a model of its own (a path, or the target's int8 copy), as heavy as any rank; not the
+    suffix drafter (light Python) or a draft head (one layer)."""
+    return draft not in ("suffix", "none") and not is_head_dir(Path(draft))
+
+
+def _local_ranks(rank: int, n_target: int) -> tuple[int, int]:
+    """This node's ranks: how many, and how many of them are target ranks."""
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    return local_world, sum(r < n_target for r in range(rank - local_rank, rank - local_rank + local_world))
+
+
 def _cpu_threads(threads: int | None, draft: str, rank: int, n_target: int) -> int:
     """Divides this node's cores between its local ranks (``threads``, or every core but one on the node
     that holds the Engine, whose process streams the text). The suffix drafter (light Python) and a draft
@@ -131,24 +143,20 @@ def _cpu_threads(threads: int | None, draft: str, rank: int, n_target: int) -> i
     draft model gets its share like any rank. These are torch's threads, and the CPU kernels' in a draft
     model; a target's kernels may take more cores in the modes where no draft runs beside it
     (profiling.choose_kernel_threads, by measurement)."""
-    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    engine_here = rank == local_rank  # this node holds rank 0, the Engine's peer
+    local_world, n_local_target = _local_ranks(rank, n_target)
+    engine_here = rank == int(os.environ["LOCAL_RANK"])  # this node holds rank 0, the Engine's peer
     total = threads or max(1, len(os.sched_getaffinity(0)) - engine_here)
-    local = range(rank - local_rank, rank - local_rank + local_world)
-    if draft not in ("suffix", "none") and not is_head_dir(Path(draft)):
+    if is_draft_model(draft):
         return max(1, total // local_world)
     if rank >= n_target:
         return 1
-    n_local_target = sum(r < n_target for r in local)
     return max(1, (total - (local_world - n_local_target)) // max(1, n_local_target))
 
 
 def free_threads(threads: int | None, rank: int, n_target: int) -> int:
     """A target rank's share of its node's cores while no draft runs beside its forwards (``ar``, and
     ``sync`` between its drafts): all of them (``threads``, or every core) over the node's target ranks."""
-    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    local = range(rank - local_rank, rank - local_rank + local_world)
-    return max(1, (threads or len(os.sched_getaffinity(0))) // max(1, sum(r < n_target for r in local)))
+    return max(1, (threads or len(os.sched_getaffinity(0))) // max(1, _local_ranks(rank, n_target)[1]))
 
 
 def uses_cpu_kernels(ctx: Ctx) -> bool:
@@ -268,7 +276,7 @@ def load(ctx: Ctx) -> None:
                                ctx.device, default_dtype(ctx.device, ctx.dtype), slots + DRAFT_TREE_SLOTS,
                                Path(spec.corpus) if spec.corpus else None, spec.vocab_size,
                                Path(config.history_db) if config.drafts_from_store else None)
-        if ctx.device.type == "cpu" and spec.draft not in ("suffix", "none") and not is_head_dir(Path(spec.draft)):
+        if ctx.device.type == "cpu" and is_draft_model(spec.draft):
             from swiftspec.engine.cpu_backends import kernels_available
 
             if kernels_available() is None:  # a draft model runs the kernels too, on its share of the cores
