@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,7 @@ class Answer:
         stats = StepStats(
             accepted=step.accepted, tree_size=step.tree_size, draft_ms=step.draft_ms, target_ms=step.target_ms,
             token_latency_ms=latency, ms_per_token_p50=_median(self.latencies),
+            ms_per_token_p95=_quantile(self.latencies, 0.95),
             acceptance_rate=self.accepted / self.verified if self.verified else 0.0,
             mean_accepted=(self.accepted + self.verifies) / self.verifies if self.verifies else 0.0,
             tokens_per_s=(self.generated - 1) / elapsed if elapsed > 0 else 0.0,
@@ -87,6 +89,11 @@ def _median(ordered: list[float]) -> float:
     if not n:
         return 0.0
     return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The nearest-rank quantile of sorted figures (0 for none)."""
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] if ordered else 0.0
 
 
 @dataclass

@@ -47,6 +47,13 @@ CLOSE_GRACE_S = 1.0  # for a clean exit after "shutdown", before signals
 CANCEL_TIMEOUT_S = 10.0
 
 
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a raw prompt, with the tokenizer's own special tokens (a BOS where the model has one)."""
+    if not isinstance(text, str) or not text:
+        raise EngineError("a prompt must be a non-empty string")
+    return list(tokenizer(text)["input_ids"])
+
+
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a conversation through the tokenizer's chat template, ready for the answer
     (``add_generation_prompt=True``), or, when the last message is the assistant's, ready to continue
@@ -201,10 +208,21 @@ class Engine:
         the few seconds that ending the group takes, even with a hung worker.
         """
         params = (params or SamplingParams()).validate()
+        return self.generate_ids(encode_chat(self.tokenizer, messages), params)
+
+    def complete(self, prompt: str, params: SamplingParams | None = None) -> Iterator[StepEvent]:
+        """Streams the continuation of a raw prompt (no chat template: the OpenAI completions API), as
+        generate() streams an answer."""
+        params = (params or SamplingParams()).validate()
+        return self.generate_ids(encode_prompt(self.tokenizer, prompt), params)
+
+    def generate_ids(self, ids: list[int], params: SamplingParams | None = None) -> Iterator[StepEvent]:
+        """Streams what follows the token ids ``ids``, as generate() does; the prompt's KV shared with the
+        previous answer's is reused."""
+        params = (params or SamplingParams()).validate()
         if params.mode != "ar" and self.info.draft == "none":
             raise EngineError(f"mode {params.mode} needs a draft, but this engine was started without one "
                               "(--mode ar): start it again with another --mode")
-        ids = encode_chat(self.tokenizer, messages)
         if len(ids) >= self.info.context_length:
             raise EngineError(f"the conversation is {len(ids)} tokens, but the context length is "
                               f"{self.info.context_length}: shorten it or raise --max-seq-len")

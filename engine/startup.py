@@ -42,6 +42,13 @@ def target_name(config: EngineConfig) -> str:
     return EMBEDDED_NAME if config.target is None else Path(config.target).name
 
 
+def model_id(config: EngineConfig) -> str:
+    """The target's name as a server lists it (/v1/models): a file's stem or a directory's name."""
+    from swiftspec.engine.embedded import EMBEDDED_ID
+
+    return EMBEDDED_ID if config.target is None else Path(config.target).expanduser().resolve().stem
+
+
 def draft_corpus(config: EngineConfig) -> Path | None:
     """The suffix drafter's corpus file: with "auto", the one shipped for the embedded default (none for
     other targets); "none"; or the user's file."""

@@ -1,4 +1,4 @@
-"""The ``swiftspec`` command line: ``chat`` (TUI or scripted), ``bench`` and ``history``.
+"""The ``swiftspec`` command line: ``chat`` (TUI or scripted), ``serve``, ``bench`` and ``history``.
 
 Heavy imports (torch, textual, the engine) happen inside the commands, so ``--help`` and shell completion
 stay instant.
@@ -42,6 +42,7 @@ DECODING = "Decoding"
 TREE = "Speculation tree"
 SCRIPTED = "Scripted mode"
 BENCH = "Benchmark"
+SERVER = "Server"
 
 
 def _whole_number(value) -> int:
@@ -210,6 +211,10 @@ SeedOpt = Annotated[int | None, _opt(
     "--seed", parser=_whole_number, panel=DECODING, metavar="N",
     help="Seed for sampling, so a run can be reproduced.")]
 SystemOpt = Annotated[str | None, _opt("--system", panel=DECODING, metavar="TEXT", help="System prompt.")]
+ApiKeyOpt = Annotated[str | None, _opt(
+    "--api-key", panel=SERVER, metavar="KEY",
+    help="serve: the key every request but /health must carry (Authorization: Bearer KEY); chat --server: the "
+         "key to send.")]
 
 # Every engine setting the command line sets, by its EngineConfig field (bs, w, d: TreeParams'): its option
 # above. A command that starts an engine takes them all with @engine_options; the defaults are the
@@ -351,6 +356,12 @@ def chat(
         help="Scripted mode: save the prompts and answers as a new conversation, as its turns (see `swiftspec "
         "history`; the id is printed on stderr). Scripted runs are not saved otherwise, except the turns that "
         "--resume appends.")] = False,
+    server: Annotated[str | None, _opt(
+        "--server", panel=SERVER, metavar="URL",
+        help="Chat with a running `swiftspec serve` at URL (e.g. http://127.0.0.1:8080) instead of starting an "
+             "engine: instant start, one warm engine for the terminal and the editor alike. The model options "
+             "are the server's.")] = None,
+    api_key: ApiKeyOpt = None,
     quiet: Annotated[bool, _opt(
         "-q", "--quiet", panel=SCRIPTED,
         help="Scripted mode: no start-up progress and no figures on stderr; errors and warnings still.")] = False,
@@ -367,17 +378,24 @@ def chat(
     from swiftspec.conversation import Conversation, Settings
     from swiftspec.history import HistoryError, HistoryStore
 
-    try:
-        given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
-                     repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-                     frequency_penalty=frequency_penalty, loop_guard=loop_guard, loop_repeats=loop_repeats)
-        params = dataclasses.replace(
-            chat_defaults(config.target), mode=mode, seed=seed, max_new_tokens=max_new_tokens,
-            stop=stop or [], **{name: value for name, value in given.items() if value is not None}).validate()
-    except ConfigError as e:
-        raise _fail(_with_origin(ctx, e), 2) from None
-    except ValueError as e:  # a generation_config.json that cannot be read
-        raise _fail(str(e), 2) from None
+    sampling = dict(mode=mode, seed=seed, max_new_tokens=max_new_tokens, stop=stop or [], temperature=temperature,
+                    top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, loop_guard=loop_guard,
+                    loop_repeats=loop_repeats)
+    remote = None
+    if server is not None:  # the server's sampling defaults, under what this command sets
+        local = sorted(_given(ctx) & set(ENGINE_OPTIONS))
+        if local:
+            raise _fail(f"--{local[0].replace('_', '-')} has no effect with --server: the server's engine answers", 2)
+        from swiftspec.engine.failures import EngineError
+        from swiftspec.server.remote import RemoteEngine
+
+        try:
+            remote = RemoteEngine.connect(server, api_key)
+        except EngineError as e:
+            raise _fail(str(e), 1) from None
+        sampling = {name: value for name, value in sampling.items() if _source(ctx, name) != "DEFAULT"}
+    params = _sampling(ctx, config, remote.defaults if remote else None, **sampling)
     defaults = Settings(system, params)
     scripted = prompt is not None or each_line or jsonl or not _interactive()
     store = HistoryStore() if resume is not None or save or not scripted else None
@@ -404,18 +422,37 @@ def chat(
     if conversation.params.mode == "ar":  # nothing would ever ask the draft for a token
         config = dataclasses.replace(config, draft="none", draft_corpus="none")
 
+    if remote is not None:  # connected once already; the TUI's Restart connects anew
+        first = [remote]
+        connect = lambda progress: first.pop() if first else type(remote).connect(server, api_key, progress)
+    else:
+        connect = lambda progress: _start_engine(config, progress)
     if scripted:
-        raise typer.Exit(_chat_scripted(config, conversation, prompt, each_line, jsonl, quiet))
+        raise typer.Exit(_chat_scripted(config, conversation, prompt, each_line, jsonl, quiet, connect,
+                                        local=server is None))
 
     try:
-        _prepare_models(config)
+        if server is None:
+            _prepare_models(config)
     except (ValueError, FileNotFoundError) as e:
         raise _fail(str(e), 2) from None
     from swiftspec.tui.app import SwiftSpecApp
 
-    tui = SwiftSpecApp(lambda progress: _start_engine(config, progress), defaults, store=store,
-                       conversation=conversation, model_line=_model_line(config))
+    tui = SwiftSpecApp(connect, defaults, store=store, conversation=conversation,
+                       model_line=f"server {server}" if server else _model_line(config))
     raise typer.Exit(tui.run() or 0)
+
+
+def _sampling(ctx: typer.Context, config: EngineConfig, base: SamplingParams | None, **given) -> SamplingParams:
+    """The answers' sampling: the flags given (None: left out) over ``base`` or chat_defaults (a usage
+    error, said with where the refused value came from)."""
+    try:
+        return dataclasses.replace(base or chat_defaults(config.target),
+                                   **{name: value for name, value in given.items() if value is not None}).validate()
+    except ConfigError as e:
+        raise _fail(_with_origin(ctx, e), 2) from None
+    except ValueError as e:  # a generation_config.json that cannot be read
+        raise _fail(str(e), 2) from None
 
 
 def _given(ctx: typer.Context) -> set[str]:
@@ -451,7 +488,9 @@ def _interactive() -> bool:
     return sys.stdin.isatty() and sys.stdout.isatty()
 
 
-def _chat_scripted(config, conversation, prompt, each_line, jsonl, quiet) -> int:
+def _chat_scripted(config, conversation, prompt, each_line, jsonl, quiet, connect, local: bool) -> int:
+    """``connect(progress)`` gives the engine: a started one, or a server's (``local`` False: no model
+    files here to count a prompt with before it)."""
     from swiftspec import scripted, window
 
     data = b""
@@ -466,13 +505,13 @@ def _chat_scripted(config, conversation, prompt, each_line, jsonl, quiet) -> int
         return scripted.EXIT_USAGE
     say = (lambda line: None) if quiet else (lambda line: typer.echo(f"swiftspec: {line}", err=True))
     try:
-        if _may_not_fit(prompts, conversation, config):  # then tell now, not after the workers' start
+        if local and _may_not_fit(prompts, conversation, config):  # then tell now, not after the workers' start
             from swiftspec.engine.client import Engine
 
             context = window.Context(*Engine.context(config, say))
             for text in prompts:
                 conversation.plan("ask", context, text)
-        engine = _start_engine(config, say)
+        engine = connect(say)
     except window.ContextError as e:
         typer.echo(f"swiftspec: {e}", err=True)
         return scripted.EXIT_USAGE
@@ -605,6 +644,70 @@ def bench(
         raise _fail("interrupted before every mode had finished a prompt: nothing to report", 130) from None
     if report.get("partial"):
         raise typer.Exit(130)
+
+
+@app.command(epilog=CHAT_SAMPLING.replace("bench stays", "A request's own fields win; bench stays") + "\n\n" + SOURCES)
+@engine_options
+def serve(
+    ctx: typer.Context,
+    config: EngineConfig,  # the engine's options (engine_options)
+    host: Annotated[str, _opt(
+        "--host", panel=SERVER, metavar="ADDRESS",
+        help="Address to listen on. Anything but loopback needs --api-key.")] = "127.0.0.1",
+    port: Annotated[int, _opt("--port", parser=_whole_number, panel=SERVER, metavar="N",
+                              help="TCP port; 0 takes a free one (printed on stderr).")] = 8080,
+    api_key: ApiKeyOpt = None,
+    max_queue: Annotated[int, _opt(
+        "--max-queue", parser=_whole_number, panel=SERVER, metavar="N",
+        help="Requests that may wait for the engine (one answers at a time); beyond: 429 with Retry-After.")] = 32,
+    cors_origin: Annotated[list[str] | None, _opt(
+        "--cors-origin", panel=SERVER, metavar="ORIGIN",
+        help="Allow browser pages from ORIGIN (e.g. http://localhost:3000); repeat for several. Default: no CORS.")
+    ] = None,
+    log_prompts: Annotated[bool, _opt(
+        "--log-prompts", panel=SERVER, help="Log every request's messages on stderr (never logged otherwise).")] = False,
+    mode: Annotated[str, _opt(
+        "--mode", panel=DECODING, metavar="MODE", autocompletion=_complete(*MODES),
+        help="The answers' decoding mode (a request may ask another in its swiftspec object); ar starts no draft.")
+    ] = "async",
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    repeat_penalty: RepeatPenaltyOpt = None,
+    repeat_last_n: RepeatLastNOpt = None,
+    presence_penalty: PresencePenaltyOpt = None,
+    frequency_penalty: FrequencyPenaltyOpt = None,
+    loop_guard: LoopGuardOpt = None,
+    loop_repeats: LoopRepeatsOpt = None,
+    max_new_tokens: MaxNewTokensOpt = SamplingParams().max_new_tokens,
+) -> None:
+    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) on one warm engine.
+
+    One answer at a time, the others queued; a client that hangs up is cancelled at once; a failed worker group is started again. /health, and /metrics in Prometheus' format. Binds 127.0.0.1 unless given --host and a key.
+
+    Examples: [bold]swiftspec serve[/bold] · [bold]swiftspec serve --port 0 --mode sync[/bold] · [bold]SWIFTSPEC_API_KEY=secret swiftspec serve --host 0.0.0.0[/bold]
+    """
+    from swiftspec.server.app import ServerSettings
+    from swiftspec.server.serve import serve as run_server
+
+    params = _sampling(ctx, config, None, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                       top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                       loop_guard=loop_guard, loop_repeats=loop_repeats)
+    if params.mode == "ar":  # nothing would ever ask the draft for a token
+        config = dataclasses.replace(config, draft="none", draft_corpus="none")
+    settings = ServerSettings(host, port, api_key, max_queue, tuple(cors_origin or ()), log_prompts)
+    say = lambda line: typer.echo(f"swiftspec: {line}", err=True)
+    try:
+        code = run_server(config, params, settings, say)
+    except (ValueError, FileNotFoundError) as e:  # bad settings, model paths, a port in use
+        raise _fail(_with_origin(ctx, e) if isinstance(e, ConfigError) else str(e), 2) from None
+    except KeyboardInterrupt:
+        code = 130
+    except Exception as e:  # the workers failed to start: the message says why
+        raise _fail(f"the engine failed to start: {e}", 1) from None
+    raise typer.Exit(code)
 
 
 TRAIN = "Training"

@@ -261,6 +261,7 @@ class StepStats:
     prefill_tokens: int = 0  # tokens prefilled for this turn (after KV reuse)
     generated: int = 0  # tokens generated so far this turn
     ms_per_token_p50: float = 0.0  # running: the median of every token's latency this turn
+    ms_per_token_p95: float = 0.0  # running: the 95th percentile of the same
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,203 @@
+"""`swiftspec serve` itself, on the tiny target, through the real `openai` client and raw HTTP: what an
+editor or an agent sees. (tests/test_server_api.py covers the queue and the checks on a stand-in.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key"
+TOKENS = 24
+QUESTIONS = [f"Question {i}: what is {i} plus {i + 3}?" for i in range(8)]
+
+
+class Served:
+    """A `swiftspec serve` process on the tiny target and a free loopback port."""
+
+    def __init__(self, target_dir, *flags: str):
+        self.args = ["--model", str(target_dir), "--max-seq-len", "512", "--temperature", "0"]
+        cmd = [sys.executable, "-m", "swiftspec", "serve", *self.args, "--port", "0", "--api-key", KEY, *flags]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                if " on http://" in line:
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(180):
+            self.stop()
+            raise AssertionError("serve did not start:\n" + "".join(self.lines))
+        self.url = re.search(r"http://\S+/v1", next(x for x in self.lines if " on http://" in x)).group(0)
+        self.base = self.url.removesuffix("/v1")
+        self.client = openai.OpenAI(base_url=self.url, api_key=KEY, max_retries=0)
+        self.headers = {"Authorization": f"Bearer {KEY}"}
+
+    def ask(self, content: str, **kw) -> str:
+        answer = self.client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": content}], max_tokens=TOKENS, **kw)
+        return answer.choices[0].message.content
+
+    def health(self) -> dict:
+        return httpx.get(self.base + "/health").json()
+
+    def worker_pids(self) -> list[int]:
+        info = httpx.get(self.base + "/swiftspec/v1/info", headers=self.headers).json()["engine"]
+        return [rank["pid"] for rank in info["ranks"]]
+
+    def wait_healthy(self, within_s: float = 120.0) -> bool:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if self.health()["status"] == "ok":
+                return True
+            time.sleep(0.2)
+        return False
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def served(target_dir):
+    server = Served(target_dir, "--max-queue", "8")
+    yield server
+    server.stop()
+
+
+def test_streamed_chunks_make_the_whole_answer(served):
+    whole = served.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=TOKENS)
+    chunks = list(served.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=TOKENS, stream=True,
+        stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content and streamed
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens > 0
+    assert whole.usage.prompt_tokens > 0
+    figures = whole.model_extra["swiftspec"]
+    assert figures["mode"] == "async" and figures["ms_per_token_p50"] <= figures["ms_per_token_p95"]
+    assert figures["prefill_tokens"] < whole.usage.prompt_tokens  # the same prompt again: its KV was reused
+
+
+def test_greedy_answers_equal_the_chats_and_the_attached_chats(served, target_dir):
+    served_answer = served.ask(QUESTIONS[1])
+    flags = ["-p", QUESTIONS[1], "--max-new-tokens", str(TOKENS), "-q", "--temperature", "0"]
+    local = subprocess.run([sys.executable, "-m", "swiftspec", "chat", "--model", str(target_dir),
+                            "--max-seq-len", "512", *flags], capture_output=True, text=True, timeout=300)
+    attached = subprocess.run([sys.executable, "-m", "swiftspec", "chat", "--server", served.base, "--api-key", KEY,
+                               *flags], capture_output=True, text=True, timeout=120)
+    assert local.returncode == 0 and attached.returncode == 0, local.stderr + attached.stderr
+    assert local.stdout == attached.stdout == served_answer + "\n"
+
+
+def test_eight_concurrent_clients_each_get_their_own_answer(served):
+    alone = [served.ask(q) for q in QUESTIONS]
+    together: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, served.ask(QUESTIONS[i])))
+               for i in range(len(QUESTIONS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert [together.get(i) for i in range(len(QUESTIONS))] == alone
+    assert len(set(alone)) > 1
+
+
+def test_a_client_that_hangs_up_mid_stream_frees_the_engine_within_a_second(served):
+    body = {"messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 400, "stream": True,
+            "swiftspec": {"ignore_eos": True}}
+    with httpx.stream("POST", served.url + "/chat/completions", json=body, headers=served.headers) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert served.health()["busy"]
+    gone = time.monotonic()
+    while served.health()["busy"] and time.monotonic() - gone < 1.0:
+        time.sleep(0.02)
+    assert not served.health()["busy"]
+    assert served.ask(QUESTIONS[3])
+
+
+@pytest.mark.parametrize("request_kw, param", [
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
+    (dict(messages=[{"role": "user", "content": "hi"}], n=2), "n"),
+    (dict(messages=[{"role": "user", "content": "hi"}], logprobs=True), "logprobs"),
+    (dict(messages=[{"role": "user", "content": "word " * 2000}]), "messages"),
+])
+def test_bad_requests_get_openai_shaped_400s(served, request_kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client.chat.completions.create(model="tiny", max_tokens=4, **request_kw)
+    assert e.value.body["param"] == param and e.value.body["message"]
+
+
+def test_malformed_json_and_keys(served):
+    bad = httpx.post(served.url + "/chat/completions", content=b'{"messages": [', headers=served.headers)
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    client = openai.OpenAI(base_url=served.url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    missing = httpx.post(served.url + "/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+
+def test_the_model_is_listed_by_its_directory_name(served, target_dir):
+    assert [m.id for m in served.client.models.list().data] == [target_dir.name]
+
+
+def test_completions_models_and_metrics(served):
+    completion = served.client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8)
+    assert completion.choices[0].text and completion.usage.completion_tokens > 0
+    metrics = httpx.get(served.base + "/metrics", headers=served.headers).text
+    for name in ("swiftspec_requests_total", "swiftspec_generated_tokens_total", "swiftspec_queue_length",
+                 "swiftspec_time_to_first_token_seconds_bucket", "swiftspec_token_latency_seconds_bucket",
+                 "swiftspec_accepted_draft_tokens_total"):
+        assert name in metrics
+    assert 'route="/v1/completions",status="200"' in metrics
+
+
+def test_a_killed_worker_fails_its_answer_with_a_503_and_the_next_request_is_served(target_dir):
+    server = Served(target_dir)
+    pids = server.worker_pids()
+    try:
+        box = {}
+        body = {"messages": [{"role": "user", "content": QUESTIONS[4]}], "max_tokens": 400,
+                "swiftspec": {"ignore_eos": True}}
+        asking = threading.Thread(target=lambda: box.setdefault("response", httpx.post(
+            server.url + "/chat/completions", json=body, headers=server.headers, timeout=120)))
+        asking.start()
+        deadline = time.monotonic() + 10
+        while not server.health()["busy"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(pids[0], signal.SIGKILL)
+        asking.join(60)
+        response = box["response"]
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_unavailable"
+        assert server.health()["status"] in ("restarting", "ok")
+        assert server.wait_healthy()
+        assert server.ask(QUESTIONS[5])
+        restarted = server.worker_pids()
+        assert set(restarted).isdisjoint(pids)
+        pids += restarted
+    finally:
+        assert server.stop() == 130  # Ctrl-C, as a shell reports it
+    for pid in pids:  # the first group and its replacement: nothing is left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
