@@ -290,7 +290,7 @@ def _fail(message: str, code: int) -> typer.Exit:
 
 
 SOURCES = (f"Every option but -p and --resume can also be set by an environment variable (shown with it) or "
-           f"in the config file {config_path()} (TOML, e.g. max-new-tokens = 64, or under \\[chat] / \\[bench]); "
+           f"in the config file {config_path()} (TOML, e.g. max-new-tokens = 64, or under \\[chat] / \\[serve] / \\[bench]); "
            "a value is taken from, in order: the flag, the environment variable, the config file, the default.")
 
 

@@ -201,3 +201,37 @@ def test_a_killed_worker_fails_its_answer_with_a_503_and_the_next_request_is_ser
     for pid in pids:  # the first group and its replacement: nothing is left behind
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+async def test_the_chat_attached_to_a_server_streams_with_live_figures_and_stops_on_escape(served, tmp_path):
+    from helpers.pilot import figures, idle, ready, type_and_send, wait_for
+
+    from swiftspec.conversation import Settings
+    from swiftspec.history import HistoryStore
+    from swiftspec.server.remote import RemoteEngine
+    from swiftspec.tui.app import SwiftSpecApp
+    from swiftspec.tui.widgets.chat_view import ChatView
+    from swiftspec.tui.widgets.message import MessageBox
+
+    store = HistoryStore(tmp_path / "history.sqlite3")
+    remote = RemoteEngine.connect(served.base, KEY)
+    app = SwiftSpecApp(lambda progress: RemoteEngine.connect(served.base, KEY, progress),
+                       Settings(params=remote.defaults), store=store, model_line=f"server {served.base}")
+    last = lambda: app.query_one(ChatView).query(MessageBox).last()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, 60)
+        await type_and_send(pilot, "/max 24")
+        await type_and_send(pilot, QUESTIONS[6])
+        await idle(pilot, 60)
+        assert last().text == served.ask(QUESTIONS[6])
+        assert "async" in figures(app) and "tokens/s" in figures(app)
+        await type_and_send(pilot, "/max 400")
+        await type_and_send(pilot, "/set ignore-eos on")
+        await type_and_send(pilot, QUESTIONS[7])
+        await wait_for(pilot, lambda: last().text, timeout=60)
+        await pilot.press("escape")
+        await idle(pilot, 30)
+        assert "cancelled" in last().border_subtitle
+    assert not served.health()["busy"]
+    store.close()
+    remote.close()
