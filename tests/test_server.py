@@ -96,6 +96,17 @@ def test_streamed_chunks_make_the_whole_answer(served):
     figures = whole.model_extra["swiftspec"]
     assert figures["mode"] == "async" and figures["ms_per_token_p50"] <= figures["ms_per_token_p95"]
     assert figures["prefill_tokens"] < whole.usage.prompt_tokens  # the same prompt again: its KV was reused
+    going_on = [{"role": "user", "content": QUESTIONS[0]}, {"role": "assistant", "content": streamed},
+                {"role": "user", "content": "And then?"}]
+    later = served.client.chat.completions.create(model="tiny", messages=going_on, max_tokens=4)
+    # at least the first turn's prompt is reused (the random model's answer need not tokenize back the same)
+    assert later.model_extra["swiftspec"]["prefill_tokens"] <= later.usage.prompt_tokens - whole.usage.prompt_tokens + 1
+
+
+def test_prompts_are_not_logged(served):
+    served.ask("a private matter 7421")
+    time.sleep(0.5)
+    assert not any("7421" in line for line in served.lines)
 
 
 def test_greedy_answers_equal_the_chats_and_the_attached_chats(served, target_dir):
@@ -174,7 +185,7 @@ def test_completions_models_and_metrics(served):
 
 
 def test_a_killed_worker_fails_its_answer_with_a_503_and_the_next_request_is_served(target_dir):
-    server = Served(target_dir)
+    server = Served(target_dir, "--log-prompts")
     pids = server.worker_pids()
     try:
         box = {}
@@ -193,6 +204,8 @@ def test_a_killed_worker_fails_its_answer_with_a_503_and_the_next_request_is_ser
         assert server.health()["status"] in ("restarting", "ok")
         assert server.wait_healthy()
         assert server.ask(QUESTIONS[5])
+        assert any("starting the engine again" in line for line in server.lines)
+        assert any(QUESTIONS[5] in line for line in server.lines)  # --log-prompts
         restarted = server.worker_pids()
         assert set(restarted).isdisjoint(pids)
         pids += restarted
