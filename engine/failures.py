@@ -67,6 +67,9 @@ class WorkerOutput:
         root = [(int(r), int(c)) for r, c in re.findall(block, text.partition("Root Cause")[2])]
         found = root + [(int(r), int(c)) for r, c in re.findall(block, text)]
         found += [(int(r), int(c)) for c, r in re.findall(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", text)]
+        # a rank whose uncaught exception torch.distributed printed ("[rankN]: ...Error: ...") exited with 1,
+        # though torchrun, which reports the first failure it polls, may name another
+        found += [(int(r), 1) for r in dict.fromkeys(re.findall(r"^\[rank(\d+)\]: [\w.]+(?:Error|Exception): ", text, re.M))]
 
         def unlikely(failure: tuple[int, int]) -> tuple[bool, bool]:
             rank, code = failure

@@ -26,3 +26,11 @@ def die_with_launcher() -> None:
     if launcher and os.getppid() != int(launcher):
         sys.stderr.write(f"the launcher (pid {launcher}) exited before this worker started: exiting\n")
         os._exit(1)
+
+
+def name_process(name: str) -> None:
+    """The name ps, top and /proc/PID/comm show (Linux keeps 15 bytes of it)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15])  # PR_SET_NAME

@@ -167,10 +167,25 @@ def weight_files(model_dir: Path) -> list[Path]:
                     "(only safetensors weights are read; convert .bin checkpoints first)")
 
 
-def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
+# The tokenizer classes by which AutoTokenizer means transformers' generic fast tokenizer (5.x:
+# TokenizersBackend, which 4.x called PreTrainedTokenizerFast): that class is loaded directly, which is the
+# same tokenizer without AutoTokenizer's model-config machinery and its import of torch (~3 s of CPU in the
+# chat's process, while torchrun imports torch beside it).
+GENERIC_TOKENIZERS = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
     try:
+        settings = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        settings = {}
+    try:
+        if isinstance(settings, dict) and settings.get("tokenizer_class") in GENERIC_TOKENIZERS and "auto_map" not in settings:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     except Exception as e:
         raise LoadError(f"cannot load the tokenizer from {model_dir}: {e}") from None

@@ -6,6 +6,9 @@ and uncapped, for as long as the chat runs. One node needs no network to agree w
 rendezvous keeps its store in torchrun's memory, and the workers meet through a FileStore in the Engine's
 private run directory (``worker.setup``), with gloo bound to the loopback interface (``launcher.spawn``).
 
+Its workers are forked from it (``forked_worker``): torch and the worker's modules are imported once, here,
+rather than once more in each worker.
+
 It also records its pid in the workers' environment, so that a worker can tell whether torchrun was
 killed before the worker set its death signal (``lifeline``), and it ends itself (and so its workers) when
 the Engine that started it dies.
@@ -22,6 +25,7 @@ import time
 from pathlib import Path
 
 from torch.distributed import HashStore, PrefixStore
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
@@ -32,7 +36,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from swiftspec.engine.launcher import ENV_STORE
 from swiftspec.engine.launcher import LOCAL_RENDEZVOUS as BACKEND
-from swiftspec.engine.lifeline import ENV_ENGINE_PID, ENV_LAUNCHER_PID
+from swiftspec.engine.lifeline import ENV_ENGINE_PID, ENV_LAUNCHER_PID, die_with_launcher, name_process
 
 ENGINE_POLL_S = 0.2
 
@@ -96,15 +100,51 @@ def _remove_run_dir() -> None:
         shutil.rmtree(Path(store).parent, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    from torch.distributed import run
+def forked_worker(*argv: str) -> None:
+    """A worker forked from this torchrun: torch and the worker's modules are imported already (once, in
+    torchrun, instead of once more in every worker: ~3 s of every start on a small CPU). As a worker that
+    torchrun starts as a program, it dies with torchrun and has a session of its own."""
+    die_with_launcher()
+    os.setsid()
+    name_process(f"swiftspec-r{os.environ.get('RANK', '')}")  # a fork shares torchrun's command line: ps, top
+    for stream in (sys.stdout, sys.stderr):  # as `python -u`: a killed worker's last words reach the log
+        stream.reconfigure(write_through=True)
+    from swiftspec.engine.worker.serve import main as serve
 
+    try:
+        code = serve(list(argv))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # as the interpreter would: sys.excepthook (torch.distributed's: "[rankN]:" lines), 1
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    if code:  # a failure, as torchrun sees one: a non-zero exit code (returning would be a success)
+        os._exit(code)
+
+
+@record
+def _launch(argv: list[str] | None) -> None:
+    """torchrun's own launch, its workers forked from this process (``forked_worker``) rather than started
+    as ``python -m swiftspec.engine.worker``."""
+    from torch.distributed import run
+    from torch.distributed.launcher.api import elastic_launch
+
+    import swiftspec.engine.worker.serve  # noqa: F401  (imported here, before the fork, for every worker)
+
+    args = run.parse_args(argv)
+    config, _, cmd_args = run.config_from_args(args)
+    config.start_method = "fork"
+    worker_args = cmd_args[cmd_args.index(args.training_script) + 1:]
+    elastic_launch(config=config, entrypoint=forked_worker)(*worker_args)
+
+
+def main(argv: list[str] | None = None) -> None:
     if engine := os.environ.get(ENV_ENGINE_PID):
         threading.Thread(target=_follow_engine, args=(int(engine),), daemon=True, name="follow-engine").start()
     os.environ[ENV_LAUNCHER_PID] = str(os.getpid())
     rendezvous_handler_registry.register(BACKEND, _create_handler)
     try:
-        run.main(argv)
+        _launch(argv)
     finally:
         if engine and os.getppid() != int(engine):  # the workers ended on their own after the Engine died
             _remove_run_dir()

@@ -226,6 +226,13 @@ ENGINE_OPTIONS = {
     "trust_remote_code": TrustRemoteCodeOpt, "bs": BsOpt, "w": WOpt, "d": DOpt, "verify_cost": VerifyCostOpt,
 }
 TREE_FIELDS = {f.name for f in dataclasses.fields(TreeParams)}
+# The answers' sampling flags of the commands that answer (chat, serve), by SamplingParams field: left out
+# (None), the model's defaults apply (chat_defaults). A command takes them with @sampling_options.
+SAMPLING_OPTIONS = {
+    "temperature": TemperatureOpt, "top_p": TopPOpt, "top_k": TopKOpt, "min_p": MinPOpt,
+    "repeat_penalty": RepeatPenaltyOpt, "repeat_last_n": RepeatLastNOpt, "presence_penalty": PresencePenaltyOpt,
+    "frequency_penalty": FrequencyPenaltyOpt, "loop_guard": LoopGuardOpt, "loop_repeats": LoopRepeatsOpt,
+}
 
 
 def engine_config(**given) -> EngineConfig:
@@ -240,34 +247,51 @@ def engine_config(**given) -> EngineConfig:
                         draft_devices=_device_list(draft_devices), tree=tree, **given).validate()
 
 
-def engine_options(command):
-    """Adds the engine's options (ENGINE_OPTIONS) to a command in place of its ``config`` parameter, and
-    calls it with the one EngineConfig they make; a refused value is a usage error that says where it
-    came from (the command's ``ctx``)."""
+def _options_in_place_of(name: str, options: dict, defaults: dict, make):
+    """A decorator: adds ``options`` (parameter name -> typer option, with ``defaults``) to a command in
+    place of its parameter ``name``, and calls it with ``make(ctx, {option: value})`` there."""
     import functools
     import inspect
 
-    defaults, tree = EngineConfig(), TreeParams()
-    params = list(inspect.signature(command, eval_str=True).parameters.values())
-    at = [p.name for p in params].index("config")
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    options = [inspect.Parameter(name, keyword, annotation=option,
-                                 default=getattr(tree if name in TREE_FIELDS else defaults, name))
-               for name, option in ENGINE_OPTIONS.items()]
-    params = params[:at] + options + [p.replace(kind=keyword) for p in params[at + 1:]]
+    def decorate(command):
+        params = list(inspect.signature(command, eval_str=True).parameters.values())
+        at = [p.name for p in params].index(name)
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        added = [inspect.Parameter(option, keyword, annotation=annotation, default=defaults[option])
+                 for option, annotation in options.items()]
+        params = params[:at] + added + [p.replace(kind=keyword) for p in params[at + 1:]]
 
-    @functools.wraps(command)
-    def with_config(*args, **kwargs):
-        given = {name: kwargs.pop(name) for name in ENGINE_OPTIONS}
-        try:
-            kwargs["config"] = engine_config(**given)
-        except ConfigError as e:
-            raise _fail(_with_origin(kwargs["ctx"], e), 2) from None
-        return command(*args, **kwargs)
+        @functools.wraps(command)
+        def with_options(*args, **kwargs):
+            kwargs[name] = make(kwargs["ctx"], {option: kwargs.pop(option) for option in options})
+            return command(*args, **kwargs)
 
-    with_config.__signature__ = inspect.Signature(params)
-    with_config.__annotations__ = {p.name: p.annotation for p in params}
-    return with_config
+        with_options.__signature__ = inspect.Signature(params)
+        with_options.__annotations__ = {p.name: p.annotation for p in params}
+        return with_options
+
+    return decorate
+
+
+def _engine_config(ctx: typer.Context, given: dict) -> EngineConfig:
+    try:
+        return engine_config(**given)
+    except ConfigError as e:
+        raise _fail(_with_origin(ctx, e), 2) from None
+
+
+# The engine's options (ENGINE_OPTIONS) in place of a command's ``config`` parameter, which gets the one
+# EngineConfig they make; a refused value is a usage error that says where it came from.
+engine_options = _options_in_place_of(
+    "config", ENGINE_OPTIONS, {name: getattr(TreeParams() if name in TREE_FIELDS else EngineConfig(), name)
+                               for name in ENGINE_OPTIONS}, _engine_config)
+
+
+# The sampling flags (SAMPLING_OPTIONS) in place of a command's ``sampling`` parameter, which gets those
+# given as a dict (SamplingParams fields; the ones left out are not in it).
+sampling_options = _options_in_place_of(
+    "sampling", SAMPLING_OPTIONS, dict.fromkeys(SAMPLING_OPTIONS),
+    lambda _ctx, given: {name: value for name, value in given.items() if value is not None})
 
 
 def chat_defaults(target: str | None) -> SamplingParams:
@@ -303,6 +327,7 @@ CHAT_SAMPLING = (f"Sampling defaults (the flags left out): a model directory's g
 
 @app.command(no_args_is_help=False, epilog=CHAT_SAMPLING + "\n\n" + SOURCES)
 @engine_options
+@sampling_options
 def chat(
     ctx: typer.Context,
     prompt_arg: Annotated[str | None, typer.Argument(
@@ -317,16 +342,7 @@ def chat(
              "at least as fast as sync); sync: draft then verify; ar: target only, and no draft is started "
              "(so that session cannot switch to sync or async: start it again for those).")
     ] = "async",
-    temperature: TemperatureOpt = None,
-    top_p: TopPOpt = None,
-    top_k: TopKOpt = None,
-    min_p: MinPOpt = None,
-    repeat_penalty: RepeatPenaltyOpt = None,
-    repeat_last_n: RepeatLastNOpt = None,
-    presence_penalty: PresencePenaltyOpt = None,
-    frequency_penalty: FrequencyPenaltyOpt = None,
-    loop_guard: LoopGuardOpt = None,
-    loop_repeats: LoopRepeatsOpt = None,
+    sampling: dict,  # the sampling flags given (sampling_options)
     seed: SeedOpt = None,
     max_new_tokens: MaxNewTokensOpt = SamplingParams().max_new_tokens,
     system: SystemOpt = None,
@@ -378,10 +394,7 @@ def chat(
     from swiftspec.conversation import Conversation, Settings
     from swiftspec.history import HistoryError, HistoryStore
 
-    sampling = dict(mode=mode, seed=seed, max_new_tokens=max_new_tokens, stop=stop or [], temperature=temperature,
-                    top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, loop_guard=loop_guard,
-                    loop_repeats=loop_repeats)
+    sampling = dict(mode=mode, seed=seed, max_new_tokens=max_new_tokens, stop=stop or [], **sampling)
     remote = None
     if server is not None:  # the server's sampling defaults, under what this command sets
         local = sorted(_given(ctx) & set(ENGINE_OPTIONS))
@@ -648,9 +661,11 @@ def bench(
 
 @app.command(epilog=CHAT_SAMPLING.replace("bench stays", "A request's own fields win; bench stays") + "\n\n" + SOURCES)
 @engine_options
+@sampling_options
 def serve(
     ctx: typer.Context,
     config: EngineConfig,  # the engine's options (engine_options)
+    sampling: dict,  # the sampling flags given (sampling_options)
     host: Annotated[str, _opt(
         "--host", panel=SERVER, metavar="ADDRESS",
         help="Address to listen on. Anything but loopback needs --api-key.")] = "127.0.0.1",
@@ -670,16 +685,6 @@ def serve(
         "--mode", panel=DECODING, metavar="MODE", autocompletion=_complete(*MODES),
         help="The answers' decoding mode (a request may ask another in its swiftspec object); ar starts no draft.")
     ] = "async",
-    temperature: TemperatureOpt = None,
-    top_p: TopPOpt = None,
-    top_k: TopKOpt = None,
-    min_p: MinPOpt = None,
-    repeat_penalty: RepeatPenaltyOpt = None,
-    repeat_last_n: RepeatLastNOpt = None,
-    presence_penalty: PresencePenaltyOpt = None,
-    frequency_penalty: FrequencyPenaltyOpt = None,
-    loop_guard: LoopGuardOpt = None,
-    loop_repeats: LoopRepeatsOpt = None,
     max_new_tokens: MaxNewTokensOpt = SamplingParams().max_new_tokens,
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) on one warm engine.
@@ -691,10 +696,7 @@ def serve(
     from swiftspec.server.app import ServerSettings
     from swiftspec.server.serve import serve as run_server
 
-    params = _sampling(ctx, config, None, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                       top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                       loop_guard=loop_guard, loop_repeats=loop_repeats)
+    params = _sampling(ctx, config, None, mode=mode, max_new_tokens=max_new_tokens, **sampling)
     if params.mode == "ar":  # nothing would ever ask the draft for a token
         config = dataclasses.replace(config, draft="none", draft_corpus="none")
     settings = ServerSettings(host, port, api_key, max_queue, tuple(cors_origin or ()), log_prompts)

@@ -232,16 +232,17 @@ FAULT_ROUNDS = 20
 
 
 def _rank_pids(torchrun: int) -> dict[str, int]:
-    """The workers torchrun has spawned so far, by role (RANK 0 is the target, 1 the draft)."""
+    """The workers torchrun has forked so far, by role (RANK 0 is the target, 1 the draft), by the names
+    they give themselves."""
     found = {}
     for pid in children(torchrun):
         try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        if b"RANK=0" in env:
+        if name == "swiftspec-r0":
             found["target"] = pid
-        elif b"RANK=1" in env:
+        elif name == "swiftspec-r1":
             found["draft"] = pid
     return found
 
@@ -388,6 +389,12 @@ Root Cause (first observed failure):
     # a worker's own exception wins over a peer's broken connection, and its exception line is given
     ("[rank1]: LoadError: weights do not match the config\n[rank0]: RuntimeError: gloo Connection closed by peer\n"
      "failed (exitcode: 1) local_rank: 0 (pid: 11)\nfailed (exitcode: 1) local_rank: 1 (pid: 12)\n", 1,
+     "the draft worker (rank 1) exited with code 1\nLoadError: weights do not match the config\n"),
+    # torchrun names only the first failure it polls (workers it forked): the rank whose own exception
+    # was printed is found too
+    ("[rank1]: swiftspec.engine.model_dir.LoadError: weights do not match the config\n"
+     "[rank0]: RuntimeError: gloo Connection closed by peer\nfailed (exitcode: 1) local_rank: 0 (pid: 11) of fn: "
+     "forked_worker (start_method: fork)\n", 1,
      "the draft worker (rank 1) exited with code 1\nLoadError: weights do not match the config\n"),
     # nothing from torchrun: what was noticed, and the log
     ("[rank0]: hello\n", 1, "lost the connection to the workers\nthe workers' full output: "),

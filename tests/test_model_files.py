@@ -94,3 +94,29 @@ def test_a_symlink_loop_is_named_as_such(tmp_path):
     (tmp_path / "b").symlink_to(tmp_path / "a")
     with pytest.raises(LoadError, match="symbolic link that cannot be followed"):
         resolve_model_dir(str(tmp_path / "a"))
+
+
+def test_a_generic_tokenizer_loads_as_autotokenizer_would_without_importing_torch(embedded_dir, target_dir):
+    """The chat's process loads the tokenizer while torchrun imports torch beside it: the generic fast
+    tokenizer is loaded as its class, without AutoTokenizer's import of torch, and is the same tokenizer."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from swiftspec.engine.model_dir import load_tokenizer
+
+    probe = ("import sys; from swiftspec.engine.model_dir import load_tokenizer; "
+             f"load_tokenizer({str(embedded_dir)!r}); print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ünïcode, code: `x = 1`\n\tok?"}]
+    for model_dir in (embedded_dir, target_dir):
+        ours, auto = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
+        assert type(ours) is type(auto)
+        for continuing in (False, True):
+            chat = messages + [{"role": "assistant", "content": "Sure"}] * continuing
+            kw = dict(tokenize=False, add_generation_prompt=not continuing, continue_final_message=continuing)
+            assert ours.apply_chat_template(chat, **kw) == auto.apply_chat_template(chat, **kw)
+        text = "Hello <|im_end|> wörld\n\n  spaces"
+        assert ours(text)["input_ids"] == auto(text)["input_ids"]
+        assert ours.eos_token_id == auto.eos_token_id and ours.all_special_ids == auto.all_special_ids
