@@ -139,7 +139,7 @@ class Engine:
                           vocab_size)
         run_dir = launcher.new_run_dir()
         try:
-            cmd = launcher.build_command([f"--spec={spec.write(run_dir)}"], layout.world, run_dir)
+            cmd = launcher.build_command([f"--spec={spec.write(run_dir)}"], layout.world, run_dir, cuda=layout.cuda)
             listener = socket.create_server(("127.0.0.1", 0))
             key = protocol.new_key()
             addr = f"127.0.0.1:{listener.getsockname()[1]}"

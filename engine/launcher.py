@@ -167,21 +167,22 @@ def memory_fraction(devices: list[str], rank: int, n_target: int) -> float | Non
 
 
 def build_command(worker: list[str], nproc_per_node: int, run_dir: Path | None = None, nnodes: int = 1,
-                  rdzv_endpoint: str | None = None, rdzv_id: str = "swiftspec") -> list[str]:
+                  rdzv_endpoint: str | None = None, rdzv_id: str = "swiftspec", cuda: bool = False) -> list[str]:
     """torchrun, run by the same interpreter as the Engine. No restarts: a failed worker must fail the
     Engine, not loop.
 
     One node runs ``swiftspec.engine.torchrun`` (torchrun with the ``swiftspec-local`` rendezvous: nothing
-    listens on the network) and keeps torchrun's logs in ``run_dir``; several nodes use torchrun's c10d
-    rendezvous at ``rdzv_endpoint`` (which assigns the node ranks; the node that gets rank 0 holds the
-    leader).
+    listens on the network) and keeps torchrun's logs in ``run_dir``; on the CPU it forks the workers from
+    itself (torchrun's ``--start-method=fork``), on GPUs it starts them as programs, never forking a process
+    that may have touched CUDA. Several nodes use torchrun's c10d rendezvous at ``rdzv_endpoint`` (which
+    assigns the node ranks; the node that gets rank 0 holds the leader).
     """
     common = [f"--nproc-per-node={nproc_per_node}", "--max-restarts=0", "--monitor-interval=0.1"]
     if nnodes == 1:
         if run_dir is None:
             raise ConfigError("one node needs the run directory for torchrun's logs")
         cmd = [sys.executable, "-m", "swiftspec.engine.torchrun", *common, f"--rdzv-backend={LOCAL_RENDEZVOUS}",
-               f"--rdzv-id={rdzv_id}", f"--log-dir={run_dir / 'logs'}"]
+               f"--rdzv-id={rdzv_id}", f"--log-dir={run_dir / 'logs'}", f"--start-method={'spawn' if cuda else 'fork'}"]
     else:
         if not rdzv_endpoint:
             raise ConfigError("multi-node needs a rendezvous endpoint (host:port)")

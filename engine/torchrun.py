@@ -124,16 +124,19 @@ def forked_worker(*argv: str) -> None:
 
 @record
 def _launch(argv: list[str] | None) -> None:
-    """torchrun's own launch, its workers forked from this process (``forked_worker``) rather than started
-    as ``python -m swiftspec.engine.worker``."""
+    """torchrun's own launch. With ``--start-method=fork`` (the CPU) its workers are forked from this
+    process (``forked_worker``); otherwise (GPUs: a fork must not follow any CUDA use) they are started as
+    ``python -m swiftspec.engine.worker``, as torchrun starts a module."""
     from torch.distributed import run
     from torch.distributed.launcher.api import elastic_launch
 
+    args = run.parse_args(argv)
+    if args.start_method != "fork":
+        run.run(args)
+        return
     import swiftspec.engine.worker.serve  # noqa: F401  (imported here, before the fork, for every worker)
 
-    args = run.parse_args(argv)
     config, _, cmd_args = run.config_from_args(args)
-    config.start_method = "fork"
     worker_args = cmd_args[cmd_args.index(args.training_script) + 1:]
     elastic_launch(config=config, entrypoint=forked_worker)(*worker_args)
 

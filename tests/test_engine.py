@@ -389,3 +389,19 @@ def test_embedded_model_async_equals_ar():
                 tokens, _, _ = answer(eng, messages, mode=mode, max_new_tokens=32)
                 assert tokens == ar, mode
     assert no_processes_left(eng)
+
+
+@pytest.mark.slow
+def test_workers_started_as_programs_answer_as_forked_ones(target_dir, monkeypatch):
+    """On GPUs torchrun starts the workers as programs (it never forks there), on the CPU it forks them:
+    the program path, run here on the CPU, answers the same, and ends every process."""
+    from swiftspec.engine import launcher
+
+    expected = reference(target_dir, PROMPTS[0], 16)
+    build = launcher.build_command
+    monkeypatch.setattr(launcher, "build_command", lambda *a, **kw: build(*a, **{**kw, "cuda": True}))
+    with start(target_dir) as eng:
+        assert answer(eng, PROMPTS[0], max_new_tokens=16, mode="async")[0] == expected
+        names = {Path(f"/proc/{r.pid}/comm").read_text().strip() for r in eng.info.ranks}
+    assert not any(n.startswith("swiftspec-r") for n in names)  # programs, not forks
+    assert no_processes_left(eng)

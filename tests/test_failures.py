@@ -177,15 +177,16 @@ def children(pid: int) -> set[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("delay_s", [0.0, 0.3])
-def test_workers_die_with_a_torchrun_killed_before_they_import_torch(target_dir, delay_s):
-    """torchrun SIGKILLed right after it spawned its workers (they take seconds to import torch before they
-    can connect anywhere): no worker may survive it."""
+@pytest.mark.parametrize("programs", [False, True], ids=["forked", "programs"])
+def test_workers_die_with_a_torchrun_killed_before_they_import_torch(target_dir, delay_s, programs):
+    """torchrun SIGKILLed right after it started its workers, forked (the CPU's) or as programs (the
+    GPUs', which take seconds to import torch before they can connect anywhere): no worker may survive it."""
     marker = uuid.uuid4().hex
     cfg = EngineConfig(target=str(target_dir), max_seq_len=256)
     run_dir = launcher.new_run_dir()
     try:
         spec = WorkerSpec(cfg, launcher.Layout(1, 1), str(target_dir), "suffix")
-        proc = launcher.spawn(launcher.build_command([f"--spec={spec.write(run_dir)}"], 2, run_dir),
+        proc = launcher.spawn(launcher.build_command([f"--spec={spec.write(run_dir)}"], 2, run_dir, cuda=programs),
                               {protocol.ENV_ADDR: "127.0.0.1:9", protocol.ENV_KEY: protocol.new_key(),
                                "SWIFTSPEC_TEST_MARK": marker}, run_dir)
         deadline = time.monotonic() + 60

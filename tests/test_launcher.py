@@ -99,6 +99,9 @@ def test_build_command():
 
     parsed = get_args_parser().parse_args(cmd[3:])  # torchrun must hand every worker flag through
     assert parsed.training_script == "swiftspec.engine.worker" and parsed.training_script_args == worker
+    # CPU workers are forked from torchrun; CUDA ones never are
+    assert parsed.start_method == "fork"
+    assert get_args_parser().parse_args(launcher.build_command(worker, 3, Path("/run/x"), cuda=True)[3:]).start_method == "spawn"
     multi = launcher.build_command(worker, 1, nnodes=2, rdzv_endpoint="h:29400")
     assert multi[1:3] == ["-m", "torch.distributed.run"]
     assert "--nnodes=2" in multi and "--rdzv-endpoint=h:29400" in multi and "--rdzv-backend=c10d" in multi
