@@ -8,6 +8,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -15,9 +16,10 @@ from swiftspec.config import TreeParams
 from swiftspec.engine.drafters import Drafter, Expansion, Features
 from swiftspec.engine.messages import WireError
 from swiftspec.engine.sampling import Sampler
-from swiftspec.engine.tree import TokenTree, target_inputs
+from swiftspec.engine.transfers import Staging
+from swiftspec.engine.tree import TokenTree, ancestors, target_inputs, target_rows
 from swiftspec.engine.tree_cache import ContextFull, TreeKVCache, prefill_forward
-from swiftspec.engine.verify import verify_tree
+from swiftspec.engine.verify import Walk, accept
 
 MAX_TREE_NODES = 4096  # the draft tree's node budget (bookkeeping only; the KV budget is the cache's)
 
@@ -51,6 +53,7 @@ class TargetState:
         self.prefill_tokens = 0
         self.features: Features | None = None  # of the last prefill, when it was asked for them
         self.device = model.k_cache.device
+        self.staging = Staging(self.device)
 
     @property
     def committed(self) -> list[int]:
@@ -77,7 +80,7 @@ class TargetState:
         self._committed = list(prompt_ids)
         self.cache.prefix_len = len(prompt_ids)
         self.prefill_tokens = len(prompt_ids) - reuse
-        one = torch.ones(1, 1, dtype=torch.bool)
+        one = np.ones((1, 1), dtype=bool)
         return sampler.sample(sampler.logits(logits[None], prompt_ids[:-1], prompt_ids[-1:], one)[0])
 
     def decode_step(self, token: int, sampler: Sampler) -> int:
@@ -87,22 +90,31 @@ class TargetState:
     def verify(self, tokens: list[int], parents: list[int], sampler: Sampler, hidden: bool = False) -> Verdict:
         """One target forward over the tree (tokens[0] = the current root) with the prefix; then the root
         and the accepted nodes move into the prefix contiguously. ``hidden``: the verdict carries their
-        final hidden states, one row per newly verified token."""
+        final hidden states, one row per newly verified token.
+
+        One copy to the device (the rows, the parents and the penalty counts, staged together) and one
+        read back (the packed verdict): the mask, the choices, the walk and the KV moves stay there."""
         t0 = time.perf_counter()
         n, p0 = len(tokens), self.cache.prefix_len
         if n > self.room:
             raise ContextFull(f"the KV cache ({self.cache.capacity} slots) is full")
-        positions, slots, mask = target_inputs(parents, p0)
-        dev = self.device
-        out = self.model(torch.tensor(tokens, device=dev), positions.to(dev), slots.to(dev), mask.to(dev),
-                         return_hidden=hidden)
+        rows = target_rows(parents, tokens, p0)
+        counts = sampler.penalty_counts(self._committed, tokens, ancestors(parents))
+        staged = self.staging.upload(rows, parents, *(counts or ()))
+        out = self.model(staged.tokens, staged.positions, staged.slots, staged.mask, return_hidden=hidden)
         logits, states = out if hidden else (out, None)
-        logits = sampler.logits(logits, self._committed, tokens, mask[:, p0:])
-        path, bonus = verify_tree(logits, tokens, parents, sampler)
-        self.cache.commit([p0] + [p0 + i for i in path], 1 + len(path))
-        self._committed += [tokens[0]] + [tokens[i] for i in path]
-        rows = states[[0, *path]] if hidden else None
-        return Verdict([tokens[i] for i in path] + [bonus], len(path), n, (time.perf_counter() - t0) * 1e3, rows)
+        if counts is not None:
+            ids, found = staged.extras[1:]
+            logits = sampler.penalise(logits, ids, found.view(n, -1))
+        tree = staged.mask[:, p0:]
+        packed = accept(sampler.choose(logits), staged.tokens, staged.extras[0], tree)
+        walk = Walk.read(packed.tolist())
+        kept = packed[2:3 + len(walk.path)]  # the root and the accepted nodes, on the device
+        self.cache.commit([p0] + [p0 + i for i in walk.path], 1 + len(walk.path), on_device=p0 + kept)
+        self._committed += [tokens[0]] + [tokens[i] for i in walk.path]
+        rows_out = states.index_select(0, kept) if hidden else None
+        return Verdict([tokens[i] for i in walk.path] + [walk.bonus], len(walk.path), n,
+                       (time.perf_counter() - t0) * 1e3, rows_out)
 
 
 class DraftState:

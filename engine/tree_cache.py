@@ -32,15 +32,19 @@ class TreeKVCache:
     def capacity(self) -> int:
         return self.model.max_slots if self.model is not None else 1 << 30
 
-    def commit(self, src: list[int], n_verified: int) -> None:
+    def commit(self, src: list[int], n_verified: int, on_device: Tensor | None = None) -> None:
         """Moves the KV at slots ``src`` (ascending: verified tokens, then surviving nodes) to
-        ``prefix_len, prefix_len + 1, ...``; the first ``n_verified`` join the prefix."""
+        ``prefix_len, prefix_len + 1, ...``; the first ``n_verified`` join the prefix. ``on_device``: the
+        same slots already on the device (a verdict's), which saves copying them there."""
         first = self.prefix_len
         skip = 0  # entries already in place (the common case: the accepted path is the leftmost one)
         while skip < len(src) and src[skip] == first + skip:
             skip += 1
         if skip < len(src) and self.model is not None:
-            src_t = torch.tensor(src[skip:], dtype=torch.long, device=self.model.k_cache.device)
+            if on_device is None:
+                src_t = torch.tensor(src[skip:], dtype=torch.long, device=self.model.k_cache.device)
+            else:
+                src_t = on_device[skip:]
             dst_t = torch.arange(first + skip, first + len(src), device=src_t.device)
             for cache in (self.model.k_cache, self.model.v_cache):
                 cache.index_copy_(2, dst_t, cache.index_select(2, src_t))
