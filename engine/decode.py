@@ -19,7 +19,7 @@ from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.transfers import Staging
 from swiftspec.engine.tree import TokenTree, ancestors, target_inputs, target_rows
 from swiftspec.engine.tree_cache import ContextFull, TreeKVCache, prefill_forward
-from swiftspec.engine.verify import Walk, accept
+from swiftspec.engine.verify import walk
 
 MAX_TREE_NODES = 4096  # the draft tree's node budget (bookkeeping only; the KV budget is the cache's)
 
@@ -48,7 +48,7 @@ class TargetState:
         if model.max_slots != max_slots:
             model.setup_cache(max_slots)
         self.model = model
-        self.cache = TreeKVCache(model)
+        self.cache = TreeKVCache(model, deferred=True)
         self._committed: list[int] = []
         self.prefill_tokens = 0
         self.features: Features | None = None  # of the last prefill, when it was asked for them
@@ -74,6 +74,7 @@ class TargetState:
         # The last prompt token is always recomputed: its logits give the first new token.
         reuse = min(common_prefix(self._committed, prompt_ids), len(prompt_ids) - 1)
         self._committed = self._committed[:reuse]
+        self.cache.apply()
         self.cache.prefix_len = reuse
         logits, states = prefill_forward(self.model, prompt_ids[reuse:], reuse, hidden=hidden)
         self.features = Features(reuse, states) if hidden else None
@@ -92,29 +93,26 @@ class TargetState:
         and the accepted nodes move into the prefix contiguously. ``hidden``: the verdict carries their
         final hidden states, one row per newly verified token.
 
-        One copy to the device (the rows, the parents and the penalty counts, staged together) and one
-        read back (the packed verdict): the mask, the choices, the walk and the KV moves stay there."""
+        One copy to the device (the rows, the last verdict's KV moves and the penalty counts, staged
+        together) and one read back (every node's choice: the verdict and the bonus token)."""
         t0 = time.perf_counter()
         n, p0 = len(tokens), self.cache.prefix_len
         if n > self.room:
             raise ContextFull(f"the KV cache ({self.cache.capacity} slots) is full")
-        rows = target_rows(parents, tokens, p0)
-        counts = sampler.penalty_counts(self._committed, tokens, ancestors(parents))
-        staged = self.staging.upload(rows, parents, *(counts or ()))
+        anc = ancestors(parents)
+        counts = sampler.penalty_counts(self._committed, tokens, anc)
+        staged = self.staging.upload(target_rows(anc, tokens, p0), self.cache.pending.src, *(counts or ()))
+        self.cache.apply(staged.extras[0])  # before the forward writes behind the prefix
         out = self.model(staged.tokens, staged.positions, staged.slots, staged.mask, return_hidden=hidden)
         logits, states = out if hidden else (out, None)
         if counts is not None:
             ids, found = staged.extras[1:]
             logits = sampler.penalise(logits, ids, found.view(n, -1))
-        tree = staged.mask[:, p0:]
-        packed = accept(sampler.choose(logits), staged.tokens, staged.extras[0], tree)
-        walk = Walk.read(packed.tolist())
-        kept = packed[2:3 + len(walk.path)]  # the root and the accepted nodes, on the device
-        self.cache.commit([p0] + [p0 + i for i in walk.path], 1 + len(walk.path), on_device=p0 + kept)
-        self._committed += [tokens[0]] + [tokens[i] for i in walk.path]
-        rows_out = states.index_select(0, kept) if hidden else None
-        return Verdict([tokens[i] for i in walk.path] + [walk.bonus], len(walk.path), n,
-                       (time.perf_counter() - t0) * 1e3, rows_out)
+        v = walk(sampler.choose(logits).tolist(), tokens, parents)
+        self.cache.commit([p0] + [p0 + i for i in v.path], 1 + len(v.path))
+        self._committed += [tokens[0]] + [tokens[i] for i in v.path]
+        rows = states.cpu()[[0, *v.path]] if hidden else None  # for the wire: a second read
+        return Verdict([tokens[i] for i in v.path] + [v.bonus], len(v.path), n, (time.perf_counter() - t0) * 1e3, rows)
 
 
 class DraftState:
@@ -262,6 +260,7 @@ def tree_forward_ms(target: TargetState, n: int, reps: int = 3) -> float:
 
 def _tree_forward_s(target: TargetState, n: int) -> float:
     dev = target.device
+    target.cache.apply()  # the tree slots it writes may hold the KV of the last verdict
     positions, slots, mask = target_inputs(list(range(-1, n - 1)), target.cache.prefix_len)
     t0 = time.perf_counter()
     target.model(torch.zeros(n, dtype=torch.long, device=dev), positions.to(dev), slots.to(dev), mask.to(dev))

@@ -27,28 +27,19 @@ from torch.overrides import TorchFunctionMode
 @dataclass
 class Rows:
     """One forward's rows, described on the host: row r has ``tokens[r]`` at ``positions[r]``, writes its
-    KV into ``slots[r]`` and attends to the slots ``[0, visible[r])`` and to ``ancestors[r]`` (its tree
-    ancestors and itself), over ``kv_len`` cache slots."""
+    KV into ``slots[r]`` and attends to the slots ``[0, visible[r])`` and to the slots in ``ancestors[r]``
+    (its tree ancestors and itself, padded with its own slot), over ``kv_len`` cache slots."""
 
     tokens: list[int]
-    positions: list[int]
-    slots: list[int]
-    visible: list[int]
-    ancestors: list[list[int]]
+    positions: list[int] | np.ndarray
+    slots: list[int] | np.ndarray
+    visible: list[int] | np.ndarray
+    ancestors: np.ndarray  # [rows, width] int64
     kv_len: int
-
-    def ancestor_table(self) -> np.ndarray:
-        """[rows, width] slots: each row's ancestors, padded with its own slot (already attended to)."""
-        width = max(1, max(map(len, self.ancestors)))
-        table = np.empty((len(self.tokens), width), dtype=np.int64)
-        for r, (anc, own) in enumerate(zip(self.ancestors, self.slots, strict=True)):
-            table[r, :len(anc)] = anc
-            table[r, len(anc):] = own
-        return table
 
     def host_mask(self) -> Tensor:
         """The rows' mask as a host tensor (tests, profiling: outside the rounds)."""
-        return rows_mask(torch.tensor(self.visible), torch.from_numpy(self.ancestor_table()), self.kv_len)
+        return rows_mask(torch.as_tensor(self.visible), torch.from_numpy(self.ancestors), self.kv_len)
 
 
 @dataclass
@@ -88,8 +79,7 @@ class Staging:
 
     def upload(self, rows: Rows, *extras: np.ndarray | list[int]) -> StagedRows:
         n = len(rows.tokens)
-        table = rows.ancestor_table()
-        parts = [rows.tokens, rows.positions, rows.slots, rows.visible, table.reshape(-1),
+        parts = [rows.tokens, rows.positions, rows.slots, rows.visible, rows.ancestors.reshape(-1),
                  *(np.asarray(e, dtype=np.int64).reshape(-1) for e in extras)]
         sizes = [len(p) for p in parts]
         self._reserve(sum(sizes))
@@ -99,8 +89,8 @@ class Staging:
             at += size
         dev = self._dev[:at]
         dev.copy_(self._host[:at], non_blocking=True)
-        tokens, positions, slots, visible, anc, *rest = dev.split(sizes)
-        mask = rows_mask(visible, anc.view(n, table.shape[1]), rows.kv_len)
+        tokens, positions, slots, visible, anc, *rest = dev.split_with_sizes(sizes)
+        mask = rows_mask(visible, anc.view(n, -1), rows.kv_len)
         return StagedRows(tokens, positions, slots, mask, rest)
 
 

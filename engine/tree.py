@@ -123,11 +123,15 @@ class TokenTree:
         n_p = len(pending)
         base = n_prefix + n_p
         own = list(range(n_prefix, base))
+        paths = [[self.slot[a] for a in self.path_to(leaf)] for leaf in leaves]
+        table = np.empty((n_p + len(leaves), max([1] + [len(p) for p in paths])), dtype=np.int64)
+        table[:n_p] = np.asarray(own, dtype=np.int64)[:, None]  # a pending row's own slot (visible anyway)
+        for r, path in enumerate(paths, n_p):
+            table[r] = path + [path[-1]] * (table.shape[1] - len(path))  # padded with the leaf's slot
         return Rows(tokens=pending + [self.token[i] for i in leaves],
                     positions=own + [base + self.depth[i] for i in leaves],
                     slots=own + [self.slot[i] for i in leaves],
-                    visible=[s + 1 for s in own] + [base] * len(leaves),
-                    ancestors=[[]] * n_p + [[self.slot[a] for a in self.path_to(leaf)] for leaf in leaves],
+                    visible=[s + 1 for s in own] + [base] * len(leaves), ancestors=table,
                     kv_len=max([base] + [self.slot[i] + 1 for i in leaves]))
 
 
@@ -145,24 +149,17 @@ def tree_mask(parents: list[int]) -> Tensor:
     return torch.from_numpy(ancestors(parents))
 
 
-def depths(parents: list[int]) -> list[int]:
-    d = [0] * len(parents)
-    for i in range(1, len(parents)):
-        d[i] = d[parents[i]] + 1
-    return d
-
-
-def target_rows(parents: list[int], tokens: list[int], n_prefix: int) -> Rows:
-    """The rows of a target verification: the n tree nodes go to slots ``n_prefix..n_prefix+n`` in order
-    and see the whole prefix and the tree slots of their ancestors and themselves."""
-    n = len(parents)
-    anc = ancestors(parents)
-    return Rows(tokens=list(tokens), positions=[n_prefix + d for d in depths(parents)],
-                slots=list(range(n_prefix, n_prefix + n)), visible=[n_prefix] * n,
-                ancestors=[(n_prefix + np.flatnonzero(row)).tolist() for row in anc], kv_len=n_prefix + n)
+def target_rows(anc: np.ndarray, tokens: list[int], n_prefix: int) -> Rows:
+    """The rows of a target verification of a tree (``anc``: its ancestors()): the n nodes go to slots
+    ``n_prefix..n_prefix+n`` in order and see the whole prefix and the slots of their ancestors and
+    themselves."""
+    n = len(tokens)
+    slots = n_prefix + np.arange(n)
+    return Rows(tokens=tokens, positions=n_prefix + anc.sum(1) - 1, slots=slots, visible=np.full(n, n_prefix),
+                ancestors=np.where(anc, slots[None, :], slots[:, None]), kv_len=n_prefix + n)
 
 
 def target_inputs(parents: list[int], n_prefix: int) -> tuple[Tensor, Tensor, Tensor]:
     """Positions, slots and mask (host tensors) of a target verification (see target_rows)."""
-    rows = target_rows(parents, [0] * len(parents), n_prefix)
-    return torch.tensor(rows.positions), torch.tensor(rows.slots), rows.host_mask()
+    rows = target_rows(ancestors(parents), [0] * len(parents), n_prefix)
+    return torch.from_numpy(rows.positions), torch.from_numpy(rows.slots), rows.host_mask()

@@ -12,10 +12,11 @@ import torch
 from tiny_models import single_thread, tiny_model_dir
 
 from swiftspec.config import SamplingParams, TreeParams
-from swiftspec.engine import decode, loop
+from swiftspec.engine import loop
 from swiftspec.engine.decode import DraftState, TargetState
 from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter
 from swiftspec.engine.loader import load_model
+from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.transfers import TransferCounter
 
 PROMPT = [5, 17, 300, 42, 8, 99, 17, 300]
@@ -92,8 +93,8 @@ def test_the_suffix_drafter_touches_no_device(models, monkeypatch):
 
 def test_a_planted_read_is_caught(models, monkeypatch):
     """A round that reads one value of the verification early (as float(p[x]) did) breaks the budget."""
-    real = decode.accept
-    monkeypatch.setattr(decode, "accept", lambda choice, *a: (float(choice[0]), real(choice, *a))[1])
+    real = Sampler.choose
+    monkeypatch.setattr(Sampler, "choose", lambda self, logits: (float(logits[0, 0]), real(self, logits))[1])
     budget = run_counted(monkeypatch, models[0], SuffixDrafter(), SETTINGS["greedy"], "sync")
     assert budget.worst("verify") == (1, 2)
 
