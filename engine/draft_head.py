@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,7 @@ from swiftspec.engine.model import (
     FeedForward,
     FP16WeightLinear,
     RMSNorm,
+    RotateHalf,
     pack_fp16_linears,
     rope_inv_freq,
 )
@@ -174,7 +174,7 @@ class DraftHead(nn.Module):
         each row's is also kept at its slot in ``slot_features``."""
         freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None]
         emb = torch.cat((freqs, freqs), dim=-1)
-        rope = partial(kernels.rope_rotate_half, cos=emb.cos(), sin=emb.sin())
+        rope = RotateHalf(emb.cos(), emb.sin())
         attn = self.attention
         attn_mask = kernels.prepare_mask(mask, attn.n_heads // attn.n_kv_heads, self.ffn_norm.weight.dtype)
         x = self.fuse(tokens, features)
