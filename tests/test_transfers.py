@@ -27,18 +27,13 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def models():
-    # torch's own linears and the reference kernels: the model code a GPU runs, without Triton
+    """Target and draft on torch's own linears and the reference kernels (the model code a GPU runs,
+    without Triton), in one thread."""
     target_dir = tiny_model_dir(seed=1)
-    return (load_model(target_dir, max_slots=512, batch_invariant=False),
-            load_model(target_dir, max_slots=512, batch_invariant=False))
+    with single_thread():
+        yield tuple(load_model(target_dir, max_slots=512, batch_invariant=False) for _ in range(2))
 
 
 class Budget:
