@@ -3,7 +3,8 @@
 On a GPU every host->device copy and every read of a device value costs a round trip the model does not
 need: at a 1 ms step, a handful of them is a tenth of the token. So a round stages all of its inputs in
 one host buffer and sends them in one copy (``Staging.upload``), builds the attention mask on the device
-from them (``rows_mask``), and reads back one packed tensor (the verdict and the bonus token together).
+from them (``rows_mask``), and reads back one tensor: every node's choice, from which the host walks the
+verdict and its bonus token (engine/verify.py).
 
 ``TransferCounter`` counts, while it is active in a thread, the calls that would move data or force a
 synchronisation on a GPU. On the CPU it cannot tell the host from the device, so it counts what the call
