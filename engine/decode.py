@@ -17,7 +17,7 @@ from swiftspec.engine.drafters import Drafter, Expansion, Features
 from swiftspec.engine.messages import WireError
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.transfers import Staging
-from swiftspec.engine.tree import TokenTree, ancestors, target_inputs, target_rows
+from swiftspec.engine.tree import TokenTree, target_inputs, target_rows
 from swiftspec.engine.tree_cache import ContextFull, TreeKVCache, prefill_forward
 from swiftspec.engine.verify import walk
 
@@ -99,9 +99,8 @@ class TargetState:
         n, p0 = len(tokens), self.cache.prefix_len
         if n > self.room:
             raise ContextFull(f"the KV cache ({self.cache.capacity} slots) is full")
-        anc = ancestors(parents)
-        counts = sampler.penalty_counts(self._committed, tokens, anc)
-        staged = self.staging.upload(target_rows(anc, tokens, p0), self.cache.pending.src, *(counts or ()))
+        counts = sampler.penalty_counts(self._committed, tokens, parents)
+        staged = self.staging.upload(target_rows(parents, tokens, p0), self.cache.pending.src, *(counts or ()))
         self.cache.apply(staged.extras[0])  # before the forward writes behind the prefix
         out = self.model(staged.tokens, staged.positions, staged.slots, staged.mask, return_hidden=hidden)
         logits, states = out if hidden else (out, None)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from swiftspec.config import SamplingParams
+from swiftspec.engine.tree import ancestors
 
 
 def window_counts(history: list[int], tokens: list[int], ancestors: np.ndarray, last_n: int
@@ -45,13 +46,13 @@ class Sampler:
         else:
             self.generator.manual_seed(params.seed)
 
-    def penalty_counts(self, history: list[int], tokens: list[int], ancestors: np.ndarray
+    def penalty_counts(self, history: list[int], tokens: list[int], parents: list[int]
                        ) -> tuple[np.ndarray, np.ndarray] | None:
-        """The host half of ``logits``: window_counts of the nodes (None without a penalty), staged with
-        the round's inputs."""
+        """The host half of ``logits`` for a tree (``parents``): window_counts of its nodes (None without
+        a penalty), staged with the round's inputs."""
         if not self.params.penalised:
             return None
-        return window_counts(history, tokens, ancestors, self.params.repeat_last_n)
+        return window_counts(history, tokens, ancestors(parents), self.params.repeat_last_n)
 
     def penalise(self, logits: Tensor, ids: Tensor, counts: Tensor) -> Tensor:
         """[n, V] logits penalised by each node's window counts (``ids`` [u], ``counts`` [n, u] on the
@@ -68,9 +69,9 @@ class Sampler:
         """[n, V] logits at the n tree nodes -> the same, penalised by each node's own path (fp32); as they
         are without a penalty. ``history``: the tokens before the root (tokens[0]). Moves the counts on
         their own: for a prefill and tests; a round stages them with its inputs."""
-        found = self.penalty_counts(history, tokens, ancestors)
-        if found is None:
+        if not self.params.penalised:
             return logits
+        found = window_counts(history, tokens, ancestors, self.params.repeat_last_n)
         ids, counts = (torch.from_numpy(a).to(logits.device) for a in found)
         return self.penalise(logits, ids, counts)
 

@@ -32,15 +32,15 @@ class Rows:
     (its tree ancestors and itself, padded with its own slot), over ``kv_len`` cache slots."""
 
     tokens: list[int]
-    positions: list[int] | np.ndarray
-    slots: list[int] | np.ndarray
-    visible: list[int] | np.ndarray
-    ancestors: np.ndarray  # [rows, width] int64
+    positions: list[int]
+    slots: list[int]
+    visible: list[int]
+    ancestors: list[list[int]]  # [rows][width]
     kv_len: int
 
     def host_mask(self) -> Tensor:
         """The rows' mask as a host tensor (tests, profiling: outside the rounds)."""
-        return rows_mask(torch.as_tensor(self.visible), torch.from_numpy(self.ancestors), self.kv_len)
+        return rows_mask(torch.tensor(self.visible), torch.tensor(self.ancestors), self.kv_len)
 
 
 @dataclass
@@ -80,7 +80,7 @@ class Staging:
 
     def upload(self, rows: Rows, *extras: np.ndarray | list[int]) -> StagedRows:
         n = len(rows.tokens)
-        parts = [rows.tokens, rows.positions, rows.slots, rows.visible, rows.ancestors.reshape(-1),
+        parts = [rows.tokens, rows.positions, rows.slots, rows.visible, [s for row in rows.ancestors for s in row],
                  *(np.asarray(e, dtype=np.int64).reshape(-1) for e in extras)]
         sizes = [len(p) for p in parts]
         self._reserve(sum(sizes))

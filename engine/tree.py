@@ -124,10 +124,8 @@ class TokenTree:
         base = n_prefix + n_p
         own = list(range(n_prefix, base))
         paths = [[self.slot[a] for a in self.path_to(leaf)] for leaf in leaves]
-        table = np.empty((n_p + len(leaves), max([1] + [len(p) for p in paths])), dtype=np.int64)
-        table[:n_p] = np.asarray(own, dtype=np.int64)[:, None]  # a pending row's own slot (visible anyway)
-        for r, path in enumerate(paths, n_p):
-            table[r] = path + [path[-1]] * (table.shape[1] - len(path))  # padded with the leaf's slot
+        width = max([1] + [len(p) for p in paths])
+        table = [[s] * width for s in own] + [p + [p[-1]] * (width - len(p)) for p in paths]  # padded: own slot
         return Rows(tokens=pending + [self.token[i] for i in leaves],
                     positions=own + [base + self.depth[i] for i in leaves],
                     slots=own + [self.slot[i] for i in leaves],
@@ -135,12 +133,19 @@ class TokenTree:
                     kv_len=max([base] + [self.slot[i] + 1 for i in leaves]))
 
 
+def ancestor_lists(parents: list[int]) -> list[list[int]]:
+    """Node i's ancestors and itself, root first (parents[i] < i, parents[0] == -1)."""
+    out: list[list[int]] = []
+    for i, p in enumerate(parents):
+        out.append((out[p] if p >= 0 else []) + [i])
+    return out
+
+
 def ancestors(parents: list[int]) -> np.ndarray:
-    """[n, n] bool: node i's ancestors and itself (parents[i] < i, parents[0] == -1)."""
-    n = len(parents)
-    m = np.eye(n, dtype=bool)
-    for i in range(1, n):
-        m[i] |= m[parents[i]]
+    """[n, n] bool: node i's ancestors and itself."""
+    m = np.zeros((len(parents), len(parents)), dtype=bool)
+    for i, anc in enumerate(ancestor_lists(parents)):
+        m[i, anc] = True
     return m
 
 
@@ -149,17 +154,18 @@ def tree_mask(parents: list[int]) -> Tensor:
     return torch.from_numpy(ancestors(parents))
 
 
-def target_rows(anc: np.ndarray, tokens: list[int], n_prefix: int) -> Rows:
-    """The rows of a target verification of a tree (``anc``: its ancestors()): the n nodes go to slots
-    ``n_prefix..n_prefix+n`` in order and see the whole prefix and the slots of their ancestors and
-    themselves."""
-    n = len(tokens)
-    slots = n_prefix + np.arange(n)
-    return Rows(tokens=tokens, positions=n_prefix + anc.sum(1) - 1, slots=slots, visible=np.full(n, n_prefix),
-                ancestors=np.where(anc, slots[None, :], slots[:, None]), kv_len=n_prefix + n)
+def target_rows(parents: list[int], tokens: list[int], n_prefix: int) -> Rows:
+    """The rows of a target verification: the n tree nodes go to slots ``n_prefix..n_prefix+n`` in order
+    and see the whole prefix and the slots of their ancestors and themselves."""
+    paths = ancestor_lists(parents)
+    width = max(len(p) for p in paths)
+    slots = [n_prefix + i for i in range(len(parents))]
+    return Rows(tokens=tokens, positions=[n_prefix + len(p) - 1 for p in paths], slots=slots,
+                visible=[n_prefix] * len(parents), kv_len=n_prefix + len(parents),
+                ancestors=[[n_prefix + a for a in p] + [s] * (width - len(p)) for p, s in zip(paths, slots, strict=True)])
 
 
 def target_inputs(parents: list[int], n_prefix: int) -> tuple[Tensor, Tensor, Tensor]:
     """Positions, slots and mask (host tensors) of a target verification (see target_rows)."""
-    rows = target_rows(ancestors(parents), [0] * len(parents), n_prefix)
-    return torch.from_numpy(rows.positions), torch.from_numpy(rows.slots), rows.host_mask()
+    rows = target_rows(parents, [0] * len(parents), n_prefix)
+    return torch.tensor(rows.positions), torch.tensor(rows.slots), rows.host_mask()
