@@ -65,13 +65,14 @@ class Sampler:
         out[:, ids] = x - p.frequency_penalty * counts.float() - p.presence_penalty * seen.float()
         return out
 
-    def logits(self, logits: Tensor, history: list[int], tokens: list[int], ancestors: np.ndarray) -> Tensor:
+    def logits(self, logits: Tensor, history: list[int], tokens: list[int], ancestors: np.ndarray | Tensor
+               ) -> Tensor:
         """[n, V] logits at the n tree nodes -> the same, penalised by each node's own path (fp32); as they
         are without a penalty. ``history``: the tokens before the root (tokens[0]). Moves the counts on
         their own: for a prefill and tests; a round stages them with its inputs."""
         if not self.params.penalised:
             return logits
-        found = window_counts(history, tokens, ancestors, self.params.repeat_last_n)
+        found = window_counts(history, tokens, np.asarray(ancestors), self.params.repeat_last_n)
         ids, counts = (torch.from_numpy(a).to(logits.device) for a in found)
         return self.penalise(logits, ids, counts)
 
