@@ -13,6 +13,10 @@ Steps, in order, each skipped when the budget left is below its estimate (the re
              peak), the verification cost of n = 1..64 nodes relative to one step, graphs on vs off, and
              all of it with the batch-invariant kernels and with cuBLAS (their cost).
 4. attention — Triton tree attention (plain and batch-invariant) vs torch SDPA at 1k and 8k prefixes.
+5. rounds  — the 1B-shaped target as the engine runs it (batch-invariant, graphed): the host<->device
+             transfers each verification round makes (engine/transfers.py's counter; greedy, penalised
+             and sampled), the kernels a decode step launches per layer, the graphed step's rate, and the
+             engine's ``ar`` tokens/s (from the engine step) as a share of it.
 
 ``--dry-run`` runs everything that needs no CUDA on the CPU with the configs scaled down (the tests
 step and Triton are skipped): the script's own test.
@@ -276,6 +280,60 @@ def step_attention(dry: bool, iters: int) -> dict:
     return out
 
 
+def step_rounds(dry: bool, prefix: int, iters: int, engine: dict) -> dict:
+    """Transfers per verification round (a 4-node tree, TargetState.verify as the engine calls it),
+    launches per layer of a one-token step, the graphed step's rate and the engine's ar rate beside it."""
+    from swiftspec.config import SamplingParams
+    from swiftspec.engine.decode import TargetState
+    from swiftspec.engine.sampling import Sampler
+    from swiftspec.engine.transfers import TransferCounter
+
+    cfg = scaled(CONFIGS["llama-3.2-1b"], dry)
+    device = "cpu" if dry else "cuda"
+    # A dry run keeps torch's kernels: the CPU's batch-invariant fallback (one-row forwards) reads the mask.
+    model, plain = random_transformer(cfg, device, not dry, prefix + 256)
+    out: dict = {"model": "llama-3.2-1b shape" + (" (scaled)" if dry else ""), "transfers_per_round": {}}
+    settings = {"greedy": SamplingParams(), "penalised": SamplingParams(repeat_penalty=1.1, repeat_last_n=64),
+                "sampled": SamplingParams(temperature=0.7, min_p=0.05, seed=1)}
+    prompt = torch.randint(3, 1000, (prefix,)).tolist()
+    for name, params in settings.items():
+        target = TargetState(model, model.max_slots)
+        sampler = Sampler(params, target.device)
+        root = target.prefill(prompt, sampler)
+        counts = []
+        for _ in range(8):
+            with TransferCounter() as counter:
+                root = target.verify([root, 5, 6, 7], [-1, 0, 1, 0], sampler).path[-1]
+            counts.append((counter.up, counter.down, dict(counter.calls)))
+        worst = counts[1:]  # the first round may grow the staging buffers
+        out["transfers_per_round"][name] = {"up": max(c[0] for c in worst), "down": max(c[1] for c in worst),
+                                            "calls": counts[-1][2]}
+    inputs = chain(1, prefix, device)
+    out["step_ms"] = round(timed(partial(model, *inputs), iters, not dry) * 1e3, 3)
+    out["step_tok_s"] = round(1e3 / out["step_ms"], 1)
+    out["launches_per_layer"] = round(launches(plain, inputs, dry) / plain.args.n_layers, 1)
+    ar = engine.get("suffix", {}).get("tok_s", {}).get("ar")
+    if ar:
+        out["engine_ar_tok_s"] = ar
+        out["engine_ar_share_of_step"] = round(ar / out["step_tok_s"], 3)
+    return out
+
+
+def launches(model, inputs: tuple[torch.Tensor, ...], dry: bool) -> int:
+    """Kernels one eager forward launches (CUDA, from the profiler); on the CPU, the aten ops it runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model(*inputs)  # warm-up: Triton compiles outside the profile
+    activities = [ProfilerActivity.CPU] if dry else [ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
+        model(*inputs)
+        if not dry:
+            torch.cuda.synchronize()
+    if dry:
+        return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def print_table(data: dict) -> None:
     print(f"\ngpu_check on {data['device']} (torch {data['torch']}), {data['elapsed_s']} s of {data['budget_s']} s")
     for name, res in data["steps"].items():
@@ -307,6 +365,8 @@ def main() -> int:
         report.run("engine", 90, lambda: step_engine(dry, Path(tmp), 16 if dry else args.new_tokens))
     report.run("decode", 60, lambda: step_decode(dry, 64 if dry else args.prefix, 3 if dry else args.iters, args.peak_bw))
     report.run("attention", 20, lambda: step_attention(dry, 3 if dry else args.iters))
+    engine = report.data["steps"].get("engine", {})
+    report.run("rounds", 40, lambda: step_rounds(dry, 64 if dry else args.prefix, 3 if dry else args.iters, engine))
     print_table(report.data)
     print(f"gpu_check: report written to {args.report}")
     ok = all(r["status"].startswith(("ok", "skipped")) for r in report.data["steps"].values())

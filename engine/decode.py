@@ -8,6 +8,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -15,9 +16,10 @@ from swiftspec.config import TreeParams
 from swiftspec.engine.drafters import Drafter, Expansion, Features
 from swiftspec.engine.messages import WireError
 from swiftspec.engine.sampling import Sampler
-from swiftspec.engine.tree import TokenTree, target_inputs
+from swiftspec.engine.transfers import Staging
+from swiftspec.engine.tree import TokenTree, target_inputs, target_rows
 from swiftspec.engine.tree_cache import ContextFull, TreeKVCache, prefill_forward
-from swiftspec.engine.verify import verify_tree
+from swiftspec.engine.verify import walk
 
 MAX_TREE_NODES = 4096  # the draft tree's node budget (bookkeeping only; the KV budget is the cache's)
 
@@ -46,11 +48,12 @@ class TargetState:
         if model.max_slots != max_slots:
             model.setup_cache(max_slots)
         self.model = model
-        self.cache = TreeKVCache(model)
+        self.cache = TreeKVCache(model, deferred=True)
         self._committed: list[int] = []
         self.prefill_tokens = 0
         self.features: Features | None = None  # of the last prefill, when it was asked for them
         self.device = model.k_cache.device
+        self.staging = Staging(self.device)
 
     @property
     def committed(self) -> list[int]:
@@ -71,13 +74,14 @@ class TargetState:
         # The last prompt token is always recomputed: its logits give the first new token.
         reuse = min(common_prefix(self._committed, prompt_ids), len(prompt_ids) - 1)
         self._committed = self._committed[:reuse]
+        self.cache.apply()
         self.cache.prefix_len = reuse
         logits, states = prefill_forward(self.model, prompt_ids[reuse:], reuse, hidden=hidden)
         self.features = Features(reuse, states) if hidden else None
         self._committed = list(prompt_ids)
         self.cache.prefix_len = len(prompt_ids)
         self.prefill_tokens = len(prompt_ids) - reuse
-        one = torch.ones(1, 1, dtype=torch.bool)
+        one = np.ones((1, 1), dtype=bool)
         return sampler.sample(sampler.logits(logits[None], prompt_ids[:-1], prompt_ids[-1:], one)[0])
 
     def decode_step(self, token: int, sampler: Sampler) -> int:
@@ -87,22 +91,27 @@ class TargetState:
     def verify(self, tokens: list[int], parents: list[int], sampler: Sampler, hidden: bool = False) -> Verdict:
         """One target forward over the tree (tokens[0] = the current root) with the prefix; then the root
         and the accepted nodes move into the prefix contiguously. ``hidden``: the verdict carries their
-        final hidden states, one row per newly verified token."""
+        final hidden states, one row per newly verified token.
+
+        One copy to the device (the rows, the last verdict's KV moves and the penalty counts, staged
+        together) and one read back (every node's choice: the verdict and the bonus token)."""
         t0 = time.perf_counter()
         n, p0 = len(tokens), self.cache.prefix_len
         if n > self.room:
             raise ContextFull(f"the KV cache ({self.cache.capacity} slots) is full")
-        positions, slots, mask = target_inputs(parents, p0)
-        dev = self.device
-        out = self.model(torch.tensor(tokens, device=dev), positions.to(dev), slots.to(dev), mask.to(dev),
-                         return_hidden=hidden)
+        counts = sampler.penalty_counts(self._committed, tokens, parents)
+        staged = self.staging.upload(target_rows(parents, tokens, p0), self.cache.pending.src, *(counts or ()))
+        self.cache.apply(staged.extras[0])  # before the forward writes behind the prefix
+        out = self.model(staged.tokens, staged.positions, staged.slots, staged.mask, return_hidden=hidden)
         logits, states = out if hidden else (out, None)
-        logits = sampler.logits(logits, self._committed, tokens, mask[:, p0:])
-        path, bonus = verify_tree(logits, tokens, parents, sampler)
-        self.cache.commit([p0] + [p0 + i for i in path], 1 + len(path))
-        self._committed += [tokens[0]] + [tokens[i] for i in path]
-        rows = states[[0, *path]] if hidden else None
-        return Verdict([tokens[i] for i in path] + [bonus], len(path), n, (time.perf_counter() - t0) * 1e3, rows)
+        if counts is not None:
+            ids, found = staged.extras[1:]
+            logits = sampler.penalise(logits, ids, found.view(n, -1))
+        v = walk(sampler.choose(logits).tolist(), tokens, parents)
+        self.cache.commit([p0] + [p0 + i for i in v.path], 1 + len(v.path))
+        self._committed += [tokens[0]] + [tokens[i] for i in v.path]
+        rows = states.cpu()[[0, *v.path]] if hidden else None  # for the wire: a second read
+        return Verdict([tokens[i] for i in v.path] + [v.bonus], len(v.path), n, (time.perf_counter() - t0) * 1e3, rows)
 
 
 class DraftState:
@@ -250,6 +259,7 @@ def tree_forward_ms(target: TargetState, n: int, reps: int = 3) -> float:
 
 def _tree_forward_s(target: TargetState, n: int) -> float:
     dev = target.device
+    target.cache.apply()  # the tree slots it writes may hold the KV of the last verdict
     positions, slots, mask = target_inputs(list(range(-1, n - 1)), target.cache.prefix_len)
     t0 = time.perf_counter()
     target.model(torch.zeros(n, dtype=torch.long, device=dev), positions.to(dev), slots.to(dev), mask.to(dev))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +39,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from swiftspec import kernels
-from swiftspec.engine.drafters import Expansion
+from swiftspec.engine.drafters import Expansion, read_top
 from swiftspec.engine.model import (
     Attention,
     FeedForward,
     FP16WeightLinear,
     RMSNorm,
+    RotateHalf,
     pack_fp16_linears,
     rope_inv_freq,
 )
 from swiftspec.engine.model_args import ModelArgs, ModelConfigError
+from swiftspec.engine.transfers import Staging
 from swiftspec.engine.tree_cache import PREFILL_CHUNK, TreeKVCache, causal_mask
 
 HEAD_FORMAT = 1
@@ -173,7 +174,7 @@ class DraftHead(nn.Module):
         each row's is also kept at its slot in ``slot_features``."""
         freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None]
         emb = torch.cat((freqs, freqs), dim=-1)
-        rope = partial(kernels.rope_rotate_half, cos=emb.cos(), sin=emb.sin())
+        rope = RotateHalf(emb.cos(), emb.sin())
         attn = self.attention
         attn_mask = kernels.prepare_mask(mask, attn.n_heads // attn.n_kv_heads, self.ffn_norm.weight.dtype)
         x = self.fuse(tokens, features)
@@ -317,6 +318,9 @@ def save_head(head: DraftHead, out: Path, extra: dict | None = None) -> None:
 
 # ------------------------------------------------------------------------------------------ the drafter
 
+NONE, FROM_TARGET, FROM_PARENT = 0, 1, 2  # where a draft row's input feature comes from
+
+
 class HeadDrafter:
     """Drafts with a DraftHead over the token tree (see drafters.py for the interface).
 
@@ -336,6 +340,7 @@ class HeadDrafter:
         p = head.ffn_norm.weight
         self.features = torch.zeros(max_slots, head.args.dim, dtype=p.dtype, device=p.device)
         self.n_committed = 0  # committed positions whose target feature is in ``features``
+        self.staging = Staging(p.device)
 
     def _store(self, start: int, hidden: Tensor) -> None:
         self.features[start:start + hidden.shape[0]] = hidden.to(self.features.dtype)
@@ -370,18 +375,21 @@ class HeadDrafter:
 
     def propose(self, exp: Expansion, k: int) -> list[list[tuple[int, float]]]:
         tree, n_p = exp.tree, len(exp.pending)
-        tokens, positions, slots, mask = tree.draft_inputs(exp.leaves, exp.n_prefix, exp.pending)
+        rows = tree.draft_inputs(exp.leaves, exp.n_prefix, exp.pending)
+        # Each row's input feature: the target's at the position before it (pending rows and the root;
+        # zeros before the first token) or the head's own at its parent's slot, gathered on the device
+        # from indices staged with the rows.
         base = exp.n_prefix + n_p  # the root's position
-        feats = [self._prev_features(list(range(exp.n_prefix, base)))] if n_p else []
-        for leaf in exp.leaves:
-            parent = tree.parent[leaf]
-            if parent < 0:
-                feats.append(self._prev_features([base]))
-            else:
-                feats.append(self.head.slot_features[tree.slot[parent]][None])
-        dev = self.head.ffn_norm.weight.device
-        out = self.head(tokens.to(dev), torch.cat(feats), positions.to(dev), slots.to(dev), mask.to(dev))
+        by_position = list(range(exp.n_prefix, base)) + [base if tree.parent[leaf] < 0 else -1
+                                                           for leaf in exp.leaves]
+        parent_slot = [0] * n_p + [tree.slot[tree.parent[leaf]] if tree.parent[leaf] >= 0 else 0
+                                   for leaf in exp.leaves]
+        source = [FROM_PARENT if p < 0 else NONE if p == 0 else FROM_TARGET for p in by_position]
+        s = self.staging.upload(rows, [max(p - 1, 0) for p in by_position], parent_slot, source)
+        prev, slot, src = s.extras
+        feats = torch.where((src == FROM_PARENT)[:, None], self.head.slot_features.index_select(0, slot),
+                            self.features.index_select(0, prev))
+        feats = torch.where((src == NONE)[:, None], 0, feats)
+        out = self.head(s.tokens, feats, s.positions, s.slots, s.mask)
         logp = self.head.logits(out[n_p:]).log_softmax(-1)
-        top = logp.topk(min(k, logp.shape[-1]), dim=-1)
-        ids = top.indices if self.head.d2t is None else self.head.d2t[top.indices]
-        return [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), top.values.tolist(), strict=True)]
+        return read_top(logp, k, self.head.d2t)

@@ -17,6 +17,7 @@ from swiftspec.engine.history_corpus import StoredHistory, tokenizer_fingerprint
 from swiftspec.engine.loader import load_target_io
 from swiftspec.engine.model import fbgemm_available
 from swiftspec.engine.model_dir import load_tokenizer, read_args
+from swiftspec.engine.transfers import Staging
 from swiftspec.engine.tree import TokenTree
 from swiftspec.engine.tree_cache import TreeKVCache, prefill_forward
 
@@ -83,6 +84,16 @@ def check_vocab_compatible(target_tokenizer, draft_tokenizer) -> int:
     return len(tv)
 
 
+def read_top(logp: Tensor, k: int, ids_map: Tensor | None = None) -> list[list[tuple[int, float]]]:
+    """Each row's k most probable (token, log-prob) pairs from log-probs [rows, V], read in one go: ids
+    and values packed as float64 (exact for both). ``ids_map``: the token id of each column."""
+    top = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    ids = top.indices if ids_map is None else ids_map[top.indices]
+    ids, values = torch.stack([ids.double(), top.values.double()]).tolist()
+    return [[(int(i), v) for i, v in zip(row_ids, row_values, strict=True)]
+            for row_ids, row_values in zip(ids, values, strict=True)]
+
+
 class ModelDrafter:
     """A Llama-family draft model with its own evolving tree cache."""
 
@@ -94,6 +105,7 @@ class ModelDrafter:
         self.model = model
         self.cache = TreeKVCache(model)
         self.vocab_size = vocab_size or model.args.vocab_size
+        self.staging = Staging(model.k_cache.device)
 
     def prefill(self, tokens: list[int], reuse: int, features: Features | None = None) -> None:
         prefill_forward(self.model, tokens[reuse:], reuse, logits=False)
@@ -102,13 +114,10 @@ class ModelDrafter:
         pass  # the KV of verified tokens is moved by the cache commit
 
     def propose(self, exp: Expansion, k: int) -> list[list[tuple[int, float]]]:
-        tokens, positions, slots, mask = exp.tree.draft_inputs(exp.leaves, exp.n_prefix, exp.pending)
-        dev = self.model.k_cache.device
-        logits = self.model(tokens.to(dev), positions.to(dev), slots.to(dev), mask.to(dev),
-                            logits_rows=slice(len(exp.pending), None))
-        top = logits[:, :self.vocab_size].log_softmax(-1).topk(k, dim=-1)
-        ids, logps = top.indices.tolist(), top.values.tolist()
-        return [list(zip(i, v, strict=True)) for i, v in zip(ids, logps, strict=True)]
+        """One copy of the rows to the device and one read of the proposals."""
+        s = self.staging.upload(exp.tree.draft_inputs(exp.leaves, exp.n_prefix, exp.pending))
+        logits = self.model(s.tokens, s.positions, s.slots, s.mask, logits_rows=slice(len(exp.pending), None))
+        return read_top(logits[:, :self.vocab_size].log_softmax(-1), k)
 
 
 class SuffixIndex:

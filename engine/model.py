@@ -68,10 +68,13 @@ class Attention(nn.Module):
                 k_cache: Tensor, v_cache: Tensor, attend: Callable = kernels.tree_attention) -> Tensor:
         t = x.shape[0]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
-        qk, v = self.wqkv(x).split_with_sizes([(nh + nkv) * hd, nkv * hd], dim=-1)
-        q, k = rope(qk.view(t, nh + nkv, hd)).split_with_sizes([nh, nkv], dim=1)
-        k_cache.index_copy_(1, slots, k.transpose(0, 1))
-        v_cache.index_copy_(1, slots, v.view(t, nkv, hd).transpose(0, 1))
+        if isinstance(self.wqkv, InvariantQKV):  # CUDA, batch-invariant: RoPE and the cache writes fused
+            q = self.wqkv.rotate_and_write(x, rope, slots, k_cache, v_cache, nh, nkv)
+        else:
+            qk, v = self.wqkv(x).split_with_sizes([(nh + nkv) * hd, nkv * hd], dim=-1)
+            q, k = rope(qk.view(t, nh + nkv, hd)).split_with_sizes([nh, nkv], dim=1)
+            k_cache.index_copy_(1, slots, k.transpose(0, 1))
+            v_cache.index_copy_(1, slots, v.view(t, nkv, hd).transpose(0, 1))
         # mask: kernels.prepare_mask's form of the [t, kv_len] bool mask
         kv_len = (mask.slots if isinstance(mask, KeyList) else mask).shape[-1]
         out = attend(q, k_cache.narrow(1, 0, kv_len), v_cache.narrow(1, 0, kv_len), mask, self.scale)
@@ -86,6 +89,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(inter, args.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        if isinstance(self.w13, InvariantGateUp):  # CUDA, batch-invariant: projection and activation fused
+            return self.w2(self.w13.swiglu(x, self.inter))
         if isinstance(self.w13, nn.Linear):
             return self.w2(kernels.swiglu(x, self.w13.weight, self.inter))
         gate, up = self.w13(x).chunk(2, dim=-1)  # an int8 CPU linear: same math
@@ -104,6 +109,39 @@ class InvariantLinear(nn.Module):
         from swiftspec.kernels import triton_kernels
 
         return triton_kernels.linear(x, self.weight, self.bias)
+
+
+class InvariantGateUp(InvariantLinear):
+    """The batch-invariant gate-up projection, which FeedForward runs fused with its activation
+    (triton_kernels.swiglu with fixed 16-row tiles)."""
+
+    def swiglu(self, x: Tensor, inter: int) -> Tensor:
+        from swiftspec.kernels import triton_kernels
+
+        return triton_kernels.swiglu(x, self.weight, inter, invariant=True)
+
+
+class InvariantQKV(InvariantLinear):
+    """The batch-invariant QKV projection, followed by one kernel that rotates q and k and writes k and v
+    into the cache (triton_kernels.rope_kv_write), in place of the elementwise RoPE and two copies."""
+
+    def rotate_and_write(self, x: Tensor, rope: RotateHalf, slots: Tensor, k_cache: Tensor, v_cache: Tensor,
+                         n_heads: int, n_kv_heads: int) -> Tensor:
+        from swiftspec.kernels import triton_kernels
+
+        qkv = self(x).view(x.shape[0], n_heads + 2 * n_kv_heads, -1)
+        return triton_kernels.rope_kv_write(qkv, rope.cos, rope.sin, slots, k_cache, v_cache, n_heads, n_kv_heads)
+
+
+@dataclass
+class RotateHalf:
+    """The batch-invariant mode's RoPE: rotate-half, elementwise, by fp32 [T, head_dim] tables."""
+
+    cos: Tensor
+    sin: Tensor
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return kernels.rope_rotate_half(x, self.cos, self.sin)
 
 
 def fbgemm_available() -> bool:
@@ -224,7 +262,9 @@ class Transformer(nn.Module):
         verification of n tree nodes then computes, bit for bit, what n one-token steps would (16-bit
         GEMMs and split reductions otherwise round differently by row count, and greedy argmaxes flip).
 
-        On CUDA: batch-invariant Triton linears and attention, elementwise RoPE. On the CPU the backends of
+        On CUDA: batch-invariant Triton linears and attention, elementwise RoPE; each layer's QKV projection
+        is followed by one kernel for RoPE and the cache writes, and its gate-up projection is fused with
+        the SwiGLU activation (InvariantQKV, InvariantGateUp). On the CPU the backends of
         engine/cpu_backends.py are invariant by construction; without them (no C compiler) a forward of T
         rows runs as T one-row forwards (T times the weight reads). Attention reads each row's own key list
         on CUDA and in the one-row fallback (kernels.KeyList). Exact across ranks only without TP (or with
@@ -232,10 +272,11 @@ class Transformer(nn.Module):
         """
         self.batch_invariant = True
         if self.tok_embeddings.weight.is_cuda:
+            fused = {"wqkv": InvariantQKV, "w13": InvariantGateUp}  # a layer's, with the work that follows
             for mod in list(self.modules()):
                 for name, child in list(mod.named_children()):
                     if isinstance(child, nn.Linear):
-                        setattr(mod, name, InvariantLinear(child))
+                        setattr(mod, name, fused.get(name, InvariantLinear)(child))
 
     def _all_reduce(self, x: Tensor) -> Tensor:
         """Sums the TP partials. On CUDA this is the one-shot symmetric-memory all-reduce where it works
@@ -269,7 +310,7 @@ class Transformer(nn.Module):
         dtype = self.norm.weight.dtype
         cos, sin = emb.cos(), emb.sin()
         if invariant:
-            rope = partial(kernels.rope_rotate_half, cos=cos, sin=sin)
+            rope = RotateHalf(cos, sin)
         else:
             rope = partial(kernels.apply_rope, rotation=kernels.rope_rotation(cos.to(dtype), sin.to(dtype)))
         attn = self.layers[0].attention

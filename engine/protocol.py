@@ -196,7 +196,8 @@ class Step:
     prefill_tokens: int = 0  # on the first step: tokens prefilled after KV reuse
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Its fields as they are (flat, so no deep copy: asdict's cost ~10x as much, once a step)."""
+        return dict(vars(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Step:

@@ -9,28 +9,34 @@ plus the node's ancestors and itself): ``Sampler.logits`` does it for all nodes 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from swiftspec.config import SamplingParams
+from swiftspec.engine.tree import ancestors
 
 
-def window_counts(history: list[int], tokens: list[int], ancestors: Tensor, last_n: int) -> tuple[Tensor, Tensor]:
+def window_counts(history: list[int], tokens: list[int], ancestors: np.ndarray, last_n: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """The tokens occurring in the last ``last_n`` tokens of any node's context, ``history`` followed by the
     node's path (``ancestors`` [n, n] bool: node i's ancestors and itself), and how often in each node's:
-    (ids [u], counts [n, u] fp32). Only these u <= last_n + n columns of the logits change."""
+    (ids [u], counts [n, u] int64), on the host. Only these u <= last_n + n columns of the logits change."""
     tail = history[-last_n:]
-    ids, column = torch.tensor(tail + tokens, dtype=torch.long).unique(return_inverse=True)
+    ids, column = np.unique(np.asarray(tail + tokens, dtype=np.int64), return_inverse=True)
     length = ancestors.sum(1)  # path length, root included
     # A path longer than the window keeps its last last_n nodes; the history fills what the path leaves.
     in_path = ancestors & (length[None, :] > length[:, None] - last_n)
     first_hist = length[:, None] - last_n + len(tail)  # the history positions >= this are in the window
-    in_hist = torch.arange(len(tail))[None, :] >= first_hist
-    members = torch.cat([in_hist, in_path], dim=1).float()
-    return ids, torch.zeros(len(tokens), len(ids)).scatter_add_(1, column.expand(len(tokens), -1), members)
+    in_hist = np.arange(len(tail))[None, :] >= first_hist
+    members = np.concatenate([in_hist, in_path], axis=1).astype(np.int64)
+    return ids, members @ (column.reshape(-1)[:, None] == np.arange(len(ids))[None, :])
 
 
 class Sampler:
+    """The target's distribution at tree nodes and the draws from it, on the logits' device: nothing here
+    reads a device value, so a round's choices reach the host with its verdict."""
+
     def __init__(self, params: SamplingParams, device: str | torch.device = "cpu"):
         self.params = params.validate()
         self.greedy = params.temperature == 0
@@ -40,20 +46,35 @@ class Sampler:
         else:
             self.generator.manual_seed(params.seed)
 
-    def logits(self, logits: Tensor, history: list[int], tokens: list[int], ancestors: Tensor) -> Tensor:
-        """[n, V] logits at the n tree nodes -> the same, penalised by each node's own path (fp32); as they
-        are without a penalty. ``history``: the tokens before the root (tokens[0])."""
+    def penalty_counts(self, history: list[int], tokens: list[int], parents: list[int]
+                       ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The host half of ``logits`` for a tree (``parents``): window_counts of its nodes (None without
+        a penalty), staged with the round's inputs."""
+        if not self.params.penalised:
+            return None
+        return window_counts(history, tokens, ancestors(parents), self.params.repeat_last_n)
+
+    def penalise(self, logits: Tensor, ids: Tensor, counts: Tensor) -> Tensor:
+        """[n, V] logits penalised by each node's window counts (``ids`` [u], ``counts`` [n, u] on the
+        logits' device) -> fp32."""
         p = self.params
-        if not p.penalised:
-            return logits
-        ids, counts = window_counts(history, tokens, ancestors.cpu(), p.repeat_last_n)
-        ids, counts = ids.to(logits.device), counts.to(logits.device)
         out = logits.float().clone()
         x, seen = out[:, ids], counts > 0
         if p.repeat_penalty != 1:
             x = torch.where(seen, torch.where(x > 0, x / p.repeat_penalty, x * p.repeat_penalty), x)
-        out[:, ids] = x - p.frequency_penalty * counts - p.presence_penalty * seen.float()
+        out[:, ids] = x - p.frequency_penalty * counts.float() - p.presence_penalty * seen.float()
         return out
+
+    def logits(self, logits: Tensor, history: list[int], tokens: list[int], ancestors: np.ndarray | Tensor
+               ) -> Tensor:
+        """[n, V] logits at the n tree nodes -> the same, penalised by each node's own path (fp32); as they
+        are without a penalty. ``history``: the tokens before the root (tokens[0]). Moves the counts on
+        their own: for a prefill and tests; a round stages them with its inputs."""
+        if not self.params.penalised:
+            return logits
+        found = window_counts(history, tokens, np.asarray(ancestors), self.params.repeat_last_n)
+        ids, counts = (torch.from_numpy(a).to(logits.device) for a in found)
+        return self.penalise(logits, ids, counts)
 
     def probs(self, logits: Tensor) -> Tensor:
         """[..., V] (penalised) logits -> the fp32 distribution to sample from (temperature, then top-k,
@@ -75,15 +96,20 @@ class Sampler:
             probs = probs / probs.sum(-1, keepdim=True)
         return probs
 
-    def draw(self, probs: Tensor) -> int:
-        """One token from an (unnormalised, non-negative) distribution [V]."""
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+    def draw(self, probs: Tensor) -> Tensor:
+        """One token per row from (unnormalised, non-negative) distributions [..., V], as a tensor: the
+        exponential race argmax(p / E), E ~ Exp(1) i.i.d., which is an exact draw from p (what
+        torch.multinomial does for one sample) and needs no read of p."""
+        race = torch.empty_like(probs).exponential_(generator=self.generator)
+        return (probs / race).argmax(-1)
 
-    def uniform(self) -> float:
-        return float(torch.rand((), generator=self.generator, device=self.generator.device))
+    def choose(self, logits: Tensor) -> Tensor:
+        """The target's token at each of n nodes from (penalised) logits [n, V]: the argmax when greedy,
+        else a draw from its distribution; [n] int64 on the logits' device."""
+        if self.greedy:
+            return logits.argmax(-1)
+        return self.draw(self.probs(logits))
 
     def sample(self, logits: Tensor) -> int:
-        """The next token from (penalised) logits [V]: argmax when greedy."""
-        if self.greedy:
-            return int(logits.argmax())
-        return self.draw(self.probs(logits))
+        """The next token from (penalised) logits [V] (a prefill's first token: read at once)."""
+        return int(self.choose(logits[None])[0])

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import heapq
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from swiftspec.engine.transfers import Rows
 
 
 class TokenTree:
@@ -112,55 +115,57 @@ class TokenTree:
         t.leaves = {new_id[i] for i in keep if i in self.leaves}
         return t, keep
 
-    def draft_inputs(self, leaves: list[int], n_prefix: int, pending: list[int]
-                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Inputs of one draft forward: the pending tokens (verified, no draft KV yet; they go to slots
-        ``n_prefix..``) then the leaves, which must already have their slots. Non-square mask: each leaf
-        sees the whole prefix (pending included) and the slots of its ancestors and itself.
-
-        Returns tokens, positions, slots, mask [len(pending) + len(leaves), kv_len].
-        """
+    def draft_inputs(self, leaves: list[int], n_prefix: int, pending: list[int]) -> Rows:
+        """The rows of one draft forward: the pending tokens (verified, no draft KV yet; they go to slots
+        ``n_prefix..``, each seeing the prefix and the pending tokens before it) then the leaves, which
+        must already have their slots and see the whole prefix (pending included) and the slots of their
+        ancestors and themselves."""
         n_p = len(pending)
         base = n_prefix + n_p
-        kv_len = max([base] + [self.slot[i] + 1 for i in leaves])
-        mask = torch.zeros(n_p + len(leaves), kv_len, dtype=torch.bool)
-        if n_p:
-            mask[:n_p, :base] = torch.ones(n_p, base, dtype=torch.bool).tril(n_prefix)
-        mask[n_p:, :base] = True
-        rows, cols = [], []
-        for r, leaf in enumerate(leaves):
-            for a in self.path_to(leaf):
-                rows.append(n_p + r)
-                cols.append(self.slot[a])
-        mask[rows, cols] = True
-        tokens = pending + [self.token[i] for i in leaves]
-        positions = list(range(n_prefix, base)) + [base + self.depth[i] for i in leaves]
-        slots = list(range(n_prefix, base)) + [self.slot[i] for i in leaves]
-        as_t = lambda x: torch.tensor(x, dtype=torch.long)
-        return as_t(tokens), as_t(positions), as_t(slots), mask
+        own = list(range(n_prefix, base))
+        paths = [[self.slot[a] for a in self.path_to(leaf)] for leaf in leaves]
+        width = max([1] + [len(p) for p in paths])
+        table = [[s] * width for s in own] + [p + [p[-1]] * (width - len(p)) for p in paths]  # padded: own slot
+        return Rows(tokens=pending + [self.token[i] for i in leaves],
+                    positions=own + [base + self.depth[i] for i in leaves],
+                    slots=own + [self.slot[i] for i in leaves],
+                    visible=[s + 1 for s in own] + [base] * len(leaves), ancestors=table,
+                    kv_len=max([base] + [self.slot[i] + 1 for i in leaves]))
 
 
-def tree_mask(parents: list[int]) -> Tensor:
-    """[n, n] bool: node i attends to its ancestors and itself (parents[i] < i, parents[0] == -1)."""
-    n = len(parents)
-    m = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        m[i] |= m[parents[i]]
+def ancestor_lists(parents: list[int]) -> list[list[int]]:
+    """Node i's ancestors and itself, root first (parents[i] < i, parents[0] == -1)."""
+    out: list[list[int]] = []
+    for i, p in enumerate(parents):
+        out.append((out[p] if p >= 0 else []) + [i])
+    return out
+
+
+def ancestors(parents: list[int]) -> np.ndarray:
+    """[n, n] bool: node i's ancestors and itself."""
+    m = np.zeros((len(parents), len(parents)), dtype=bool)
+    for i, anc in enumerate(ancestor_lists(parents)):
+        m[i, anc] = True
     return m
 
 
-def depths(parents: list[int]) -> list[int]:
-    d = [0] * len(parents)
-    for i in range(1, len(parents)):
-        d[i] = d[parents[i]] + 1
-    return d
+def tree_mask(parents: list[int]) -> Tensor:
+    """ancestors() as a tensor: node i attends to its ancestors and itself."""
+    return torch.from_numpy(ancestors(parents))
+
+
+def target_rows(parents: list[int], tokens: list[int], n_prefix: int) -> Rows:
+    """The rows of a target verification: the n tree nodes go to slots ``n_prefix..n_prefix+n`` in order
+    and see the whole prefix and the slots of their ancestors and themselves."""
+    paths = ancestor_lists(parents)
+    width = max(len(p) for p in paths)
+    slots = [n_prefix + i for i in range(len(parents))]
+    return Rows(tokens=tokens, positions=[n_prefix + len(p) - 1 for p in paths], slots=slots,
+                visible=[n_prefix] * len(parents), kv_len=n_prefix + len(parents),
+                ancestors=[[n_prefix + a for a in p] + [s] * (width - len(p)) for p, s in zip(paths, slots, strict=True)])
 
 
 def target_inputs(parents: list[int], n_prefix: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Positions, slots and mask of a target verification: the n tree nodes go to slots
-    ``n_prefix..n_prefix+n`` in order; the mask is full over the prefix and the tree mask over the nodes."""
-    n = len(parents)
-    positions = n_prefix + torch.tensor(depths(parents), dtype=torch.long)
-    slots = torch.arange(n_prefix, n_prefix + n)
-    mask = torch.cat([torch.ones(n, n_prefix, dtype=torch.bool), tree_mask(parents)], dim=1)
-    return positions, slots, mask
+    """Positions, slots and mask (host tensors) of a target verification (see target_rows)."""
+    rows = target_rows(parents, [0] * len(parents), n_prefix)
+    return torch.tensor(rows.positions), torch.tensor(rows.slots), rows.host_mask()

@@ -9,6 +9,7 @@ with one gather and one index_copy per cache tensor across all layers; nothing i
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -20,13 +21,28 @@ class ContextFull(RuntimeError):
     """The conversation no longer fits the KV cache."""
 
 
+@dataclass
+class Move:
+    """KV to move: the slots ``src`` go to ``first, first + 1, ...`` (empty: nothing to move)."""
+
+    src: list[int] = field(default_factory=list)
+    first: int = 0
+
+
 class TreeKVCache:
-    def __init__(self, model=None, move_slots: Callable[[Tensor, Tensor], None] | None = None):
+    """``deferred``: a commit only records its move (``pending``), which the next forward's caller applies
+    with the slots it staged with its own inputs (``apply``), so that a round copies to the device once;
+    whoever else reads the cache calls ``apply()`` first."""
+
+    def __init__(self, model=None, move_slots: Callable[[Tensor, Tensor], None] | None = None,
+                 deferred: bool = False):
         """``model`` None: slot bookkeeping only (model-free drafters). ``move_slots(src, dst)``: moves
         the caller's own per-slot state along with the KV (a draft head's predicted features)."""
         self.model = model
         self.move_slots = move_slots
+        self.deferred = deferred
         self.prefix_len = 0
+        self.pending = Move()
 
     @property
     def capacity(self) -> int:
@@ -40,13 +56,23 @@ class TreeKVCache:
         while skip < len(src) and src[skip] == first + skip:
             skip += 1
         if skip < len(src) and self.model is not None:
-            src_t = torch.tensor(src[skip:], dtype=torch.long, device=self.model.k_cache.device)
-            dst_t = torch.arange(first + skip, first + len(src), device=src_t.device)
-            for cache in (self.model.k_cache, self.model.v_cache):
-                cache.index_copy_(2, dst_t, cache.index_select(2, src_t))
-            if self.move_slots is not None:
-                self.move_slots(src_t, dst_t)
+            self.pending = Move(src[skip:], first + skip)
+            if not self.deferred:
+                self.apply()
         self.prefix_len += n_verified
+
+    def apply(self, src: Tensor | None = None) -> None:
+        """Carries out the pending move; ``src``: its slots, already on the device."""
+        move, self.pending = self.pending, Move()
+        if not move.src:
+            return
+        if src is None:
+            src = torch.tensor(move.src, dtype=torch.long, device=self.model.k_cache.device)
+        dst = torch.arange(move.first, move.first + len(move.src), device=src.device)
+        for cache in (self.model.k_cache, self.model.v_cache):
+            cache.index_copy_(2, dst, cache.index_select(2, src))
+        if self.move_slots is not None:
+            self.move_slots(src, dst)
 
 
 def causal_mask(start: int, n: int) -> Tensor:

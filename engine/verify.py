@@ -10,57 +10,46 @@ order; accept x_i with probability p(x_i) / sum(p); on rejection set p(x_i) = 0 
 rejected, draw the bonus from what is left of p. This is exactly a draw from p, decomposed as "x_1? else
 x_2? else ...", so every emitted token has the target's distribution whatever the draft proposed; the
 draft only decides how often the draw lands on a child (is accepted).
+
+That decomposition is carried out as what it equals: at every node one draw y from p (``Sampler.choose``,
+on the device), then the first child whose token is y is accepted, and y is the bonus where none is.
+Greedy is the same walk with y the argmax. So both modes read back one thing, every node's choice, in one
+transfer, and walk the tree on the host (``walk``). Drawing at nodes the walk never reaches changes
+nothing: each node's draw is independent of the others.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from torch import Tensor
 
 from swiftspec.engine.sampling import Sampler
 
 
-def children_lists(parents: list[int]) -> list[list[int]]:
+@dataclass
+class Walk:
+    """A verification's outcome: the accepted node indices (root excluded) and the bonus token."""
+
+    path: list[int]
+    bonus: int
+
+
+def walk(choice: list[int], tokens: list[int], parents: list[int]) -> Walk:
+    """From the root, the first child whose token is the target's choice at its parent, as long as there
+    is one; the choice where there is none is the bonus token."""
     kids: list[list[int]] = [[] for _ in parents]
     for i in range(1, len(parents)):
         kids[parents[i]].append(i)
-    return kids
-
-
-def verify_greedy(logits: Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
-    """logits [n, V] at the n nodes -> (accepted node indices, root excluded; bonus token)."""
-    best = logits.argmax(-1).tolist()
-    kids = children_lists(parents)
     path, u = [], 0
     while True:
-        nxt = next((c for c in kids[u] if tokens[c] == best[u]), None)
+        nxt = next((c for c in kids[u] if tokens[c] == choice[u]), None)
         if nxt is None:
-            return path, best[u]
+            return Walk(path, choice[u])
         path.append(nxt)
         u = nxt
 
 
-def verify_sampling(logits: Tensor, tokens: list[int], parents: list[int], sampler: Sampler
-                    ) -> tuple[list[int], int]:
-    """Multi-candidate rejection sampling over the siblings at each node of the accepted path (see the
-    module docstring); the target's distribution is computed only at the nodes the path visits."""
-    kids = children_lists(parents)
-    path, u = [], 0
-    while True:
-        p = sampler.probs(logits[u])
-        for c in kids[u]:
-            x = tokens[c]
-            px = float(p[x])
-            if px > 0 and sampler.uniform() * float(p.sum()) < px:
-                path.append(c)
-                u = c
-                break
-            p[x] = 0.0
-        else:
-            return path, sampler.draw(p)
-
-
-def verify_tree(logits: Tensor, tokens: list[int], parents: list[int], sampler: Sampler
-                ) -> tuple[list[int], int]:
-    if sampler.greedy:
-        return verify_greedy(logits, tokens, parents)
-    return verify_sampling(logits, tokens, parents, sampler)
+def verify_tree(logits: Tensor, tokens: list[int], parents: list[int], sampler: Sampler) -> Walk:
+    """logits [n, V] at the n nodes (penalised) -> the accepted nodes and the bonus token."""
+    return walk(sampler.choose(logits).tolist(), tokens, parents)

@@ -287,14 +287,17 @@ def _swiglu_kernel(
     tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-def swiglu(x: Tensor, w_gate_up: Tensor, inter: int) -> Tensor:
-    """See reference.swiglu: gate and up tiles share each x tile, and [T, 2*inter] never reaches memory."""
+def swiglu(x: Tensor, w_gate_up: Tensor, inter: int, invariant: bool = False) -> Tensor:
+    """See reference.swiglu: gate and up tiles share each x tile, and [T, 2*inter] never reaches memory.
+    ``invariant``: 16-row tiles whatever the rows, so that a row's result does not depend on the call
+    (the tiles over the weight and K already depend on the weight's shape alone): the batch-invariant
+    mode's gate-up projection and activation in one launch, where InvariantLinear + silu + mul take three."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     assert w_gate_up.shape == (2 * inter, K) and x2.stride(-1) == w_gate_up.stride(-1) == 1
     y = torch.empty(M, inter, dtype=x.dtype, device=x.device)
-    block_m = min(64, max(16, triton.next_power_of_2(M)))
+    block_m = 16 if invariant else min(64, max(16, triton.next_power_of_2(M)))
     block_k = 128 if x.element_size() == 2 else 64
     block_n = _weight_block_n(inter, x.device)
     grid = (triton.cdiv(inter, block_n), triton.cdiv(M, block_m))
@@ -362,3 +365,53 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4,
     )  # fmt: skip
     return y.view(*x.shape[:-1], N)
+
+
+@triton.jit
+def _rope_kv_kernel(
+    QKV, Cos, Sin, Slots, Q, KCache, VCache, n_heads, n_kv_heads,
+    stride_xt, stride_xh, stride_ct, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
+    HALF: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    h = tl.program_id(1)  # a head of the fused projection: q heads, then k heads, then v heads
+    d = tl.arange(0, HALF)
+    x = QKV + t * stride_xt + h * stride_xh + d
+    x1 = tl.load(x)
+    x2 = tl.load(x + HALF)
+    slot = tl.load(Slots + t)
+    if h < n_heads + n_kv_heads:  # q or k: rotate-half RoPE in fp32, each element on its own
+        c1, c2 = tl.load(Cos + t * stride_ct + d), tl.load(Cos + t * stride_ct + HALF + d)
+        s1, s2 = tl.load(Sin + t * stride_ct + d), tl.load(Sin + t * stride_ct + HALF + d)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        r1, r2 = f1 * c1 + -f2 * s1, f2 * c2 + f1 * s2
+        if h < n_heads:
+            out = Q + t * stride_qt + h * stride_qh + d
+        else:
+            out = KCache + (h - n_heads) * stride_kh + slot * stride_ks + d
+        tl.store(out, r1.to(Q.dtype.element_ty))
+        tl.store(out + HALF, r2.to(Q.dtype.element_ty))
+    else:  # v: written into the cache as it is
+        out = VCache + (h - n_heads - n_kv_heads) * stride_vh + slot * stride_vs + d
+        tl.store(out, x1)
+        tl.store(out + HALF, x2)
+
+
+def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  n_heads: int, n_kv_heads: int) -> Tensor:
+    """The fused projection's heads qkv [T, n_heads + 2 n_kv_heads, D]: q and k rotated as
+    reference.rope_rotate_half does (fp32 [T, D] cos/sin), k and v written into the caches
+    ([n_kv_heads, S, D]) at ``slots`` [T]; returns q [T, n_heads, D]. One launch where the batch-invariant
+    mode's elementwise RoPE and the two cache writes take about nine, each element computed on its own
+    (row-invariant by construction)."""
+    T, N, D = qkv.shape
+    assert N == n_heads + 2 * n_kv_heads and D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0, qkv.shape
+    assert qkv.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1 and qkv.dtype == k_cache.dtype
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q = torch.empty(T, n_heads, D, dtype=qkv.dtype, device=qkv.device)
+    _rope_kv_kernel[(T, N)](
+        qkv, cos, sin, slots, q, k_cache, v_cache, n_heads, n_kv_heads,
+        qkv.stride(0), qkv.stride(1), cos.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), HALF=D // 2,
+    )  # fmt: skip
+    return q

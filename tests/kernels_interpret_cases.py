@@ -150,3 +150,50 @@ def test_invariant_linear(M, N, K, bias, dtype):
     b = torch.randn(N, generator=g).to(dtype) if bias else None
     expected = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
     torch.testing.assert_close(tk.linear(x, w, b), expected, **(ATTN_TOL if dtype == torch.float32 else FP16_TOL))
+
+
+def test_swiglu_invariant_tiles():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 96, generator=g)
+    w = torch.randn(2 * 50, 96, generator=g) / 96**0.5
+    torch.testing.assert_close(tk.swiglu(x, w, 50, invariant=True), reference.swiglu(x, w, 50), **SWIGLU_TOL)
+
+
+def rope_kv_case(T, H, Hkv, D, S, dtype, seed):
+    """A fused projection's heads, RoPE tables, distinct slots and two caches with stale contents."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(T, H + 2 * Hkv, D, generator=g).to(dtype)
+    angles = torch.randn(T, D // 2, generator=g) * 50
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    slots = torch.randperm(S, generator=g)[:T]
+    k_cache, v_cache = (torch.randn(Hkv, S, D, generator=g).to(dtype) for _ in range(2))
+    return qkv, cos, sin, slots, k_cache, v_cache
+
+
+@pytest.mark.parametrize("T,H,Hkv,D,S,dtype", [(5, 4, 2, 64, 40, torch.float32), (3, 8, 8, 16, 9, torch.float16),
+                                               (1, 2, 1, 128, 3, torch.float32)])
+def test_rope_kv_write(T, H, Hkv, D, S, dtype):
+    """Against the unfused path (reference.rope_rotate_half, then the cache writes Attention makes)."""
+    qkv, cos, sin, slots, k_cache, v_cache = rope_kv_case(T, H, Hkv, D, S, dtype, seed=T * D)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q = tk.rope_kv_write(qkv, cos, sin, slots, k_cache, v_cache, H, Hkv)
+    q_ref, k = reference.rope_rotate_half(qkv[:, :H + Hkv], cos, sin).split_with_sizes([H, Hkv], dim=1)
+    k_ref.index_copy_(1, slots, k.transpose(0, 1))
+    v_ref.index_copy_(1, slots, qkv[:, H + Hkv:].transpose(0, 1))
+    tol = NORM_TOL if dtype == torch.float32 else FP16_TOL
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(k_cache, k_ref, **tol)
+    assert torch.equal(v_cache, v_ref)
+
+
+def test_rope_kv_write_rows_are_invariant():
+    """Row i of a T-row call writes and returns, bit for bit, what the one-row call of row i does."""
+    T, H, Hkv, D, S = 6, 4, 2, 32, 20
+    qkv, cos, sin, slots, k_cache, v_cache = rope_kv_case(T, H, Hkv, D, S, torch.float16, seed=5)
+    k_all, v_all = k_cache.clone(), v_cache.clone()
+    q_all = tk.rope_kv_write(qkv, cos, sin, slots, k_all, v_all, H, Hkv)
+    for i in range(T):
+        k_one, v_one = k_cache.clone(), v_cache.clone()
+        q_one = tk.rope_kv_write(qkv[i:i + 1], cos[i:i + 1], sin[i:i + 1], slots[i:i + 1], k_one, v_one, H, Hkv)
+        assert torch.equal(q_one[0], q_all[i])
+        assert torch.equal(k_one[:, slots[i]], k_all[:, slots[i]]) and torch.equal(v_one[:, slots[i]], v_all[:, slots[i]])

@@ -23,8 +23,12 @@ def test_dry_run_runs_every_cpu_step(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     steps = json.loads(report.read_text())["steps"]
     assert steps["tests"]["status"].startswith("skipped: dry run")
-    assert [steps[s]["status"] for s in ("engine", "decode", "attention")] == ["ok", "ok", "ok"]
+    assert [steps[s]["status"] for s in ("engine", "decode", "attention", "rounds")] == ["ok"] * 4
     engine = steps["engine"]
     assert engine["identical"] and engine["model-draft"]["tok_s"]["async"] > 0
     assert set(steps["decode"]["batch-invariant"]["verify_cost"]) == {"1", "2", "4", "8", "16", "32", "64"}
+    rounds = steps["rounds"]
+    assert {k: (v["up"], v["down"]) for k, v in rounds["transfers_per_round"].items()} == {
+        "greedy": (1, 1), "penalised": (1, 1), "sampled": (1, 1)}
+    assert rounds["launches_per_layer"] > 0 and 0 < rounds["engine_ar_share_of_step"]
     assert "gpu_check on cpu" in proc.stdout

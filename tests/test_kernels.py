@@ -110,6 +110,8 @@ HOPPER_VARIANTS = {
                      ["eps"], dict(HAS_RESIDUAL=True, BLOCK=4096), 8, 3),
     "swiglu": ("_swiglu_kernel", dict(X="bf16", W="bf16", Y="bf16"), [],
                dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, IEEE=False), 4, 4),
+    "rope_kv_write": ("_rope_kv_kernel", dict(QKV="bf16", Cos="fp32", Sin="fp32", Slots="i64", Q="bf16",
+                                              KCache="bf16", VCache="bf16"), [], dict(HALF=64), 4, 3),
 }  # fmt: skip
 
 
@@ -203,3 +205,42 @@ def test_gpu_swiglu_bf16(T, dim, inter):
     w = (torch.randn(2 * inter, dim, generator=g) / dim**0.5).to("cuda", torch.bfloat16)
     expected = reference.swiglu(x.float(), w.float(), inter)
     torch.testing.assert_close(kernels.swiglu(x, w, inter).float(), expected, **BF16_TOL)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("T,dim,inter", [(16, 2048, 8192), (37, 576, 1536)])
+def test_gpu_swiglu_invariant_rows_bf16(T, dim, inter):
+    """Fixed 16-row tiles: row i of a T-row call is, bit for bit, the one-row call of row i."""
+    from swiftspec.kernels import triton_kernels as tk
+
+    g = torch.Generator().manual_seed(inter)
+    x = torch.randn(T, dim, generator=g).to("cuda", torch.bfloat16)
+    w = (torch.randn(2 * inter, dim, generator=g) / dim**0.5).to("cuda", torch.bfloat16)
+    rows = tk.swiglu(x, w, inter, invariant=True)
+    torch.testing.assert_close(rows.float(), reference.swiglu(x.float(), w.float(), inter), **BF16_TOL)
+    for i in (0, T // 2, T - 1):
+        assert torch.equal(tk.swiglu(x[i:i + 1], w, inter, invariant=True)[0], rows[i])
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_rope_kv_write_bf16_rows_are_invariant():
+    from swiftspec.kernels import triton_kernels as tk
+
+    T, H, Hkv, D, S = 9, 32, 8, 128, 300
+    g = torch.Generator().manual_seed(9)
+    qkv = torch.randn(T, H + 2 * Hkv, D, generator=g).to("cuda", torch.bfloat16)
+    cos, sin = (t.cuda() for t in rope_tables(torch.randint(0, 4000, (T,), generator=g), D))
+    slots = torch.randperm(S, generator=g)[:T].cuda()
+    k_cache = torch.zeros(Hkv, S, D, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    q = tk.rope_kv_write(qkv, cos, sin, slots, k_cache, v_cache, H, Hkv)
+    q_ref, k_ref = reference.rope_rotate_half(qkv[:, :H + Hkv], cos, sin).split_with_sizes([H, Hkv], dim=1)
+    torch.testing.assert_close(q.float(), q_ref.float(), **BF16_TOL)
+    torch.testing.assert_close(k_cache[:, slots].transpose(0, 1).float(), k_ref.float(), **BF16_TOL)
+    assert torch.equal(v_cache[:, slots].transpose(0, 1), qkv[:, H + Hkv:])
+    for i in (0, T - 1):
+        k_one, v_one = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+        q_one = tk.rope_kv_write(qkv[i:i + 1], cos[i:i + 1], sin[i:i + 1], slots[i:i + 1], k_one, v_one, H, Hkv)
+        assert torch.equal(q_one[0], q[i]) and torch.equal(k_one[:, slots[i]], k_cache[:, slots[i]])

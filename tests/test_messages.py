@@ -1,7 +1,12 @@
 """The messages between ranks (engine/messages.py) and the TP follower loops that read them: every kind
-round-trips, and what does not fit or is not known is a clear error, never a silently wrong step."""
+round-trips (also over the leaders' socket, which takes only its peer), and what does not fit or is not
+known is a clear error, never a silently wrong step."""
 
 from __future__ import annotations
+
+import queue
+import socket
+import threading
 
 import pytest
 import torch
@@ -10,6 +15,7 @@ from swiftspec.config import SamplingParams
 from swiftspec.engine.loop import Request
 from swiftspec.engine.messages import Follow, FollowerStep, Kind, Start, Subtree, Verdict, Wire, WireError
 from swiftspec.engine.worker.serve import follow_draft, follow_target
+from swiftspec.engine.worker.wire import SocketLink, connect_leaders
 
 BS = 4
 
@@ -139,3 +145,50 @@ def test_each_follower_refuses_an_over_long_subtree(follow, state, op):
 def test_each_follower_refuses_a_step_that_is_not_its_own(follow, state, step):
     with pytest.raises(WireError, match="follower cannot take"):
         follow(state(), REQ, _feed(Wire(BS).pack_step(step)))
+
+
+def test_the_socket_link_carries_every_message_and_features():
+    a, b = socket.socketpair()
+    wire = Wire(BS)
+    left, right = SocketLink(wire, a), SocketLink(wire, b)
+    for msg in (Start(7, 2, 16), Subtree([5, 6, 7], [-1, 0, 0], 2, 1500), Verdict([1, 2], last=True)):
+        left.send(msg)
+        assert right.post_recv()() == msg
+    hidden = torch.randn(3, 16)
+    right.send_features(hidden)
+    assert torch.equal(left.recv_features(3, 16), hidden.half().float())
+    a.close()
+    with pytest.raises(WireError, match="closed"):
+        right.recv()
+
+
+def test_the_leaders_socket_takes_only_the_peer_with_the_secret(monkeypatch):
+    """The target leader's listener closes a connection that does not present the secret (another local
+    process found the port) and goes on waiting for its peer; the hello travels over gloo, faked here."""
+    from datetime import timedelta
+
+    from swiftspec.engine.worker import wire as wire_mod
+
+    hello: queue.Queue = queue.Queue()
+    monkeypatch.setattr(wire_mod.dist, "send", lambda t, dst: hello.put(t.clone()))
+    monkeypatch.setattr(wire_mod.dist, "recv", lambda t, src: t.copy_(hello.get()))
+    intruded = threading.Event()
+
+    def intruder_then_peer():
+        sent = hello.get()  # the intruder learns the port (and puts the hello back for the peer)
+        hello.put(sent)
+        port = int(sent[0])
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"x" * wire_mod.SECRET_BYTES)
+            assert s.recv(1) == b""  # closed on it
+        intruded.set()
+        peer.append(connect_leaders(Wire(BS), 1, 0, timedelta(seconds=30)))
+
+    peer: list = []
+    thread = threading.Thread(target=intruder_then_peer)
+    thread.start()
+    leader = connect_leaders(Wire(BS), 0, 1, timedelta(seconds=30))
+    thread.join()
+    assert intruded.is_set()
+    leader.send(Verdict([4]))
+    assert peer[0].recv() == Verdict([4])

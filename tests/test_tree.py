@@ -123,11 +123,12 @@ def test_draft_inputs_match_brute_force(tree, n_prefix, pending, w):
     nxt = max([s + 1 for s in tree.slot if s >= 0], default=n_prefix + len(pending))
     for j, leaf in enumerate(leaves):
         tree.slot[leaf] = nxt + j
-    tokens, positions, slots, mask = tree.draft_inputs(leaves, n_prefix, pending)
+    rows = tree.draft_inputs(leaves, n_prefix, pending)
+    mask = rows.host_mask()
     n_p, base = len(pending), n_prefix + len(pending)
-    assert tokens.tolist() == pending + [tree.token[i] for i in leaves]
-    assert positions.tolist() == list(range(n_prefix, base)) + [base + tree.depth[i] for i in leaves]
-    assert slots.tolist() == list(range(n_prefix, base)) + [tree.slot[i] for i in leaves]
+    assert rows.tokens == pending + [tree.token[i] for i in leaves]
+    assert rows.positions == list(range(n_prefix, base)) + [base + tree.depth[i] for i in leaves]
+    assert rows.slots == list(range(n_prefix, base)) + [tree.slot[i] for i in leaves]
     by_slot = {s: i for i, s in enumerate(tree.slot) if s >= 0}
     for r in range(mask.shape[0]):
         for j in range(mask.shape[1]):

@@ -19,12 +19,13 @@ from swiftspec.engine.frames import Failure, Hello, Ready
 from swiftspec.engine.loop import Finisher, Request, lead_draft, lead_target
 from swiftspec.engine.messages import Follow, FollowerStep, WireError
 from swiftspec.engine.model_dir import load_tokenizer
-from swiftspec.engine.protocol import EngineInfo
+from swiftspec.engine.protocol import EngineInfo, RankInfo
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.spec import WorkerSpec
 from swiftspec.engine.worker.leader_io import ScriptIO, SocketIO
 from swiftspec.engine.worker.profiling import choose_cpu_backend, choose_d, choose_kernel_threads, profile
 from swiftspec.engine.worker.setup import (
+    INIT_TIMEOUT,
     Ctx,
     HandRun,
     agree_on_features,
@@ -36,7 +37,7 @@ from swiftspec.engine.worker.setup import (
     target_precision,
     use_kernel_threads,
 )
-from swiftspec.engine.worker.wire import DistLink
+from swiftspec.engine.worker.wire import DistLink, SocketLink, connect_leaders
 
 # Request header, broadcast by the leader to every rank: int64[3] = cmd, prompt length, params length.
 CMD_SHUTDOWN, CMD_GENERATE = 0, 1
@@ -101,9 +102,20 @@ def _request(ctx: Ctx, io) -> Request | None:
     return req
 
 
-def serve(ctx: Ctx, io) -> None:
+def leader_link(ctx: Ctx, ranks: list[RankInfo]) -> SocketLink | DistLink | None:
+    """The leaders' Link (None on other ranks and without a draft group): a socket where both leaders
+    share a host, gloo otherwise."""
     draft_leader = ctx.n_target
-    link = DistLink(ctx.wire, draft_leader if ctx.rank == 0 else 0)
+    if ctx.world == ctx.n_target or ctx.rank not in (0, draft_leader):
+        return None
+    peer = draft_leader if ctx.rank == 0 else 0
+    if ranks[0].host == ranks[draft_leader].host:
+        return connect_leaders(ctx.wire, ctx.rank, peer, INIT_TIMEOUT)
+    return DistLink(ctx.wire, peer)
+
+
+def serve(ctx: Ctx, io, link: SocketLink | DistLink | None) -> None:
+    draft_leader = ctx.n_target
     while (req := _request(ctx, io)) is not None:
         use_kernel_threads(ctx, req.params.mode)
         if ctx.rank == 0:
@@ -161,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         t_verify, t_expand = profile(ctx, ranks, say)
         choose_kernel_threads(ctx, ranks, say)
         ctx.d = 0 if spec.draft == "none" else config.tree.d or choose_d(t_verify, t_expand)
+        link = leader_link(ctx, ranks)
         if io is not None:
             info = EngineInfo(
                 target=f"{spec.name} · {target_precision(ctx)}", draft=_draft_name(spec), ranks=ranks,
@@ -168,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 d=ctx.d, d_auto=config.tree.d is None, t_verify_ms=t_verify, t_expand_ms=t_expand,
                 eos_token_ids=sorted(ctx.eos), kernel_threads=ctx.kernel_threads)
             io.send(Ready(info))
-        serve(ctx, io)
+        serve(ctx, io, link)
     except BaseException as e:
         if isinstance(io, SocketIO):
             io.send(Failure(f"{type(e).__name__}: {e}"))

@@ -1,15 +1,27 @@
-"""The torch.distributed Link between the two group leaders: messages packed by ``engine/messages.py``'s
-Wire, hidden states as 16-bit tensors."""
+"""The Link between the two group leaders: messages packed by ``engine/messages.py``'s Wire, hidden
+states as 16-bit tensors. Over a TCP connection on loopback when both leaders share a host
+(``SocketLink``), else over torch.distributed (``DistLink``, gloo).
+
+Why not gloo for both: a gloo point-to-point message costs ~0.1-0.2 ms of CPU on each side and a chain of
+thread wake-ups through its I/O thread, twice a round; on the shared 2-core machine a gloo round trip of
+a Wire message took 2.9 ms against 74 us over a socket (19 us of CPU against 211 us).
+"""
 
 from __future__ import annotations
 
+import hmac
+import secrets
+import socket
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from swiftspec.engine.messages import LeaderMessage, Wire
+from swiftspec.engine.messages import LeaderMessage, Wire, WireError
+
+SECRET_BYTES = 32
 
 
 def features_to_wire(hidden: Tensor) -> Tensor:
@@ -52,3 +64,67 @@ class DistLink:
         t = torch.empty(rows, dim, dtype=torch.int16)
         dist.recv(t, src=self.peer)
         return features_from_wire(t)
+
+
+class SocketLink:
+    """A leader's Link to the other group's leader over a connected TCP socket (``connect_leaders``)."""
+
+    def __init__(self, wire: Wire, sock: socket.socket):
+        self.wire, self.sock = wire, sock
+        self.buf = wire.buffer()
+
+    def _read_into(self, t: Tensor) -> None:
+        view = memoryview(t.numpy()).cast("B")
+        while view:
+            got = self.sock.recv_into(view)
+            if not got:
+                raise WireError("the other leader closed the link")
+            view = view[got:]
+
+    def send(self, msg: LeaderMessage) -> None:
+        self.sock.sendall(self.wire.pack(msg).numpy())
+
+    def recv(self) -> LeaderMessage:
+        self._read_into(self.buf)
+        return self.wire.unpack(self.buf)
+
+    def post_recv(self) -> Callable[[], LeaderMessage]:
+        return self.recv  # the kernel buffers the message until it is read
+
+    def send_features(self, hidden: Tensor) -> None:
+        self.sock.sendall(features_to_wire(hidden).numpy())
+
+    def recv_features(self, rows: int, dim: int) -> Tensor:
+        t = torch.empty(rows, dim, dtype=torch.int16)
+        self._read_into(t)
+        return features_from_wire(t)
+
+
+def connect_leaders(wire: Wire, rank: int, peer: int, timeout: timedelta) -> SocketLink:
+    """The two leaders' socket: the lower rank (the target leader) listens on loopback on a free port and
+    sends it with a random secret to its peer over gloo; the peer connects and presents the secret, and
+    any other connection is closed. The listener closes once its peer is in."""
+    if rank < peer:
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            secret = secrets.token_bytes(SECRET_BYTES)
+            dist.send(torch.tensor([server.getsockname()[1], *secret], dtype=torch.int64), dst=peer)
+            server.settimeout(timeout.total_seconds())
+            while True:
+                sock, _ = server.accept()
+                sock.settimeout(timeout.total_seconds())
+                try:
+                    offered = sock.recv(SECRET_BYTES, socket.MSG_WAITALL)
+                except OSError:
+                    offered = b""
+                if hmac.compare_digest(offered, secret):
+                    break
+                sock.close()
+    else:
+        hello = torch.zeros(1 + SECRET_BYTES, dtype=torch.int64)
+        dist.recv(hello, src=peer)
+        port, *secret = hello.tolist()
+        sock = socket.create_connection(("127.0.0.1", port), timeout=timeout.total_seconds())
+        sock.sendall(bytes(secret))
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return SocketLink(wire, sock)
