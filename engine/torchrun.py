@@ -39,6 +39,7 @@ from swiftspec.engine.launcher import LOCAL_RENDEZVOUS as BACKEND
 from swiftspec.engine.lifeline import ENV_ENGINE_PID, ENV_LAUNCHER_PID, die_with_launcher, name_process
 
 ENGINE_POLL_S = 0.2
+EXIT_POLL_S = 0.02  # torchrun polls its workers every 0.1 s: their exits are seen here first
 
 
 class LocalRendezvous(RendezvousHandler):
@@ -138,7 +139,56 @@ def _launch(argv: list[str] | None) -> None:
 
     config, _, cmd_args = run.config_from_args(args)
     worker_args = cmd_args[cmd_args.index(args.training_script) + 1:]
-    elastic_launch(config=config, entrypoint=forked_worker)(*worker_args)
+    ended = threading.Event()
+    threading.Thread(target=_report_exits, args=(int(args.nproc_per_node), ended), daemon=True,
+                     name="report-exits").start()
+    try:
+        elastic_launch(config=config, entrypoint=forked_worker)(*worker_args)
+    finally:
+        ended.set()
+
+
+def _report_exits(n_workers: int, ended: threading.Event) -> None:
+    """Says how every forked worker that failed ended, in the words of torchrun's own report ("failed
+    (exitcode: -9) local_rank: 1 ..."), which for forked workers names only the first failure it polls:
+    a worker killed by a signal is then told apart from the peers that failed on their broken connections
+    to it (failures.WorkerOutput). It peeks (WNOWAIT) and leaves the reaping to torchrun."""
+    workers: dict[int, int] = {}  # pid -> rank, by the names the workers give themselves
+    told: set[int] = set()
+    while not ended.wait(EXIT_POLL_S):
+        if len(workers) < n_workers:
+            workers.update(_named_children())
+        for pid, rank in workers.items():
+            if pid in told:
+                continue
+            try:
+                status = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # reaped already
+                told.add(pid)
+                continue
+            if status is None:
+                continue
+            told.add(pid)
+            code = status.si_status if status.si_code == os.CLD_EXITED else -status.si_status
+            if code:
+                sys.stderr.write(f"swiftspec.engine.torchrun: failed (exitcode: {code}) local_rank: {rank} "
+                                 f"(pid: {pid}) of a forked worker\n")
+
+
+def _named_children() -> dict[int, int]:
+    """This process's forked workers that have named themselves (``swiftspec-rN``): pid -> rank N."""
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if int(rest[1]) == os.getpid() and name.startswith("swiftspec-r") and name[11:].isdigit():
+            found[int(entry.name)] = int(name[11:])
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:
