@@ -207,13 +207,11 @@ class Engine:
         abandon, or a second Ctrl-C, end the worker group: abandoning returns within CANCEL_TIMEOUT_S and
         the few seconds that ending the group takes, even with a hung worker.
         """
-        params = (params or SamplingParams()).validate()
         return self.generate_ids(encode_chat(self.tokenizer, messages), params)
 
     def complete(self, prompt: str, params: SamplingParams | None = None) -> Iterator[StepEvent]:
         """Streams the continuation of a raw prompt (no chat template: the OpenAI completions API), as
         generate() streams an answer."""
-        params = (params or SamplingParams()).validate()
         return self.generate_ids(encode_prompt(self.tokenizer, prompt), params)
 
     def generate_ids(self, ids: list[int], params: SamplingParams | None = None) -> Iterator[StepEvent]:

@@ -17,10 +17,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, NamedTuple
 
 from swiftspec.config import ConfigError, EngineConfig
 from swiftspec.engine.lifeline import ENV_ENGINE_PID
@@ -240,7 +240,21 @@ def alive_groups(pgids: Iterable[int]) -> list[int]:
     pgids = set(pgids)
     if not os.path.isdir("/proc/self"):
         return [g for g in pgids if _signal_group(g, 0)]
-    alive = set()
+    return sorted({p.pgrp for p in processes() if p.pgrp in pgids and p.state not in "ZX"})
+
+
+class ProcessStat(NamedTuple):
+    """A process as /proc/PID/stat describes it."""
+
+    pid: int
+    name: str  # its comm: at most 15 bytes
+    state: str
+    ppid: int
+    pgrp: int
+
+
+def processes() -> Iterator[ProcessStat]:
+    """Every process /proc shows (Linux), read one by one: one that ends meanwhile is left out."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -249,10 +263,8 @@ def alive_groups(pgids: Iterable[int]) -> list[int]:
                 stat = f.read()
         except OSError:
             continue
-        state, _ppid, pgrp = stat[stat.rindex(")") + 2:].split(" ", 3)[:3]
-        if int(pgrp) in pgids and state not in "ZX":
-            alive.add(int(pgrp))
-    return sorted(alive)
+        state, ppid, pgrp = stat[stat.rindex(")") + 2:].split(" ", 3)[:3]
+        yield ProcessStat(int(entry.name), stat[stat.index("(") + 1:stat.rindex(")")], state, int(ppid), int(pgrp))
 
 
 def _signal_group(pgid: int, sig: int) -> bool:

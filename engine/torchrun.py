@@ -34,11 +34,12 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from swiftspec.engine.launcher import ENV_STORE
+from swiftspec.engine.launcher import ENV_STORE, processes
 from swiftspec.engine.launcher import LOCAL_RENDEZVOUS as BACKEND
 from swiftspec.engine.lifeline import ENV_ENGINE_PID, ENV_LAUNCHER_PID, die_with_launcher, name_process
 
 ENGINE_POLL_S = 0.2
+WORKER_NAME = "swiftspec-r"  # a forked worker's name (ps, top), its rank after it
 EXIT_POLL_S = 0.02  # torchrun polls its workers every 0.1 s: their exits are seen here first
 
 
@@ -107,7 +108,7 @@ def forked_worker(*argv: str) -> None:
     torchrun starts as a program, it dies with torchrun and has a session of its own."""
     die_with_launcher()
     os.setsid()
-    name_process(f"swiftspec-r{os.environ.get('RANK', '')}")  # a fork shares torchrun's command line: ps, top
+    name_process(f"{WORKER_NAME}{os.environ.get('RANK', '')}")  # a fork shares torchrun's command line: ps, top
     for stream in (sys.stdout, sys.stderr):  # as `python -u`: a killed worker's last words reach the log
         stream.reconfigure(write_through=True)
     from swiftspec.engine.worker.serve import main as serve
@@ -176,19 +177,10 @@ def _report_exits(n_workers: int, ended: threading.Event) -> None:
 
 
 def _named_children() -> dict[int, int]:
-    """This process's forked workers that have named themselves (``swiftspec-rN``): pid -> rank N."""
-    found = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-        except OSError:
-            continue
-        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        if int(rest[1]) == os.getpid() and name.startswith("swiftspec-r") and name[11:].isdigit():
-            found[int(entry.name)] = int(name[11:])
-    return found
+    """This process's forked workers that have named themselves (WORKER_NAME + rank): pid -> rank."""
+    me = os.getpid()
+    return {p.pid: int(p.name[len(WORKER_NAME):]) for p in processes()
+            if p.ppid == me and p.name.startswith(WORKER_NAME) and p.name[len(WORKER_NAME):].isdigit()}
 
 
 def main(argv: list[str] | None = None) -> None:

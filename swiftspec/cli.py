@@ -282,8 +282,9 @@ def _engine_config(ctx: typer.Context, given: dict) -> EngineConfig:
 
 # The engine's options (ENGINE_OPTIONS) in place of a command's ``config`` parameter, which gets the one
 # EngineConfig they make; a refused value is a usage error that says where it came from.
+_TREE_DEFAULTS, _ENGINE_DEFAULTS = TreeParams(), EngineConfig()
 engine_options = _options_in_place_of(
-    "config", ENGINE_OPTIONS, {name: getattr(TreeParams() if name in TREE_FIELDS else EngineConfig(), name)
+    "config", ENGINE_OPTIONS, {name: getattr(_TREE_DEFAULTS if name in TREE_FIELDS else _ENGINE_DEFAULTS, name)
                                for name in ENGINE_OPTIONS}, _engine_config)
 
 

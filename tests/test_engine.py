@@ -396,6 +396,7 @@ def test_workers_started_as_programs_answer_as_forked_ones(target_dir, monkeypat
     """On GPUs torchrun starts the workers as programs (it never forks there), on the CPU it forks them:
     the program path, run here on the CPU, answers the same, and ends every process."""
     from swiftspec.engine import launcher
+    from swiftspec.engine.torchrun import WORKER_NAME
 
     expected = reference(target_dir, PROMPTS[0], 16)
     build = launcher.build_command
@@ -403,5 +404,5 @@ def test_workers_started_as_programs_answer_as_forked_ones(target_dir, monkeypat
     with start(target_dir) as eng:
         assert answer(eng, PROMPTS[0], max_new_tokens=16, mode="async")[0] == expected
         names = {Path(f"/proc/{r.pid}/comm").read_text().strip() for r in eng.info.ranks}
-    assert not any(n.startswith("swiftspec-r") for n in names)  # programs, not forks
+    assert not any(n.startswith(WORKER_NAME) for n in names)  # programs, not forks
     assert no_processes_left(eng)

@@ -21,6 +21,7 @@ from swiftspec.engine import launcher, protocol
 from swiftspec.engine.client import EngineError, encode_chat
 from swiftspec.engine.failures import WorkerOutput
 from swiftspec.engine.spec import WorkerSpec
+from swiftspec.engine.torchrun import WORKER_NAME
 
 
 def _children_by_parent() -> dict[int, list[int]]:
@@ -241,9 +242,9 @@ def _rank_pids(torchrun: int) -> dict[str, int]:
             name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        if name == "swiftspec-r0":
+        if name == f"{WORKER_NAME}0":
             found["target"] = pid
-        elif name == "swiftspec-r1":
+        elif name == f"{WORKER_NAME}1":
             found["draft"] = pid
     return found
 

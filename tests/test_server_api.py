@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 from fake_engine import INFO
+from helpers.engines import in_thread
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -184,35 +185,18 @@ def until(condition, within_s: float = 5.0) -> bool:
     return condition()
 
 
-def in_thread(fn, *args):
-    """Runs fn(*args) on a thread: (the thread, a dict that gets its "value", or its "error")."""
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn(*args)
-        except Exception as e:
-            box["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, box
-
-
 def test_requests_wait_in_order_and_a_full_queue_is_a_429(served):
     host, engines, url = served
     bodies = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(4)]
-    threads = []
+    results = []
     for i in range(3):  # one answering, two waiting: the queue holds 2
-        threads.append(in_thread(post, url, bodies[i]))
+        results.append(in_thread(post, url, bodies[i]))
         assert until(lambda i=i: len(engines[0].started) + host.waiting == i + 1)
     refused = post(url, bodies[3])
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "queue_full"
     engines[0].release(9)
-    for thread, _ in threads:
-        thread.join(5)
-    answers = [box["value"].json() for _, box in threads]
+    answers = [result().json() for result in results]
     assert [a["choices"][0]["message"]["content"] for a in answers] == ["t0 t1 t2 "] * 3
     assert [a["usage"]["completion_tokens"] for a in answers] == [3] * 3
     # answered in arrival order: the engine saw the prompts as they came
@@ -230,8 +214,8 @@ def test_a_client_that_hangs_up_frees_the_engine_queued_or_answering(served):
         assert next(lines).startswith("data: ")
         queued = in_thread(post, url, {"messages": USER}, 0.5)  # gives up while it waits
         assert until(lambda: host.waiting == 1)
-        queued[0].join(5)
-        assert isinstance(queued[1]["error"], httpx.ReadTimeout)
+        with pytest.raises(httpx.ReadTimeout):
+            queued()
         assert until(lambda: host.waiting == 0)  # dropped from the queue when it hung up
     assert until(lambda: not host.busy, 1.0)  # the answer was cancelled at once
     assert len(engine.started) == 1
@@ -244,15 +228,13 @@ def test_a_dead_worker_group_is_a_503_and_is_started_again(served):
     failing = in_thread(post, url, {"messages": USER})
     assert until(lambda: host.busy)
     engines[0].die()
-    failing[0].join(5)
-    response = failing[1]["value"]
+    response = failing()
     assert response.status_code == 503 and response.json()["error"]["code"] == "engine_unavailable"
     assert until(lambda: host.state == "ok" and len(engines) == 2)
     assert engines[0].closed
-    thread, box = in_thread(post, url, {"messages": USER})
+    asked = in_thread(post, url, {"messages": USER})
     engines[1].release(3)
-    thread.join(5)
-    assert box["value"].status_code == 200
+    assert asked().status_code == 200
     assert httpx.get(url + "/health").json()["status"] == "ok"
     assert "swiftspec_engine_restarts_total 1.0" in httpx.get(url + "/metrics", headers=KEY).text
 

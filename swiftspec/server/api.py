@@ -56,7 +56,7 @@ class Request:
 # Fields of OpenAI's requests we take or may ignore (they change nothing an answer could show), and the
 # values of those we do not support that mean "not used".
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-          "presence_penalty", "frequency_penalty", "user", "swiftspec", "top_k", "min_p", "repetition_penalty"}
+          "presence_penalty", "frequency_penalty", "swiftspec", "top_k", "min_p", "repetition_penalty"}
 HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 NOT_USED: dict[str, tuple] = {
     "n": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
@@ -237,7 +237,7 @@ def step_extension(token_ids: list[int], stats: StepStats, finish_reason: str | 
     return {"swiftspec": {"token_ids": token_ids, "stats": stats.to_dict(), "finish_reason": finish_reason}}
 
 
-OPENAI_SAMPLING = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+OPENAI_SAMPLING = [name for name, field in SAMPLING.items() if name == field and name not in EXTENSION]  # OpenAI's own
 
 
 def sampling_body(params: SamplingParams) -> dict[str, Any]:

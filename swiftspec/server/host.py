@@ -95,7 +95,7 @@ class EngineHost:
 
     def count_tokens(self, messages: list[dict]) -> int:
         try:
-            return len(encode_chat(self.tokenizer, messages))
+            return self.engine.count_tokens(messages)
         except EngineError as e:
             raise APIError(400, str(e), param="messages") from None
 
