@@ -42,13 +42,15 @@ from swiftspec.engine.sampling import Sampler
 
 
 class Link(Protocol):
-    """One leader's end of the channel to the other group's leader."""
+    """One leader's end of the channel to the other group's leader. ``due``: the ``time.perf_counter()``
+    at which the message is expected, so that a link whose receiver would otherwise sleep can poll for
+    it from shortly before (a sleeping receiver's wake-up sits on the round's critical path)."""
 
     def send(self, msg: LeaderMessage) -> None: ...
 
-    def recv(self) -> LeaderMessage: ...
+    def recv(self, due: float | None = None) -> LeaderMessage: ...
 
-    def post_recv(self) -> Callable[[], LeaderMessage]:
+    def post_recv(self, due: float | None = None) -> Callable[[], LeaderMessage]:
         """Starts receiving the next message; the returned call waits for it."""
 
     def send_features(self, hidden: Tensor) -> None: ...
@@ -128,9 +130,13 @@ class Finisher:
 
 
 def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finisher,
-                emit: Callable[[Step], None], tell=nobody, features: bool = False) -> None:
+                emit: Callable[[Step], None], tell=nobody, features: bool = False,
+                hold_steps: bool = False) -> None:
     """The target leader's loop for one answer; ``link`` None in ``ar``. ``features``: the drafter reads
-    the target's hidden states."""
+    the target's hidden states. ``hold_steps`` (speculative modes): emit each round's step once the next
+    subtree has arrived (the last at once), so that the user's side (the Engine and its UI) handles it
+    while the target verifies rather than while the draft answers the verdict; on a machine whose cores
+    the workers fill, that work would otherwise compete with the draft's critical path."""
     sampler = Sampler(req.params, target.device)
     t0 = time.perf_counter()
     root = target.prefill(req.prompt, sampler, hidden=features)
@@ -154,8 +160,14 @@ def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finis
         else:
             link.send(Start(root))
         emit(first)
+        held: Step | None = None
         while reason is None:
-            sub = link.recv()
+            try:
+                sub = link.recv(due=time.perf_counter())  # the draft answers as soon as it can
+            finally:
+                if held is not None:
+                    emit(held)
+                    held = None
             if not isinstance(sub, Subtree):
                 raise unexpected(sub, "a subtree")
             tell(FollowerStep(Follow.VERIFY, sub.tokens, sub.parents))
@@ -165,7 +177,11 @@ def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finis
             if features:
                 link.send_features(v.hidden)
             draft_ms = sub.expand_us / 1e3 / sub.expansions if sub.expansions else 0.0
-            emit(Step(tokens, reason, v.accepted, v.tree_size, draft_ms, v.target_ms))
+            step = Step(tokens, reason, v.accepted, v.tree_size, draft_ms, v.target_ms)
+            if hold_steps and reason is None:
+                held = step
+            else:
+                emit(step)
     tell(FollowerStep(Follow.END))
 
 
@@ -215,9 +231,10 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
         toks, parents = ds.subtree(draft_share)
         link.send(Subtree(toks, parents, n_exp, round(exp_ms * 1e3)))
         n_exp, exp_ms = 0, 0.0
-        verdict = link.post_recv()
+        window = ds.verify_ms(len(toks))  # the verification's expected time
+        verdict = link.post_recv(None if window is None else time.perf_counter() + window / 1e3)
         if asynchronous:  # grow the tree for the next round while the target verifies this one
-            window = ds.verify_ms(len(toks))  # past it, the target would wait for an expansion
+            # past the window, the target would wait for an expansion
             last = 0.0
             for _ in range(d):
                 if not ds.can_expand() or (window is not None and exp_ms + last > window):
@@ -289,13 +306,13 @@ class _End:
     def send(self, msg) -> None:
         self.outbox.put(msg)
 
-    def recv(self):
+    def recv(self, due: float | None = None):
         msg = self.inbox.get()
         if isinstance(msg, BaseException):
             raise RuntimeError("the other end of the link failed") from msg
         return msg
 
-    def post_recv(self) -> Callable[[], LeaderMessage]:
+    def post_recv(self, due: float | None = None) -> Callable[[], LeaderMessage]:
         return self.recv
 
     send_features = send

@@ -16,6 +16,8 @@ the side that receives it, never a silently wrong step.
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -86,16 +88,19 @@ class FollowerStep:
 
 
 class Wire:
-    """int64[4 + 2 bs]: kind, n, a, b, tokens[bs], parents[bs] (n tokens and n parents used)."""
+    """Each message as int64[4 + 2 bs]: kind, n, a, b, tokens[bs], parents[bs] (n tokens and n parents
+    used); as a tensor for torch.distributed (``pack``), as bytes for a socket (``encode``: struct
+    packing, no torch op on the round's critical path)."""
 
     def __init__(self, bs: int):
         self.bs = bs
         self.size = 4 + 2 * bs
+        self.layout = struct.Struct(f"<{self.size}q")
 
     def buffer(self) -> Tensor:
         return torch.zeros(self.size, dtype=torch.int64)
 
-    def _pack(self, kind: int, tokens, parents, a: int = 0, b: int = 0) -> Tensor:
+    def _words(self, kind: int, tokens, parents, a: int = 0, b: int = 0) -> list[int]:
         n = len(tokens)
         if n > self.bs:
             raise WireError(f"{n} tokens do not fit a message of {self.bs} (bs)")
@@ -103,29 +108,28 @@ class Wire:
             raise WireError(f"{n} tokens with {len(parents)} parents")
         pad = [0] * (self.bs - n)
         parents = list(parents) or [0] * n
-        return torch.tensor([kind, n, a, b, *tokens, *pad, *parents, *pad], dtype=torch.int64)
+        return [kind, n, a, b, *tokens, *pad, *parents, *pad]
 
-    def _unpack(self, t: Tensor) -> tuple[int, list[int], list[int], int, int]:
-        v = t.tolist()
+    def _fields(self, v: Sequence[int]) -> tuple[int, list[int], list[int], int, int]:
         kind, n, a, b = v[:4]
         if not 0 <= n <= self.bs:
             raise WireError(f"a message of kind {kind} claims {n} tokens, more than bs = {self.bs}")
-        return kind, v[4:4 + n], v[4 + self.bs:4 + self.bs + n], a, b
+        return kind, list(v[4:4 + n]), list(v[4 + self.bs:4 + self.bs + n]), a, b
 
-    def pack(self, msg: LeaderMessage) -> Tensor:
+    def words(self, msg: LeaderMessage) -> list[int]:
         match msg:
             case Start(root, reuse, hidden_size):
-                return self._pack(Kind.START, [root], (), reuse, hidden_size)
+                return self._words(Kind.START, [root], (), reuse, hidden_size)
             case Subtree(tokens, parents, expansions, expand_us):
                 if len(parents) != len(tokens):
                     raise WireError(f"a subtree of {len(tokens)} tokens with {len(parents)} parents")
-                return self._pack(Kind.SUBTREE, tokens, parents, expansions, expand_us)
+                return self._words(Kind.SUBTREE, tokens, parents, expansions, expand_us)
             case Verdict(path, last):
-                return self._pack(Kind.VERDICT, path, (), int(last))
+                return self._words(Kind.VERDICT, path, (), int(last))
         raise WireError(f"not a leader message: {msg!r}")
 
-    def unpack(self, t: Tensor) -> LeaderMessage:
-        kind, tokens, parents, a, b = self._unpack(t)
+    def message(self, v: Sequence[int]) -> LeaderMessage:
+        kind, tokens, parents, a, b = self._fields(v)
         match kind:
             case Kind.START if len(tokens) == 1:
                 return Start(tokens[0], a, b)
@@ -135,11 +139,23 @@ class Wire:
                 return Verdict(tokens, bool(a))
         raise WireError(f"unknown leader message: kind {kind} with {len(tokens)} tokens")
 
+    def pack(self, msg: LeaderMessage) -> Tensor:
+        return torch.tensor(self.words(msg), dtype=torch.int64)
+
+    def unpack(self, t: Tensor) -> LeaderMessage:
+        return self.message(t.tolist())
+
+    def encode(self, msg: LeaderMessage) -> bytes:
+        return self.layout.pack(*self.words(msg))
+
+    def decode(self, data: bytes | bytearray | memoryview) -> LeaderMessage:
+        return self.message(self.layout.unpack(data))
+
     def pack_step(self, step: FollowerStep) -> Tensor:
-        return self._pack(step.op, step.tokens, step.parents)
+        return torch.tensor(self._words(step.op, step.tokens, step.parents), dtype=torch.int64)
 
     def unpack_step(self, t: Tensor) -> FollowerStep:
-        op, tokens, parents, _, _ = self._unpack(t)
+        op, tokens, parents, _, _ = self._fields(t.tolist())
         try:
             return FollowerStep(Follow(op), tokens, parents)
         except ValueError:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -27,6 +28,9 @@ def test_leader_messages_round_trip(msg):
     t = wire.pack(msg)
     assert t.shape == (wire.size,) and t.dtype == torch.int64
     assert wire.unpack(t) == msg
+    data = wire.encode(msg)
+    assert data == t.numpy().astype("<i8").tobytes()  # the socket's bytes are gloo's tensor, word for word
+    assert wire.decode(bytearray(data)) == msg
 
 
 @pytest.mark.parametrize("step", [FollowerStep(Follow.END), FollowerStep(Follow.EXPAND),
@@ -55,14 +59,16 @@ def _raw(kind: int, n: int) -> torch.Tensor:
     return t
 
 
-def test_unknown_or_over_long_leader_messages_are_errors():
+@pytest.mark.parametrize("read", ["unpack", "decode"])
+def test_unknown_or_over_long_leader_messages_are_errors(read):
     wire = Wire(BS)
+    unpack = wire.unpack if read == "unpack" else lambda t: wire.decode(t.numpy().astype("<i8").tobytes())
     with pytest.raises(WireError, match="unknown leader message"):
-        wire.unpack(_raw(99, 1))
+        unpack(_raw(99, 1))
     with pytest.raises(WireError, match="more than bs"):
-        wire.unpack(_raw(Kind.SUBTREE, BS + 1))
+        unpack(_raw(Kind.SUBTREE, BS + 1))
     with pytest.raises(WireError, match="unknown leader message"):
-        wire.unpack(_raw(Kind.START, 2))  # a start names one root
+        unpack(_raw(Kind.START, 2))  # a start names one root
 
 
 class _Target:
@@ -192,3 +198,21 @@ def test_the_leaders_socket_takes_only_the_peer_with_the_secret(monkeypatch):
     assert intruded.is_set()
     leader.send(Verdict([4]))
     assert peer[0].recv() == Verdict([4])
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.002, 0.0065, 0.03])
+def test_a_receive_due_at_a_time_gets_the_message_whenever_it_comes(monkeypatch, delay_s):
+    """Due in 5 ms, polled from 1 ms before it for at most 1 ms past it: a message already there, one that
+    ends the sleep, one that comes while polling and one that comes after the polling gave up (the read
+    then blocks) are each read whole, in order."""
+    monkeypatch.setattr(SocketLink, "POLL_LEAD_S", 1e-3)
+    monkeypatch.setattr(SocketLink, "POLL_MAX_S", 1e-3)
+    a, b = socket.socketpair()
+    wire = Wire(BS)
+    left, right = SocketLink(wire, a), SocketLink(wire, b)
+    due = time.perf_counter() + 5e-3
+    sender = threading.Timer(delay_s, lambda: (left.send(Verdict([3, 4])), left.send(Verdict([5], last=True))))
+    sender.start()
+    assert right.post_recv(due)() == Verdict([3, 4])
+    assert right.recv(due) == Verdict([5], last=True)
+    sender.join()

@@ -18,7 +18,8 @@ from swiftspec.config import ConfigError, SamplingParams, TreeParams
 from swiftspec.engine.decode import DraftState, TargetState, profile_verify_cost
 from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter
 from swiftspec.engine.loader import load_model
-from swiftspec.engine.loop import LoopGuard, PaybackGate, generate
+from swiftspec.engine.loop import Finisher, LoopGuard, PaybackGate, Request, generate, lead_target
+from swiftspec.engine.messages import Start, Subtree
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.tree_cache import ContextFull, causal_mask, prefill_forward
 from swiftspec.engine.worker.wire import features_from_wire, features_to_wire
@@ -398,3 +399,44 @@ def test_features_cross_the_wire_as_float16():
     wire = features_to_wire(hidden)
     assert wire.dtype == torch.int16 and wire.shape == (5, 64)
     assert torch.equal(features_from_wire(wire), hidden.half().float())
+
+
+class NothingDraft:
+    """A Link standing in for a draft leader that proposes nothing (each subtree is the root alone: the
+    last verdict's bonus token) and dies after ``rounds`` subtrees; ``events`` records what the target
+    leader's loop saw, in order."""
+
+    def __init__(self, rounds: int, events: list):
+        self.root, self.left, self.events = None, rounds, events
+
+    def send(self, msg) -> None:
+        self.root = msg.root if isinstance(msg, Start) else msg.path[-1]
+
+    def recv(self, due=None):
+        if not self.left:
+            raise RuntimeError("the draft died")
+        self.left -= 1
+        self.events.append("subtree")
+        return Subtree([self.root], [-1])
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_held_steps_reach_the_user_after_the_next_subtree_and_none_is_lost(tiny, hold):
+    """hold_steps emits each round's step once the next subtree is in, so the user's side works while the
+    target verifies; every step still arrives, in order and with ar's tokens, the one held when the draft
+    dies included (then the error)."""
+    target = TargetState(tiny["target"], 512)
+    prompt, rounds = PROMPTS[0], 5
+    ar, _ = run(target, None, prompt, SamplingParams(max_new_tokens=rounds + 1, ignore_eos=True))
+    events: list = []
+    req = Request(0, prompt, SamplingParams(mode="sync", max_new_tokens=64, ignore_eos=True))
+    fin = Finisher(req, 256, set(), lambda: False)
+    with pytest.raises(RuntimeError, match="the draft died"):
+        lead_target(target, NothingDraft(rounds, events), req, fin, events.append, hold_steps=hold)
+    steps = [e for e in events if e != "subtree"]
+    assert [t for s in steps for t in s.tokens] == ar
+    order = ["step" if e != "subtree" else e for e in events]
+    if hold:  # the prefill's step, then each round's after the next subtree; the last held one on the error
+        assert order == ["step", "subtree", "subtree"] + ["step", "subtree"] * (rounds - 2) + ["step", "step"]
+    else:
+        assert order == ["step"] + ["subtree", "step"] * rounds

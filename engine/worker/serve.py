@@ -121,7 +121,7 @@ def serve(ctx: Ctx, io, link: SocketLink | DistLink | None) -> None:
         if ctx.rank == 0:
             fin = Finisher(req, ctx.spec.config.max_seq_len, ctx.eos, lambda rid=req.id: io.cancelled(rid))
             lead_target(ctx.target, link, req, fin, lambda step, rid=req.id: io.step(rid, step), ctx.tell,
-                        ctx.features and req.params.mode != "ar")
+                        ctx.features and req.params.mode != "ar", hold_steps=ctx.device.type == "cpu")
         elif ctx.role == "target":
             follow_target(ctx.target, req, ctx.next_step)
         elif req.params.mode == "ar":
