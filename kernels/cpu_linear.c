@@ -47,7 +47,12 @@
 #endif
 
 enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_F16 = 2, FMT_BF16 = 3, FMT_F32 = 4 };
-#define MAX_R 3 /* rows per tile */
+#define MAX_R 4 /* rows per tile, at most */
+#ifndef INT_TILE_ROWS
+#define INT_TILE_ROWS 4
+#endif
+/* rows per tile: the integer formats' accumulators take 2 registers a row, the float formats' 4 */
+#define TILE_ROWS(fmt) ((fmt) == FMT_Q4 || (fmt) == FMT_Q8 ? INT_TILE_ROWS : 3)
 
 typedef struct {
     int fmt, M, K, N;
@@ -255,13 +260,14 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, const int
 
 /* Columns in chunks whose weights stay in cache while every tile of rows passes over them. */
 static inline __attribute__((always_inline)) void columns_fmt(const job_t *j, const int fmt, int n0, int n1) {
-    const int rest = j->M % MAX_R, full = j->M - rest;
+    const int R = TILE_ROWS(fmt), rest = j->M % R, full = j->M - rest;
     for (int c0 = n0; c0 < n1; c0 += 16) {
         const int c1 = c0 + 16 < n1 ? c0 + 16 : n1;
-        for (int r0 = 0; r0 < full; r0 += MAX_R)
-            for (int n = c0; n < c1; n++) tile(j, fmt, MAX_R, r0, n);
+        for (int r0 = 0; r0 < full; r0 += R)
+            for (int n = c0; n < c1; n++) tile(j, fmt, R, r0, n);
         for (int n = c0; n < c1; n++) {
-            if (rest == 2) tile(j, fmt, 2, full, n);
+            if (rest == 3) tile(j, fmt, 3, full, n);
+            else if (rest == 2) tile(j, fmt, 2, full, n);
             else if (rest == 1) tile(j, fmt, 1, full, n);
         }
     }

@@ -59,6 +59,12 @@ def _compiler() -> str:
 
 
 @functools.cache
+def source_digest() -> str:
+    """The kernels' source, as an identity: what was measured with other kernels is not reused."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+@functools.cache
 def load(build_dir: Path) -> ctypes.CDLL:
     """The compiled library, built into ``build_dir`` on first use; KernelsUnavailable when it cannot be."""
     cc = _compiler()

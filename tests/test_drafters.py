@@ -70,6 +70,18 @@ def test_suffix_history_serves_short_matches():
     assert sd.lookup([9, 2, 3]) == ({4: 1}, 2 / (2 + sd.history_unseen))  # only the history knows "2 3"
     sd.extend([7, 9, 9])
     assert sd.lookup([5, 9, 9]) == ({2: 1}, 2 / (2 + sd.confidence))  # the conversation's own match wins
+    assert sd.match_weight(2) == 2 / (2 + sd.confidence)
+
+
+def test_a_match_weighs_more_the_longer_it_is_and_most_at_full_depth():
+    """The calibrated weights (SuffixDrafter's docstring): one token 0.2, then n / (n + 1.75), and a match
+    as deep as the index a copy at 0.955, above every shorter one's."""
+    sd = SuffixDrafter(max_order=16)
+    weights = [sd.match_weight(n) for n in range(1, 17)]
+    assert weights == sorted(set(weights)) and weights[0] == 0.2 and weights[-1] == 0.955
+    assert sd.match_weight(4) == 4 / 5.75 and sd.match_weight(40) == 0.955
+    sd.prefill(list(range(20)) * 2, 0)  # the conversation repeats itself: a full-depth copy
+    assert sd.lookup(list(range(20))[-16:]) == ({0: 1}, 0.955)
 
 
 def test_suffix_history_can_be_turned_off():
@@ -123,7 +135,7 @@ def test_suffix_drafter_falls_back_to_the_corpus():
     sd.prefill([1, 5, 2, 6, 6, 3], 0)
     assert sd.lookup([9, 4, 5, 6]) == ({7: 1, 8: 1}, 3 / (3 + sd.corpus_confidence))
     assert sd.lookup([9, 9, 6, 6]) == ({3: 1}, 2 / (2 + sd.confidence))  # the conversation's own "6 6"
-    assert sd.lookup([9, 9, 9, 5]) == ({2: 1}, 1 / (1 + sd.confidence))  # equally long: the conversation's
+    assert sd.lookup([9, 9, 9, 5]) == ({2: 1}, 1 / (1 + sd.one_token_confidence))  # equally long: the conversation's
 
 
 def test_corpus_file_round_trip_and_refusals(tmp_path):

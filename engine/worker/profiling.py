@@ -39,6 +39,7 @@ from swiftspec.engine.worker.setup import (
     use_kernel_threads,
     uses_cpu_kernels,
 )
+from swiftspec.kernels import cpu_linear
 
 D_MAX = 16
 PROFILE_FORMAT = 1  # bump when what is measured changes
@@ -174,8 +175,7 @@ def profile_path(ctx: Ctx, ranks: list[RankInfo]) -> Path | None:
     spec = ctx.spec
     settings = {k: v for k, v in spec.config.to_dict().items() if k not in NOT_TIMING}
     key = {
-        "format": PROFILE_FORMAT, "swiftspec": _version("swiftspec"), "torch": torch.__version__,
-        "machine": [platform.machine(), _cpu_name(), os.cpu_count()],
+        **_software_and_machine(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if torch.cuda.is_available() else [],
         "ranks": [[r.role, r.device, r.threads, r.host] for r in ranks],
@@ -187,6 +187,13 @@ def profile_path(ctx: Ctx, ranks: list[RankInfo]) -> Path | None:
         return None
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     return cache_dir() / "profiles" / f"{digest}.json"
+
+
+def _software_and_machine() -> dict:
+    """What every cached measurement is keyed by: the code that ran (the C kernels' source included, so a
+    change to them is measured afresh) and the machine it ran on."""
+    return {"format": PROFILE_FORMAT, "swiftspec": _version("swiftspec"), "torch": torch.__version__,
+            "kernels": cpu_linear.source_digest(), "machine": [platform.machine(), _cpu_name(), os.cpu_count()]}
 
 
 def _version(dist_name: str) -> str:
@@ -277,8 +284,7 @@ def choose_cpu_backend(ctx: Ctx, say: Callable[[str], None]) -> str:
         return candidates[0]
     choice = torch.zeros(1, dtype=torch.int64)
     if ctx.tp_rank == 0:
-        key = {"format": PROFILE_FORMAT, "swiftspec": _version("swiftspec"), "torch": torch.__version__,
-               "machine": [platform.machine(), _cpu_name(), os.cpu_count()], "threads": ctx.threads,
+        key = {**_software_and_machine(), "threads": ctx.threads,
                "shape": [model_args.dim, model_args.n_layers, model_args.n_heads, model_args.n_kv_heads,
                          model_args.intermediate_size, model_args.vocab_size, ctx.tp_world],
                "candidates": candidates, "draft": spec.draft if spec.draft in BUILTIN_DRAFTS else "model",
