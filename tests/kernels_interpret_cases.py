@@ -277,3 +277,58 @@ def test_rms_norm_linear_rows_are_invariant(dtype, swiglu):
             assert torch.equal(y[i], alone[i][0][i]), (m, i)
             assert torch.equal(new_res[i], alone[i][1][i]), (m, i)
 
+
+def invariant_transformer(fuse_norms: bool):
+    """A 2-layer random fp32 Transformer with the CUDA batch-invariant mode's modules, on the CPU: the
+    whole forward (attention_ops = reference, not the CPU's one-row fallback), attention in torch."""
+    from swiftspec.engine.model import Transformer
+    from swiftspec.engine.model_args import ModelArgs
+
+    args = ModelArgs(vocab_size=32, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, intermediate_size=48,
+                     qkv_bias=True)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + torch.randn_like(p) / 4 if "norm" in name else torch.randn_like(p) / 8)
+    model.eval()
+    model.batch_invariant, model.attention_ops = True, reference
+    model.use_invariant_kernels(fuse_norms)
+    model.setup_cache(16)
+    return model
+
+
+def test_fused_norms_forward_equals_unfused(monkeypatch):
+    """The model with both layer norms in the projections' prologues against the same weights unfused
+    (add_rms_norm, then InvariantQKV / InvariantGateUp): a 4-token prefill, then a one-token step; and the
+    fused forward's launches: per layer two norm + projection kernels and no norm of its own, one final norm."""
+    from swiftspec.engine.model import NormedGateUp, NormedQKV, PrologueNorm
+    from swiftspec.engine.tree_cache import causal_mask
+
+    fused, plain = invariant_transformer(True), invariant_transformer(False)
+    layer = fused.layers[0]
+    assert isinstance(layer.attention_norm, PrologueNorm) and isinstance(layer.ffn_norm, PrologueNorm)
+    assert isinstance(layer.attention.wqkv, NormedQKV) and isinstance(layer.feed_forward.w13, NormedGateUp)
+    assert layer.attention_norm.weight is fused.state_dict(keep_vars=True)["layers.0.attention_norm.weight"]
+    assert not isinstance(plain.layers[0].attention_norm, PrologueNorm)
+    tokens = torch.randint(0, 32, (5,), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(5)
+    for model in (fused, plain):
+        model.logits = [model(tokens[:4], pos[:4], pos[:4], causal_mask(0, 4))]
+        model.logits.append(model(tokens[4:], pos[4:], pos[4:], causal_mask(4, 1)))
+    for a, b in zip(fused.logits, plain.logits, strict=True):
+        torch.testing.assert_close(a, b, **NORM_TOL)
+    torch.testing.assert_close(fused.k_cache, plain.k_cache, **NORM_TOL)
+    torch.testing.assert_close(fused.v_cache, plain.v_cache, **NORM_TOL)
+
+    calls = {}
+    for mod, name in ((tk, "rms_norm_linear"), (tk, "linear"), (tk, "swiglu"), (tk, "rope_kv_write"),
+                      (tk, "add_rms_norm"), (reference, "add_rms_norm")):
+        def count(*a, _f=getattr(mod, name), _key=f"{mod.__name__.split('.')[-1]}.{name}", **k):
+            calls[_key] = calls.get(_key, 0) + 1
+            return _f(*a, **k)
+        monkeypatch.setattr(mod, name, count)
+    fused(tokens[4:], pos[4:], pos[4:], causal_mask(4, 1))
+    layers = fused.args.n_layers
+    assert calls == {"triton_kernels.rms_norm_linear": 2 * layers, "triton_kernels.rope_kv_write": layers,
+                     "triton_kernels.linear": 2 * layers + 1, "reference.add_rms_norm": 1}, calls
