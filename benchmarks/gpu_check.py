@@ -15,8 +15,10 @@ Steps, in order, each skipped when the budget left is below its estimate (the re
 4. attention — Triton tree attention (plain and batch-invariant) vs torch SDPA at 1k and 8k prefixes.
 5. rounds  — the 1B-shaped target as the engine runs it (batch-invariant, graphed): the host<->device
              transfers each verification round makes (engine/transfers.py's counter; greedy, penalised
-             and sampled), the kernels a decode step launches per layer, the graphed step's rate, and the
-             engine's ``ar`` tokens/s (from the engine step) as a share of it.
+             and sampled), the kernels a decode step launches per layer (six a layer's own in the
+             batch-invariant mode, plus the forward's embedding, mask, final norm and lm_head spread over
+             the layers), the graphed step's rate, and the engine's ``ar`` tokens/s (from the engine
+             step) as a share of it.
 
 ``--dry-run`` runs everything that needs no CUDA on the CPU with the configs scaled down (the tests
 step and Triton are skipped): the script's own test.

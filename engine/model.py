@@ -64,8 +64,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * args.head_dim, args.dim, bias=False)
         self.scale = 1.0 / math.sqrt(args.head_dim)
 
-    def forward(self, x: Tensor, rope: Callable[[Tensor], Tensor], slots: Tensor, mask: Tensor | KeyList,
-                k_cache: Tensor, v_cache: Tensor, attend: Callable = kernels.tree_attention) -> Tensor:
+    def forward(self, x: Tensor | NormedRows, rope: Callable[[Tensor], Tensor], slots: Tensor,
+                mask: Tensor | KeyList, k_cache: Tensor, v_cache: Tensor,
+                attend: Callable = kernels.tree_attention) -> Tensor:
         t = x.shape[0]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         if isinstance(self.wqkv, InvariantQKV):  # CUDA, batch-invariant: RoPE and the cache writes fused
@@ -88,7 +89,7 @@ class FeedForward(nn.Module):
         self.w13 = nn.Linear(args.dim, 2 * inter, bias=False)  # gate rows, then up rows
         self.w2 = nn.Linear(inter, args.dim, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor | NormedRows) -> Tensor:
         if isinstance(self.w13, InvariantGateUp):  # CUDA, batch-invariant: projection and activation fused
             return self.w2(self.w13.swiglu(x, self.inter))
         if isinstance(self.w13, nn.Linear):
@@ -131,6 +132,61 @@ class InvariantQKV(InvariantLinear):
 
         qkv = self(x).view(x.shape[0], n_heads + 2 * n_kv_heads, -1)
         return triton_kernels.rope_kv_write(qkv, rope.cos, rope.sin, slots, k_cache, v_cache, n_heads, n_kv_heads)
+
+
+@dataclass
+class NormedRows:
+    """rmsnorm(x + residual) * weight, not computed yet: what a PrologueNorm hands the projection after it
+    (NormedQKV, NormedGateUp), whose kernel normalises the rows as it loads them and writes x + residual
+    into ``new_residual`` (triton_kernels.rms_norm_linear). ``new_residual`` is x itself without a residual."""
+
+    x: Tensor
+    residual: Tensor | None
+    weight: Tensor
+    eps: float
+    new_residual: Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+
+class PrologueNorm(nn.Module):
+    """The CUDA batch-invariant mode's RMSNorm before a fused projection, sharing the RMSNorm's weight: it
+    launches nothing, but returns its input as NormedRows and the buffer the projection's kernel will
+    fill with x + residual. That residual may only be read after the projection has run, which
+    TransformerBlock.forward does (it is the next norm's input)."""
+
+    def __init__(self, norm: RMSNorm):
+        super().__init__()
+        self.eps, self.weight = norm.eps, norm.weight
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[NormedRows, Tensor]:
+        new_residual = x if residual is None else torch.empty_like(x)
+        return NormedRows(x, residual, self.weight, self.eps, new_residual), new_residual
+
+
+class NormedQKV(InvariantQKV):
+    """InvariantQKV with the attention norm in the projection's prologue: one launch for the norm, the
+    residual add and the QKV projection, where add_rms_norm + linear take two."""
+
+    def forward(self, x: NormedRows) -> Tensor:
+        from swiftspec.kernels import triton_kernels
+
+        return triton_kernels.rms_norm_linear(x.x, x.residual, x.weight, x.eps, self.weight, self.bias,
+                                              residual_out=x.new_residual)[0]
+
+
+class NormedGateUp(InvariantGateUp):
+    """InvariantGateUp with the MLP norm in the prologue: norm, residual add, gate-up projection and SwiGLU
+    in one launch, where add_rms_norm + swiglu take two."""
+
+    def swiglu(self, x: NormedRows, inter: int) -> Tensor:
+        from swiftspec.kernels import triton_kernels
+
+        assert self.weight.shape[0] == 2 * inter, (self.weight.shape, inter)
+        return triton_kernels.rms_norm_linear(x.x, x.residual, x.weight, x.eps, self.weight, swiglu=True,
+                                              residual_out=x.new_residual)[0]
 
 
 @dataclass
@@ -262,21 +318,37 @@ class Transformer(nn.Module):
         verification of n tree nodes then computes, bit for bit, what n one-token steps would (16-bit
         GEMMs and split reductions otherwise round differently by row count, and greedy argmaxes flip).
 
-        On CUDA: batch-invariant Triton linears and attention, elementwise RoPE; each layer's QKV projection
-        is followed by one kernel for RoPE and the cache writes, and its gate-up projection is fused with
-        the SwiGLU activation (InvariantQKV, InvariantGateUp). On the CPU the backends of
-        engine/cpu_backends.py are invariant by construction; without them (no C compiler) a forward of T
-        rows runs as T one-row forwards (T times the weight reads). Attention reads each row's own key list
+        On CUDA: batch-invariant Triton linears and attention, elementwise RoPE, fused around the layer's
+        projections (use_invariant_kernels). On the CPU the backends of engine/cpu_backends.py are
+        invariant by construction; without them (no C compiler) a forward of T rows runs as T one-row
+        forwards (T times the weight reads). Attention reads each row's own key list
         on CUDA and in the one-row fallback (kernels.KeyList). Exact across ranks only without TP (or with
         an all-reduce whose summation order is fixed).
         """
         self.batch_invariant = True
         if self.tok_embeddings.weight.is_cuda:
-            fused = {"wqkv": InvariantQKV, "w13": InvariantGateUp}  # a layer's, with the work that follows
-            for mod in list(self.modules()):
-                for name, child in list(mod.named_children()):
-                    if isinstance(child, nn.Linear):
-                        setattr(mod, name, fused.get(name, InvariantLinear)(child))
+            self.use_invariant_kernels()
+
+    def use_invariant_kernels(self, fuse_norms: bool = True) -> None:
+        """The CUDA batch-invariant mode's modules (Triton; tests run them on the CPU under
+        TRITON_INTERPRET=1): every linear an InvariantLinear; each layer's QKV projection followed by one
+        kernel for RoPE and the cache writes (InvariantQKV), its gate-up projection fused with SwiGLU
+        (InvariantGateUp); with ``fuse_norms`` both layer norms computed in the prologue of the
+        projection they feed (PrologueNorm, NormedQKV, NormedGateUp). A layer then launches six kernels
+        (without TP's all-reduces): norm + QKV, RoPE + KV writes, attention, output projection,
+        norm + gate-up + SwiGLU, down projection; eight with the norms on their own."""
+        if fuse_norms:
+            fused = {"wqkv": NormedQKV, "w13": NormedGateUp}
+        else:
+            fused = {"wqkv": InvariantQKV, "w13": InvariantGateUp}
+        for mod in list(self.modules()):
+            for name, child in list(mod.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(mod, name, fused.get(name, InvariantLinear)(child))
+        if fuse_norms:  # not the final norm: its output, the hidden states, is returned
+            for layer in self.layers:
+                layer.attention_norm = PrologueNorm(layer.attention_norm)
+                layer.ffn_norm = PrologueNorm(layer.ffn_norm)
 
     def _all_reduce(self, x: Tensor) -> Tensor:
         """Sums the TP partials. On CUDA this is the one-shot symmetric-memory all-reduce where it works

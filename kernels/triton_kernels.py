@@ -368,6 +368,110 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 @triton.jit
+def _residual_rows(X, R, rm, k, ok, stride_xm, stride_rm, HAS_RESIDUAL: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] tile of x + residual, rounded to x's dtype as _add_rms_norm_kernel rounds it."""
+    h = tl.load(X + rm[:, None] * stride_xm + k[None, :], mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rm[:, None] * stride_rm + k[None, :], mask=ok, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+    return h
+
+
+@triton.jit
+def _rms_norm_linear_kernel(
+    X, R, NW, W, B, Y, ROut, M, N, K, stride_xm, stride_rm, stride_rom, stride_wn, stride_ym, eps,
+    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    # Prologue: each row's sum of squares in fixed BLOCK_K tiles, one lane per column of a tile, then one
+    # reduction over the lanes; the first column tile's programs (pid_n == 0) store x + residual.
+    sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ok = m_ok[:, None] & ((k0 + rk) < K)[None, :]
+        h = _residual_rows(X, R, rm, k0 + rk, ok, stride_xm, stride_rm, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            if pid_n == 0:
+                tl.store(ROut + rm[:, None] * stride_rom + (k0 + rk)[None, :], h, mask=ok)
+        hf = h.to(tl.float32)
+        sq += hf * hf
+    rstd = tl.rsqrt(tl.sum(sq, 1) / K + eps)
+    # The GEMM of _linear_kernel (or _swiglu_kernel's two), its x tiles normalised as they are loaded.
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + rk) < K
+        h = _residual_rows(X, R, rm, k0 + rk, m_ok[:, None] & k_ok[None, :], stride_xm, stride_rm, HAS_RESIDUAL)
+        nw = tl.load(NW + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+        x = (h.to(tl.float32) * rstd[:, None] * nw[None, :]).to(X.dtype.element_ty)
+        w_ptrs = W + rn[:, None] * stride_wn + (k0 + rk)[None, :]
+        w_mask = (rn < N)[:, None] & k_ok[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        if SWIGLU:  # the up rows [N, 2N) share the x tile
+            wu = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+            if IEEE:
+                acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
+            else:
+                acc_u = tl.dot(x, tl.trans(wu), acc_u)
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * acc_u
+    elif HAS_BIAS:
+        acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & (rn < N)[None, :])
+
+
+def rms_norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
+                    bias: Tensor | None = None, *, swiglu: bool = False,
+                    residual_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """linear(add_rms_norm(x, residual, norm_weight, eps)[0], weight, bias) in one launch, and x + residual.
+
+    With ``swiglu`` the weight is [Wg; Wu] of 2 * inter rows and the result swiglu's silu(gate) * up (no
+    bias). x + residual is written into ``residual_out`` (allocated when None; x itself is returned
+    without a residual). Batch-invariant as ``linear`` is: the tiles of ``_linear_tiles``, whatever the
+    rows; each row's rms is summed in the same fixed BLOCK_K tiles whatever the call.
+
+    Two passes over each row's K: the first sums the squares (the rms needs the whole row before the
+    first tile enters the dot), the second normalises each tile as it is loaded and multiplies. Each
+    program reads its rows' x and residual twice (from L2; a few KB at decode sizes, next to its share of
+    the weight), where one pass scaling the accumulator by the rms at the end would feed the dot the
+    unnormalised row, rounded otherwise than the unfused path's. So the dot's operands are those
+    add_rms_norm hands linear, but for the rms's summation order (add_rms_norm sums a row at once):
+    equal to the unfused path up to that last bit of the rms, not bit for bit.
+    """
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    r2 = x2 if residual is None else residual.reshape(-1, K)
+    M = x2.shape[0]
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    assert weight.shape[1] == K and norm_weight.shape == (K,) and not (swiglu and bias is not None), weight.shape
+    assert x2.stride(-1) == r2.stride(-1) == weight.stride(-1) == norm_weight.stride(-1) == 1
+    if residual is None:
+        residual_out = x
+    elif residual_out is None:
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    ro2 = x2 if residual is None else residual_out.view(-1, K)  # other programs still read x and residual
+    assert residual is None or ro2.data_ptr() not in (x2.data_ptr(), r2.data_ptr())
+    y = torch.empty(M, n, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k = _linear_tiles(n, x.device, x.element_size())
+    _rms_norm_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(M, block_m))](
+        x2, r2, norm_weight, weight, weight if bias is None else bias, y, ro2, M, n, K,
+        x2.stride(0), r2.stride(0), ro2.stride(0), weight.stride(0), y.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4,
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], n), residual_out
+
+
+@triton.jit
 def _rope_kv_kernel(
     QKV, Cos, Sin, Slots, Q, KCache, VCache, n_heads, n_kv_heads,
     stride_xt, stride_xh, stride_ct, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,

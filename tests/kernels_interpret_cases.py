@@ -197,3 +197,138 @@ def test_rope_kv_write_rows_are_invariant():
         q_one = tk.rope_kv_write(qkv[i:i + 1], cos[i:i + 1], sin[i:i + 1], slots[i:i + 1], k_one, v_one, H, Hkv)
         assert torch.equal(q_one[0], q_all[i])
         assert torch.equal(k_one[:, slots[i]], k_all[:, slots[i]]) and torch.equal(v_one[:, slots[i]], v_all[:, slots[i]])
+
+
+def norm_linear_case(M, K, N, dtype, seed, residual=True, bias=False, swiglu=False):
+    """x, residual, the norm's weight, eps, the projection's weight ([Wg; Wu] with ``swiglu``) and bias."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=g) * 3).to(dtype)
+    r = torch.randn(M, K, generator=g).to(dtype) if residual else None
+    nw = (1 + torch.randn(K, generator=g) / 4).to(dtype)
+    w = (torch.randn(2 * N if swiglu else N, K, generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    return x, r, nw, 1e-6, w, b
+
+
+def unfused(x, r, nw, eps, w, b, swiglu, ops):
+    """add_rms_norm, then the projection: ``ops`` is tk (the Triton path the fusion replaces) or reference."""
+    h, new_res = ops.add_rms_norm(x, r, nw, eps)
+    if swiglu:
+        return (tk.swiglu(h, w, w.shape[0] // 2, invariant=True) if ops is tk else reference.swiglu(h, w, w.shape[0] // 2)), new_res
+    return (tk.linear(h, w, b) if ops is tk else torch.nn.functional.linear(h, w, b)), new_res
+
+
+@pytest.mark.parametrize("M,K,N,dtype,residual,bias,swiglu", [
+    (5, 200, 48, torch.float32, True, True, False),  # K over four tiles, the last one partial
+    (3, 96, 40, torch.float32, False, False, False),  # the first layer: no residual yet
+    (7, 130, 24, torch.float32, True, False, True),  # norm + gate-up + SwiGLU
+    (17, 64, 20, torch.float32, True, False, True),  # two row tiles
+    (4, 300, 32, torch.float16, True, True, False),
+    (6, 140, 36, torch.float16, True, False, True),
+])  # fmt: skip
+def test_rms_norm_linear_matches_unfused(M, K, N, dtype, residual, bias, swiglu):
+    """Against add_rms_norm then linear (or the invariant swiglu) in Triton and in torch; fp32 within
+    NORM_TOL (the rms is summed in another order than add_rms_norm's), fp16 within FP16_TOL of the fp32
+    reference. The residual x + residual is exact, written once for all column tiles (N spans several)."""
+    x, r, nw, eps, w, b = norm_linear_case(M, K, N, dtype, seed=M * K, residual=residual, bias=bias, swiglu=swiglu)
+    y, new_res = tk.rms_norm_linear(x, r, nw, eps, w, b, swiglu=swiglu)
+    y_tk, res_tk = unfused(x, r, nw, eps, w, b, swiglu, tk)
+    f32 = [None if t is None else t.float() for t in (x, r, nw, w, b)]
+    y_ref, _ = unfused(*f32[:3], eps, *f32[3:], swiglu, reference)
+    assert y.shape == (M, N) and y.dtype == dtype
+    if residual:
+        assert torch.equal(new_res, x + r) and torch.equal(new_res, res_tk)
+    else:
+        assert new_res is x
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, y_tk, **NORM_TOL)
+        torch.testing.assert_close(y, y_ref, **NORM_TOL)
+    else:
+        torch.testing.assert_close(y.float(), y_ref, **FP16_TOL)
+        torch.testing.assert_close(y, y_tk, **FP16_TOL)
+
+
+def test_rms_norm_linear_writes_the_given_residual_buffer():
+    x, r, nw, eps, w, b = norm_linear_case(3, 70, 40, torch.float32, seed=3)
+    buf = torch.full_like(x, float("nan"))
+    y, new_res = tk.rms_norm_linear(x, r, nw, eps, w, residual_out=buf)
+    assert new_res is buf and torch.equal(buf, x + r)
+    assert torch.equal(y, tk.rms_norm_linear(x, r, nw, eps, w)[0])
+
+
+@pytest.mark.parametrize("dtype,swiglu", [(torch.float32, False), (torch.float16, False), (torch.float32, True),
+                                          (torch.float16, True)])
+def test_rms_norm_linear_rows_are_invariant(dtype, swiglu):
+    """For M = 1..8, each row of an M-row call (K over several tiles) is bit for bit what it is in a call
+    whose other rows all differ (the 8-row call of fresh rows around it), output and residual; row 0 is
+    also the one-row call's. Not every row against the one-row call: numpy's GEMM, which computes tl.dot
+    here, rounds a row by its position in the tile (test_gpu_rms_norm_linear_rows_bf16 checks that on CUDA)."""
+    x, r, nw, eps, w, b = norm_linear_case(8, 150, 24, dtype, seed=11, bias=not swiglu, swiglu=swiglu)
+    others = norm_linear_case(8, 150, 24, dtype, seed=12, bias=not swiglu, swiglu=swiglu)[:2]
+    alone = []  # row i among other rows
+    for i in range(8):
+        xo, ro = others[0].clone(), others[1].clone()
+        xo[i], ro[i] = x[i], r[i]
+        alone.append(tk.rms_norm_linear(xo, ro, nw, eps, w, b, swiglu=swiglu))
+    alone[0] = tk.rms_norm_linear(x[:1], r[:1], nw, eps, w, b, swiglu=swiglu)
+    for m in range(1, 9):
+        y, new_res = tk.rms_norm_linear(x[:m], r[:m], nw, eps, w, b, swiglu=swiglu)
+        for i in range(m):
+            assert torch.equal(y[i], alone[i][0][i]), (m, i)
+            assert torch.equal(new_res[i], alone[i][1][i]), (m, i)
+
+
+def invariant_transformer(fuse_norms: bool):
+    """A 2-layer random fp32 Transformer with the CUDA batch-invariant mode's modules, on the CPU: the
+    whole forward (attention_ops = reference, not the CPU's one-row fallback), attention in torch."""
+    from swiftspec.engine.model import Transformer
+    from swiftspec.engine.model_args import ModelArgs
+
+    args = ModelArgs(vocab_size=32, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, intermediate_size=48,
+                     qkv_bias=True)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + torch.randn_like(p) / 4 if "norm" in name else torch.randn_like(p) / 8)
+    model.eval()
+    model.batch_invariant, model.attention_ops = True, reference
+    model.use_invariant_kernels(fuse_norms)
+    model.setup_cache(16)
+    return model
+
+
+def test_fused_norms_forward_equals_unfused(monkeypatch):
+    """The model with both layer norms in the projections' prologues against the same weights unfused
+    (add_rms_norm, then InvariantQKV / InvariantGateUp): a 4-token prefill, then a one-token step; and the
+    fused forward's launches: per layer two norm + projection kernels and no norm of its own, one final norm."""
+    from swiftspec.engine.model import NormedGateUp, NormedQKV, PrologueNorm
+    from swiftspec.engine.tree_cache import causal_mask
+
+    fused, plain = invariant_transformer(True), invariant_transformer(False)
+    layer = fused.layers[0]
+    assert isinstance(layer.attention_norm, PrologueNorm) and isinstance(layer.ffn_norm, PrologueNorm)
+    assert isinstance(layer.attention.wqkv, NormedQKV) and isinstance(layer.feed_forward.w13, NormedGateUp)
+    assert layer.attention_norm.weight is fused.state_dict(keep_vars=True)["layers.0.attention_norm.weight"]
+    assert not isinstance(plain.layers[0].attention_norm, PrologueNorm)
+    tokens = torch.randint(0, 32, (5,), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(5)
+    for model in (fused, plain):
+        model.logits = [model(tokens[:4], pos[:4], pos[:4], causal_mask(0, 4))]
+        model.logits.append(model(tokens[4:], pos[4:], pos[4:], causal_mask(4, 1)))
+    for a, b in zip(fused.logits, plain.logits, strict=True):
+        torch.testing.assert_close(a, b, **NORM_TOL)
+    torch.testing.assert_close(fused.k_cache, plain.k_cache, **NORM_TOL)
+    torch.testing.assert_close(fused.v_cache, plain.v_cache, **NORM_TOL)
+
+    calls = {}
+    for mod, name in ((tk, "rms_norm_linear"), (tk, "linear"), (tk, "swiglu"), (tk, "rope_kv_write"),
+                      (tk, "add_rms_norm"), (reference, "add_rms_norm")):
+        def count(*a, _f=getattr(mod, name), _key=f"{mod.__name__.split('.')[-1]}.{name}", **k):
+            calls[_key] = calls.get(_key, 0) + 1
+            return _f(*a, **k)
+        monkeypatch.setattr(mod, name, count)
+    fused(tokens[4:], pos[4:], pos[4:], causal_mask(4, 1))
+    layers = fused.args.n_layers
+    assert calls == {"triton_kernels.rms_norm_linear": 2 * layers, "triton_kernels.rope_kv_write": layers,
+                     "triton_kernels.linear": 2 * layers + 1, "reference.add_rms_norm": 1}, calls

@@ -97,6 +97,7 @@ def test_reference_add_rms_norm_and_swiglu():
 ATTN_POINTERS = dict(Q="bf16", K="bf16", V="bf16", Mask="u8", KeySlots="u8", Lengths="u8", Out="bf16", MidM="fp32",
                      MidL="fp32", MidO="fp32", Counter="i32")
 INVARIANT_ATTN_POINTERS = {**ATTN_POINTERS, "Mask": "i32", "KeySlots": "i32", "Lengths": "i32"}
+NORM_LINEAR_POINTERS = dict(X="bf16", R="bf16", NW="bf16", W="bf16", B="bf16", Y="bf16", ROut="bf16")
 HOPPER_VARIANTS = {
     "tree_attention_split": ("_tree_attention_kernel", ATTN_POINTERS, ["scale_log2"],
                              dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, SPLIT=True, IEEE=False, INVARIANT=False), 4, 3),
@@ -110,6 +111,12 @@ HOPPER_VARIANTS = {
                      ["eps"], dict(HAS_RESIDUAL=True, BLOCK=4096), 8, 3),
     "swiglu": ("_swiglu_kernel", dict(X="bf16", W="bf16", Y="bf16"), [],
                dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, IEEE=False), 4, 4),
+    "rms_norm_linear": ("_rms_norm_linear_kernel", NORM_LINEAR_POINTERS, ["eps"],
+                        dict(HAS_RESIDUAL=True, HAS_BIAS=True, SWIGLU=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
+                             IEEE=False), 4, 4),
+    "rms_norm_swiglu": ("_rms_norm_linear_kernel", NORM_LINEAR_POINTERS, ["eps"],
+                        dict(HAS_RESIDUAL=True, HAS_BIAS=False, SWIGLU=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
+                             IEEE=False), 4, 4),
     "rope_kv_write": ("_rope_kv_kernel", dict(QKV="bf16", Cos="fp32", Sin="fp32", Slots="i64", Q="bf16",
                                               KCache="bf16", VCache="bf16"), [], dict(HALF=64), 4, 3),
 }  # fmt: skip
@@ -244,3 +251,28 @@ def test_gpu_rope_kv_write_bf16_rows_are_invariant():
         k_one, v_one = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
         q_one = tk.rope_kv_write(qkv[i:i + 1], cos[i:i + 1], sin[i:i + 1], slots[i:i + 1], k_one, v_one, H, Hkv)
         assert torch.equal(q_one[0], q[i]) and torch.equal(k_one[:, slots[i]], k_cache[:, slots[i]])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("T,dim,n,swiglu", [(16, 2048, 3072, False), (9, 4096, 14336, True), (37, 576, 1536, True)])
+def test_gpu_rms_norm_linear_rows_bf16(T, dim, n, swiglu):
+    """Norm + projection (+ SwiGLU) in one launch: within BF16_TOL of the fp32 unfused reference, the
+    residual exact, and each row of a 1..8-row and of the T-row call bit for bit the one-row call's."""
+    from swiftspec.kernels import triton_kernels as tk
+
+    g = torch.Generator().manual_seed(n)
+    x, r = ((torch.randn(T, dim, generator=g) * 3).to("cuda", torch.bfloat16) for _ in range(2))
+    nw = (1 + torch.randn(dim, generator=g) / 4).to("cuda", torch.bfloat16)
+    w = (torch.randn(2 * n if swiglu else n, dim, generator=g) / dim**0.5).to("cuda", torch.bfloat16)
+    b = None if swiglu else torch.randn(n, generator=g).to("cuda", torch.bfloat16)
+    y, new_res = tk.rms_norm_linear(x, r, nw, 1e-5, w, b, swiglu=swiglu)
+    assert torch.equal(new_res, x + r)
+    h = reference.add_rms_norm(x.float(), r.float(), nw.float(), 1e-5)[0]
+    expected = reference.swiglu(h, w.float(), n) if swiglu else F.linear(h, w.float(), b.float())
+    torch.testing.assert_close(y.float(), expected, **BF16_TOL)
+    one = [tk.rms_norm_linear(x[i:i + 1], r[i:i + 1], nw, 1e-5, w, b, swiglu=swiglu) for i in range(T)]
+    for m in [*range(1, min(T, 8) + 1), T]:
+        rows, res = tk.rms_norm_linear(x[:m], r[:m], nw, 1e-5, w, b, swiglu=swiglu)
+        for i in range(m):
+            assert torch.equal(rows[i], one[i][0][0]) and torch.equal(res[i], one[i][1][0]), (m, i)
