@@ -235,9 +235,11 @@ class DraftState:
         return nodes[:n + 1], rates[n]
 
 
-def profile_verify_cost(target: TargetState, bs: int, reps: int = 2) -> list[float]:
-    """Target forward time for chains of 1..bs nodes behind the prefix, relative to one node (medians of
-    interleaved runs; not forced monotone, as a GEMM kernel may favour one row count). Nothing is
+def profile_verify_cost(target: TargetState, bs: int, reps: int = 4) -> list[float]:
+    """Target forward time for chains of 1..bs nodes behind the prefix, relative to one node (the fastest
+    of interleaved runs: other work on the machine, the other workers' own start-up on a small one
+    included, only ever adds time, and the medians of two read a 3-node verification as cheaper than a
+    2-node one there; not forced monotone, as a GEMM kernel may favour one row count). Nothing is
     committed: the slots are tree slots."""
     if target.room < bs:
         raise ContextFull("no room in the KV cache to profile the verification")
@@ -245,8 +247,8 @@ def profile_verify_cost(target: TargetState, bs: int, reps: int = 2) -> list[flo
     for _ in range(reps + 1):  # the first round warms up
         for n in times:
             times[n].append(_tree_forward_s(target, n))
-    med = [statistics.median(times[n][1:]) for n in times]
-    return [m / med[0] for m in med]
+    best = [min(times[n][1:]) for n in times]
+    return [b / best[0] for b in best]
 
 
 def tree_forward_ms(target: TargetState, n: int, reps: int = 3) -> float:

@@ -42,7 +42,7 @@ from swiftspec.engine.worker.setup import (
 from swiftspec.kernels import cpu_linear
 
 D_MAX = 16
-PROFILE_FORMAT = 1  # bump when what is measured changes
+PROFILE_FORMAT = 2  # bump when what is measured changes
 MAX_PROFILES = 64  # the least recently written beyond these are removed
 # EngineConfig fields that cannot change a step time (the models count by their files' identity); every
 # other setting is part of a profile's key, a new one too
@@ -146,10 +146,13 @@ DUMMY = list(range(1, 9)) * 4  # repetitive, so that the suffix drafter has some
 
 def _measure(ctx: Ctx) -> tuple[float, float, list[float]]:
     """This rank's part: a target rank times verifications of bs nodes (median of 3, after a warm-up) and,
-    with verify_cost, chains of 1..bs nodes; a draft rank times its expansions."""
+    with verify_cost, chains of 1..bs nodes, on the kernel threads that speculative answers use (the
+    costs size their trees: a row's share of a step differs with the threads); a draft rank times its
+    expansions."""
     bs = ctx.spec.config.tree.bs
     dummy = DUMMY
     if ctx.role == "target":
+        use_kernel_threads(ctx, "sync")
         sampler = Sampler(SamplingParams(), ctx.device)
         root = ctx.target.prefill(dummy, sampler)
         times = []

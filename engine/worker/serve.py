@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             ctx.dtype = choose_cpu_backend(ctx, say)
         load(ctx)
         agree_on_features(ctx)  # a collective over every rank: all have loaded
+        choose_kernel_threads(ctx, ranks, say)  # first: the verifications are timed on sync's threads
         t_verify, t_expand = profile(ctx, ranks, say)
-        choose_kernel_threads(ctx, ranks, say)
         ctx.d = 0 if spec.draft == "none" else config.tree.d or choose_d(t_verify, t_expand)
         link = leader_link(ctx, ranks)
         if io is not None:
