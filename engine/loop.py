@@ -129,6 +129,9 @@ class Finisher:
         return tokens, reason
 
 
+HOLD_BELOW_US = 1000  # lead_target's hold_steps: the drafting a round may take for its step to be held
+
+
 def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finisher,
                 emit: Callable[[Step], None], tell=nobody, features: bool = False,
                 hold_steps: bool = False) -> None:
@@ -136,7 +139,9 @@ def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finis
     the target's hidden states. ``hold_steps`` (speculative modes): emit each round's step once the next
     subtree has arrived (the last at once), so that the user's side (the Engine and its UI) handles it
     while the target verifies rather than while the draft answers the verdict; on a machine whose cores
-    the workers fill, that work would otherwise compete with the draft's critical path."""
+    the workers fill, that work would otherwise compete with the draft's critical path. Only behind a
+    draft whose round took under HOLD_BELOW_US of drafting: a slower one (a draft model in sync) would
+    show the user each step that much later."""
     sampler = Sampler(req.params, target.device)
     t0 = time.perf_counter()
     root = target.prefill(req.prompt, sampler, hidden=features)
@@ -178,7 +183,7 @@ def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finis
                 link.send_features(v.hidden)
             draft_ms = sub.expand_us / 1e3 / sub.expansions if sub.expansions else 0.0
             step = Step(tokens, reason, v.accepted, v.tree_size, draft_ms, v.target_ms)
-            if hold_steps and reason is None:
+            if hold_steps and reason is None and sub.expand_us < HOLD_BELOW_US:
                 held = step
             else:
                 emit(step)

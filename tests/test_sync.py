@@ -18,7 +18,15 @@ from swiftspec.config import ConfigError, SamplingParams, TreeParams
 from swiftspec.engine.decode import DraftState, TargetState, profile_verify_cost
 from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter
 from swiftspec.engine.loader import load_model
-from swiftspec.engine.loop import Finisher, LoopGuard, PaybackGate, Request, generate, lead_target
+from swiftspec.engine.loop import (
+    HOLD_BELOW_US,
+    Finisher,
+    LoopGuard,
+    PaybackGate,
+    Request,
+    generate,
+    lead_target,
+)
 from swiftspec.engine.messages import Start, Subtree
 from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.tree_cache import ContextFull, causal_mask, prefill_forward
@@ -406,8 +414,8 @@ class NothingDraft:
     last verdict's bonus token) and dies after ``rounds`` subtrees; ``events`` records what the target
     leader's loop saw, in order."""
 
-    def __init__(self, rounds: int, events: list):
-        self.root, self.left, self.events = None, rounds, events
+    def __init__(self, rounds: int, events: list, expand_us: int = 100):
+        self.root, self.left, self.events, self.expand_us = None, rounds, events, expand_us
 
     def send(self, msg) -> None:
         self.root = msg.root if isinstance(msg, Start) else msg.path[-1]
@@ -417,14 +425,15 @@ class NothingDraft:
             raise RuntimeError("the draft died")
         self.left -= 1
         self.events.append("subtree")
-        return Subtree([self.root], [-1])
+        return Subtree([self.root], [-1], expansions=1, expand_us=self.expand_us)
 
 
-@pytest.mark.parametrize("hold", [False, True])
-def test_held_steps_reach_the_user_after_the_next_subtree_and_none_is_lost(tiny, hold):
+@pytest.mark.parametrize("hold, expand_us", [(False, 100), (True, 100), (True, HOLD_BELOW_US)])
+def test_held_steps_reach_the_user_after_the_next_subtree_and_none_is_lost(tiny, hold, expand_us):
     """hold_steps emits each round's step once the next subtree is in, so the user's side works while the
     target verifies; every step still arrives, in order and with ar's tokens, the one held when the draft
-    dies included (then the error)."""
+    dies included (then the error). Behind a draft that takes HOLD_BELOW_US or more to draft a round,
+    steps go out at once."""
     target = TargetState(tiny["target"], 512)
     prompt, rounds = PROMPTS[0], 5
     ar, _ = run(target, None, prompt, SamplingParams(max_new_tokens=rounds + 1, ignore_eos=True))
@@ -432,11 +441,11 @@ def test_held_steps_reach_the_user_after_the_next_subtree_and_none_is_lost(tiny,
     req = Request(0, prompt, SamplingParams(mode="sync", max_new_tokens=64, ignore_eos=True))
     fin = Finisher(req, 256, set(), lambda: False)
     with pytest.raises(RuntimeError, match="the draft died"):
-        lead_target(target, NothingDraft(rounds, events), req, fin, events.append, hold_steps=hold)
+        lead_target(target, NothingDraft(rounds, events, expand_us), req, fin, events.append, hold_steps=hold)
     steps = [e for e in events if e != "subtree"]
     assert [t for s in steps for t in s.tokens] == ar
     order = ["step" if e != "subtree" else e for e in events]
-    if hold:  # the prefill's step, then each round's after the next subtree; the last held one on the error
+    if hold and expand_us < HOLD_BELOW_US:  # the prefill's step, then each after the next subtree; the last held one on the error
         assert order == ["step", "subtree", "subtree"] + ["step", "subtree"] * (rounds - 2) + ["step", "step"]
     else:
         assert order == ["step"] + ["subtree", "step"] * rounds
