@@ -71,22 +71,27 @@ class WorkerOutput:
         # though torchrun, which reports the first failure it polls, may name another
         found += [(int(r), 1) for r in dict.fromkeys(re.findall(r"^\[rank(\d+)\]: [\w.]+(?:Error|Exception): ", text, re.M))]
 
-        def unlikely(failure: tuple[int, int]) -> tuple[bool, bool]:
-            rank, code = failure
-            head = self.headline(rank) or ""
-            return not (code < 0 and code != -signal.SIGTERM), "gloo" in head or "Connection" in head
+        return min(found, key=self._unlikely) if found else None  # min keeps the first of equals: root first
 
-        return min(found, key=unlikely) if found else None  # min keeps the first of equals: root first
+    def _unlikely(self, failure: tuple[int, int]) -> tuple[bool, bool]:
+        """How unlikely a failure is the cause: (not killed by a signal, failed on a lost connection)."""
+        rank, code = failure
+        head = self.headline(rank) or ""
+        return not (code < 0 and code != -signal.SIGTERM), "gloo" in head or "Connection" in head
 
     def report(self, why: str, torchrun: subprocess.Popen) -> str:
         """An error message: which worker failed and how (else what was noticed), its last exception line,
         the log's path. First gives torchrun a moment to notice the failure itself and say which worker."""
-        try:
-            torchrun.wait(timeout=TORCHRUN_REPORT_S)
-        except subprocess.TimeoutExpired:
-            pass
-        self.thread.join(1.0)  # the workers' last words usually come right after a failure is noticed
-        failed = self.failed_worker()
+        for _ in range(2):  # once more while torchrun runs and all it has shown is a peer's lost connection
+            try:
+                torchrun.wait(timeout=TORCHRUN_REPORT_S)
+                exited = True
+            except subprocess.TimeoutExpired:
+                exited = False
+            self.thread.join(1.0)  # the workers' last words usually come right after a failure is noticed
+            failed = self.failed_worker()
+            if exited or failed is None or self._unlikely(failed) != (True, True):
+                break
         if failed is None:
             head = self.headline()
             lines = [why] + ([head] if head and head not in why else [])
