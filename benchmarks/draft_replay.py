@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from history_calibration import Fixed  # this folder: a history that is only looked up
 
 from swiftspec.bench import builtin_prompts, turns_of
 from swiftspec.config import EngineConfig, SamplingParams, TreeParams
@@ -52,19 +53,6 @@ def collect(sets: list[str], max_new_tokens: int) -> list[dict]:
                     earlier = engine.tokenizer.decode(answer, skip_special_tokens=True)
                     out.append({"set": name, "id": p.id, "turn": turn, "prompt": ids, "answer": answer})
     return out
-
-
-class Fixed:
-    """A history that is only looked up (the drafter's ``stored`` interface)."""
-
-    def __init__(self, index: HistoryIndex):
-        self.index = index
-
-    def update(self) -> None:
-        pass
-
-    def lookup(self, context):
-        return self.index.lookup(context)
 
 
 def replay(records: list[dict], make_drafter, cost: list[float], d: int = 16, bs: int = 8, w: int = 8) -> dict:
