@@ -31,9 +31,10 @@ from swiftspec.engine.decode import DraftState
 from swiftspec.engine.drafters import SuffixDrafter
 from swiftspec.engine.embedded import embedded_gguf_path, ensure_converted
 from swiftspec.engine.history_corpus import HistoryIndex
+from swiftspec.engine.loop import Request, lead_draft
+from swiftspec.engine.messages import Start, Subtree, Verdict
 from swiftspec.engine.model_dir import read_args
-
-EXPAND_MS = 0.15  # a suffix expansion, as the bench measures it: a sync round counts its drafting
+from swiftspec.engine.verify import walk
 
 
 def collect(sets: list[str], max_new_tokens: int) -> list[dict]:
@@ -55,41 +56,44 @@ def collect(sets: list[str], max_new_tokens: int) -> list[dict]:
     return out
 
 
-def replay(records: list[dict], make_drafter, cost: list[float], d: int = 16, bs: int = 8, w: int = 8) -> dict:
-    """(set, turn) -> [tokens, verifications, summed verify cost] of lead_draft's sync rounds."""
-    step_ms = 100.0  # only EXPAND_MS / step_ms matters: a suffix expansion is a sliver of a step
+class AnswerTarget:
+    """A Link standing in for the target leader of one known greedy answer: the shipped draft loop
+    (``lead_draft``) sends it subtrees, and it answers each with the verdict the target would give, the
+    walk of the subtree along the answer (``engine/verify.py``'s own). It counts each round's tokens and
+    verify cost into ``cell``."""
+
+    def __init__(self, answer: list[int], cost: list[float], cell: list):
+        self.answer, self.cost, self.cell = answer, cost, cell
+        self.pos = 1  # answer[0] is the prefill's token
+        self.inbox = [Start(answer[0]) if len(answer) > 1 else Verdict(answer[:1], last=True)]
+
+    def send(self, msg: Subtree) -> None:
+        depth = [0] * len(msg.parents)
+        for i in range(1, len(msg.parents)):
+            depth[i] = depth[msg.parents[i]] + 1
+        choice = [self.answer[self.pos + k] if self.pos + k < len(self.answer) else -1 for k in depth]
+        v = walk(choice, msg.tokens, msg.parents)
+        got = [msg.tokens[i] for i in v.path] + ([v.bonus] if v.bonus >= 0 else [])
+        self.cell[0], self.cell[1] = self.cell[0] + len(got), self.cell[1] + 1
+        self.cell[2] += self.cost[len(msg.tokens) - 1]
+        self.pos += len(got)
+        self.inbox.append(Verdict(got, last=self.pos >= len(self.answer)))
+
+    def recv(self, due: float | None = None):
+        return self.inbox.pop(0)
+
+    def post_recv(self, due: float | None = None):
+        return self.recv
+
+
+def replay(records: list[dict], make_drafter, cost: list[float], step_ms: float, d: int = 16, w: int = 8) -> dict:
+    """(set, turn) -> [tokens, verifications, summed verify cost] of the shipped sync rounds."""
     out: dict = defaultdict(lambda: [0, 0, 0.0])
+    params = SamplingParams(mode="sync")
     for rec in records:
-        answer = rec["answer"]
-        ds = DraftState(make_drafter(), TreeParams(bs=bs, w=w), verify_cost=cost, step_ms=step_ms)
-        ds.prefill(rec["prompt"])
-        ds.start(answer[0])  # the prefill's token
-        pos = 1
-        while pos < len(answer):
-            todo, exp_ms, rate = d, 0.0, ds.round_rate(0.0)
-            while (todo > 0 or ds.size < bs) and ds.can_expand():  # lead_draft's sync round
-                ds.expand()
-                exp_ms, todo = exp_ms + EXPAND_MS, todo - 1
-                if (new := ds.round_rate(exp_ms)) <= rate:
-                    break
-                rate = new
-            tokens, parents = ds.subtree(exp_ms / step_ms)
-            kids = defaultdict(list)
-            for i in range(1, len(parents)):
-                kids[parents[i]].append(i)
-            path, node = [], 0
-            while pos + len(path) < len(answer):  # the target's choice below a node is the answer's next token
-                nxt = next((c for c in kids[node] if tokens[c] == answer[pos + len(path)]), None)
-                if nxt is None:
-                    break
-                path.append(nxt)
-                node = nxt
-            got = [tokens[i] for i in path] + answer[pos + len(path):pos + len(path) + 1]  # and the bonus
-            cell = out[(rec["set"], rec["turn"])]
-            cell[0], cell[1], cell[2] = cell[0] + len(got), cell[1] + 1, cell[2] + cost[len(tokens) - 1]
-            pos += len(got)
-            if pos < len(answer):
-                ds.reroot(got)
+        ds = DraftState(make_drafter(), TreeParams(bs=len(cost), w=w), verify_cost=cost, step_ms=step_ms)
+        target = AnswerTarget(rec["answer"], cost, out[(rec["set"], rec["turn"])])
+        lead_draft(ds, target, Request(0, rec["prompt"], params), d)
     return out
 
 
@@ -100,6 +104,8 @@ def main() -> None:
     ap.add_argument("--answers", type=Path, help="the answers file: read if it exists, else written")
     ap.add_argument("--history", type=Path, help="an answers file whose answers are the drafter's history")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--step-ms", type=float, default=15.0,
+                    help="the target's one-node step (a sync round counts its drafting against it)")
     args = ap.parse_args()
     cost = [float(c) for c in args.verify_cost.split(",")]
     if args.answers and args.answers.is_file():
@@ -113,7 +119,7 @@ def main() -> None:
     if args.history:
         answers = {i: np.array(r["answer"]) for i, r in enumerate(json.loads(args.history.read_text()))}
         stored = Fixed(HistoryIndex(answers))
-    cells = replay(records, lambda: SuffixDrafter(corpus=corpus, history_tokens=0, stored=stored), cost, bs=len(cost))
+    cells = replay(records, lambda: SuffixDrafter(corpus=corpus, history_tokens=0, stored=stored), cost, args.step_ms)
     print(f"{'set':14} {'turn':>4} {'rounds':>7} {'tok/verify':>10} {'tok/cost':>9}")
     for (name, turn), (tokens, rounds, spent) in sorted(cells.items()):
         print(f"{name:14} {turn:4d} {rounds:7d} {tokens / rounds:10.3f} {tokens / spent:9.3f}")
