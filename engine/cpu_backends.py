@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from swiftspec.engine.loader import q4_k_parts
+from swiftspec.engine.timing import CleanTimer
 from swiftspec.kernels import cpu_linear
 from swiftspec.kernels.cpu_linear import Format, KernelsUnavailable
 
@@ -352,13 +353,15 @@ def unpack_gguf(state: dict[str, Tensor], kinds: dict[str, str]) -> dict[str, Bl
     return out
 
 
-def synthetic_costs(args, backend: str, rows: int, layers: int | None = None) -> list[float]:
+def synthetic_costs(args, backend: str, rows: int, layers: int | None = None, timer: CleanTimer | None = None
+                    ) -> list[float]:
     """Milliseconds of a forward of 1..``rows`` rows with ``backend``, measured on one decoder block and
     the lm_head of the model's shapes with random weights (what a step costs differs between backends in
-    the weights' format only), scaled to the model's layers: the measurement behind --dtype auto."""
-    import time
-
+    the weights' format only), scaled to the model's layers: the measurement behind --dtype auto.
+    ``timer``: one whose ``clean`` the caller reads."""
     from swiftspec.engine.model import LayerInputs, TransformerBlock
+
+    timer = timer or CleanTimer()
 
     g = torch.Generator().manual_seed(0)
     n_layers = layers or args.n_layers
@@ -388,12 +391,7 @@ def synthetic_costs(args, backend: str, rows: int, layers: int | None = None) ->
         mask = torch.ones(m, prefix + m, dtype=torch.bool)
         cos, sin = torch.ones(m, args.head_dim), torch.zeros(m, args.head_dim)
         inp = LayerInputs(None, cos, sin, torch.arange(prefix, prefix + m), mask, None, lambda t: t)
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            cpu_block(x, None, inp, k_cache, v_cache)
-            t1 = time.perf_counter()
-            head(x)
-            times.append((t1 - t0) * n_layers + time.perf_counter() - t1)
+        times = [timer.seconds(lambda x=x, inp=inp: cpu_block(x, None, inp, k_cache, v_cache)) * n_layers
+                 + timer.seconds(lambda x=x: head(x)) for _ in range(3)]
         costs.append(min(times[1:]) * 1e3)  # the first call warms the caches
     return costs

@@ -16,6 +16,7 @@ from swiftspec.config import TreeParams
 from swiftspec.engine.drafters import Drafter, Expansion, Features
 from swiftspec.engine.messages import WireError
 from swiftspec.engine.sampling import Sampler
+from swiftspec.engine.timing import CleanTimer
 from swiftspec.engine.transfers import Staging
 from swiftspec.engine.tree import TokenTree, target_inputs, target_rows
 from swiftspec.engine.tree_cache import ContextFull, TreeKVCache, prefill_forward
@@ -127,14 +128,17 @@ class DraftState:
     a step (a CPU), a node the draft gives 2 % is not worth verifying. None: always bs (the paper).
     ``step_ms``, the target's time for one node, puts the draft's own time on the same scale: a sync
     round pays for its expansions before the verification, so they count in its cost (round_rate).
+    ``shares_cores``: the draft runs on cores the target's verification uses (a small CPU machine), so
+    an async draft's expansions during a verification are not free either: they slow it down.
     """
 
     def __init__(self, drafter: Drafter, tree_params: TreeParams, verify_cost: list[float] | None = None,
-                 step_ms: float | None = None):
+                 step_ms: float | None = None, shares_cores: bool = False):
         self.drafter = drafter
         self.params = tree_params.validate()
         self.verify_cost = verify_cost
         self.step_ms = step_ms
+        self.shares_cores = shares_cores
         self.cache: TreeKVCache = drafter.cache
         self.k = self.params.bs - 1  # children per expanded leaf: more could never enter a subtree
         self.committed: list[int] = []  # verified tokens; the first cache.prefix_len have draft KV
@@ -235,34 +239,41 @@ class DraftState:
         return nodes[:n + 1], rates[n]
 
 
-def profile_verify_cost(target: TargetState, bs: int, reps: int = 4) -> list[float]:
+def profile_verify_cost(target: TargetState, bs: int, reps: int = 4, timer: CleanTimer | None = None) -> list[float]:
     """Target forward time for chains of 1..bs nodes behind the prefix, relative to one node (the fastest
     of interleaved runs: other work on the machine, the other workers' own start-up on a small one
     included, only ever adds time, and the medians of two read a 3-node verification as cheaper than a
     2-node one there; not forced monotone, as a GEMM kernel may favour one row count). Nothing is
-    committed: the slots are tree slots."""
+    committed: the slots are tree slots. ``timer``: one whose ``clean`` the caller reads (a forward that
+    ran beside other work is timed again)."""
+    timer = timer or _timer(target)
     if target.room < bs:
         raise ContextFull("no room in the KV cache to profile the verification")
     times: dict[int, list[float]] = {n: [] for n in range(1, bs + 1)}
     for _ in range(reps + 1):  # the first round warms up
         for n in times:
-            times[n].append(_tree_forward_s(target, n))
+            times[n].append(_tree_forward_s(target, n, timer))
     best = [min(times[n][1:]) for n in times]
     return [b / best[0] for b in best]
 
 
-def tree_forward_ms(target: TargetState, n: int, reps: int = 3) -> float:
+def tree_forward_ms(target: TargetState, n: int, reps: int = 3, timer: CleanTimer | None = None) -> float:
     """Median milliseconds of a forward of a chain of n tree nodes behind the prefix, after a warm-up;
     nothing is committed."""
     if target.room < n:
         raise ContextFull("no room in the KV cache to time a verification")
-    return statistics.median([_tree_forward_s(target, n) for _ in range(reps + 1)][1:]) * 1e3
+    timer = timer or _timer(target)
+    return statistics.median([_tree_forward_s(target, n, timer) for _ in range(reps + 1)][1:]) * 1e3
 
 
-def _tree_forward_s(target: TargetState, n: int) -> float:
+def _timer(target: TargetState) -> CleanTimer:
+    return CleanTimer(cpu_bound=torch.device(target.device).type == "cpu")
+
+
+def _tree_forward_s(target: TargetState, n: int, timer: CleanTimer) -> float:
     dev = target.device
     target.cache.apply()  # the tree slots it writes may hold the KV of the last verdict
     positions, slots, mask = target_inputs(list(range(-1, n - 1)), target.cache.prefix_len)
-    t0 = time.perf_counter()
-    target.model(torch.zeros(n, dtype=torch.long, device=dev), positions.to(dev), slots.to(dev), mask.to(dev))
-    return time.perf_counter() - t0
+    tokens, positions, slots, mask = torch.zeros(n, dtype=torch.long, device=dev), positions.to(dev), \
+        slots.to(dev), mask.to(dev)
+    return timer.seconds(lambda: target.model(tokens, positions, slots, mask))

@@ -199,8 +199,10 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
     draft stops where its next expansion would outlast the verification of the subtree it sent (which
     the cost-aware cut often makes smaller than bs), a sync round stops at the first expansion that
     lowered its expected tokens per unit of time, the draft's time counted, and a sync draft that does
-    not earn its time back sits rounds out (``PaybackGate``). A drafter that reads the target's features
-    prefills once it has them; others prefill while the target does."""
+    not earn its time back sits rounds out (``PaybackGate``). An async draft on the target's cores
+    (``DraftState.shares_cores``) takes its time from the verification, so it stops as a sync round does.
+    A drafter that reads the target's features prefills once it has them; others prefill while the
+    target does."""
     wants = ds.drafter.wants_features
     if not wants:
         ds.prefill(req.prompt)
@@ -217,7 +219,9 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
     tell(FollowerStep(Follow.START, [root]))
     ds.start(root)
     asynchronous, bs = req.params.mode == "async", ds.params.bs
-    paying = not asynchronous and ds.verify_cost is not None and ds.step_ms
+    costed = ds.verify_cost is not None and bool(ds.step_ms)
+    paying = not asynchronous and costed
+    overlap_pays = asynchronous and costed and ds.shares_cores  # its expansions slow the verification
     n_exp, exp_ms = 0, 0.0
     payback = PaybackGate()
     while True:
@@ -241,6 +245,7 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
         if asynchronous:  # grow the tree for the next round while the target verifies this one
             # past the window, the target would wait for an expansion
             last = 0.0
+            rate = ds.round_rate(0.0) if overlap_pays else None
             for _ in range(d):
                 if not ds.can_expand() or (window is not None and exp_ms + last > window):
                     break
@@ -248,6 +253,10 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
                 last = ds.expand()
                 exp_ms += last
                 n_exp += 1
+                if rate is not None:  # on shared cores: stop at the first expansion that did not pay
+                    if (new := ds.round_rate(exp_ms)) <= rate:
+                        break
+                    rate = new
         msg = verdict()
         if not isinstance(msg, Verdict):
             raise unexpected(msg, "a verdict")

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,9 +16,10 @@ import torch
 from swiftspec.config import ConfigError, EngineConfig, TreeParams
 from swiftspec.engine import launcher
 from swiftspec.engine.client import Engine
+from swiftspec.engine.protocol import RankInfo
 from swiftspec.engine.spec import WorkerSpec
 from swiftspec.engine.worker.profiling import choose_d
-from swiftspec.engine.worker.setup import _cpu_threads, parse_args
+from swiftspec.engine.worker.setup import _cpu_threads, draft_shares_cores, parse_args
 
 
 def test_plan_layout():
@@ -148,6 +150,25 @@ def test_cpu_threads_never_oversubscribe_the_cores(monkeypatch, tmp_path):
             monkeypatch.setenv("LOCAL_RANK", str(rank))
             got.append(_cpu_threads(threads, draft, rank, n_target=1))
         assert got == want, (threads, draft)
+
+
+def test_an_async_draft_shares_cores_where_the_targets_async_threads_leave_it_none(monkeypatch):
+    """A 2-core node: the split gives the target and the suffix drafter one core each, and the draft is
+    on its own until the target's kernels take both cores for async (a measured choice); a target on
+    a GPU, or on another node, leaves the draft its core."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+
+    def ranks(target_device="cpu", target_host="a"):
+        return [RankInfo(0, "target", target_device, 0, 1, 1, target_host, 10), RankInfo(1, "draft", "cpu", 0, 1, 1, "a", 11)]
+
+    def ctx(**kernel_threads):
+        return SimpleNamespace(n_target=1, kernel_threads=kernel_threads)
+
+    assert not draft_shares_cores(ctx(), ranks())
+    assert not draft_shares_cores(ctx(ar=2, sync=2, **{"async": 1}), ranks())
+    assert draft_shares_cores(ctx(ar=2, sync=2, **{"async": 2}), ranks())
+    assert not draft_shares_cores(ctx(**{"async": 2}), ranks(target_device="cuda:0"))
+    assert not draft_shares_cores(ctx(**{"async": 2}), ranks(target_host="b"))
 
 
 def test_choose_d():

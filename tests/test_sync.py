@@ -220,6 +220,33 @@ def test_async_expansions_fit_in_the_verification(tiny):
         assert fast_rate < 6 <= slow_rate
 
 
+def test_an_async_draft_on_the_targets_cores_pays_for_its_expansions(tiny):
+    """Where the draft shares the target's cores (DraftState.shares_cores), its expansions during a
+    verification slow that verification down, so it stops at the first that did not pay, as a sync round
+    does; on cores of its own it expands as long as the verification lasts. Each expansion takes a fifth
+    of a step here (a fixed clock). Output: ar's."""
+    target = TargetState(tiny["target"], 512)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    cost = [1.0 + 0.05 * i for i in range(8)]
+    for prompt in PROMPTS:
+        ar, _ = run(target, None, prompt, params)
+        per_round = {}
+        for shares in (False, True):
+            draft = DraftState(tiny["self"](), TreeParams(), verify_cost=cost, step_ms=100.0, shares_cores=shares)
+            expansions = []
+
+            def timed(expand=draft.expand, expansions=expansions) -> float:
+                expand()
+                expansions.append(1)
+                return 20.0
+
+            draft.expand = timed
+            out, steps = run(target, draft, prompt, params, "async", d=6)
+            assert out == ar
+            per_round[shares] = len(expansions) / len([s for s in steps if s.tree_size])
+        assert per_round[True] + 1 < per_round[False], per_round
+
+
 def test_self_draft_accepts_what_a_perfect_draft_could(tiny):
     """With the target as its own draft, the draft's top child at every node is the target's greedy
     token; a perfect draft would get the whole top-1 chain of each verified subtree accepted."""

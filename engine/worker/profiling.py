@@ -4,8 +4,10 @@ start on a machine, then read from the profile cache.
 Measuring takes ~30 forwards (seconds on a CPU), and the figures only change with the machine, the
 models and the settings, so they are kept in ``<cache>/profiles`` under a key made of exactly those:
 the software versions, the CPU or GPU names, every rank's device and threads, the model files' sizes
-and dates, and the decoding settings. ``swiftspec cache clear profiles`` makes the next start measure
-again (worth it after a start on a busy machine, whose times would be too slow).
+and dates, and the decoding settings. A figure taken while other work held the cores is timed again, and one that
+never ran undisturbed serves its run without being cached (engine/timing.py), so a start on a busy
+machine does not mis-size every later answer. ``swiftspec cache clear profiles`` makes the next start
+measure again.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import json
 import math
 import os
 import platform
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,8 +32,10 @@ from swiftspec.engine.embedded import cache_dir
 from swiftspec.engine.model_dir import read_args
 from swiftspec.engine.protocol import RankInfo
 from swiftspec.engine.sampling import Sampler
+from swiftspec.engine.timing import CleanTimer
 from swiftspec.engine.worker.setup import (
     Ctx,
+    draft_shares_cores,
     free_threads,
     is_draft_model,
     set_kernel_threads,
@@ -72,19 +75,30 @@ def profile(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> tupl
     if hit:
         t_verify, t_expand, cost = float(cached[1]), float(cached[2]), cached[3:].tolist()
     else:
-        t_verify, t_expand, cost = _measure(ctx)
-        mine = torch.tensor([t_verify, t_expand, *cost], dtype=torch.float64)
+        timer = CleanTimer(cpu_bound=ctx.device.type == "cpu")
+        if ctx.role == "target":  # the target's forwards first, alone: a draft beside them would slow them
+            t_verify, t_expand, cost = _measure(ctx, timer)
+        dist.barrier()
+        if ctx.role == "draft":
+            t_verify, t_expand, cost = _measure(ctx, timer)
+        mine = torch.tensor([t_verify, t_expand, timer.clean, *cost], dtype=torch.float64)
         allr = [torch.zeros_like(mine) for _ in range(ctx.world)]
         dist.all_gather(allr, mine)
         t_verify, t_expand = max(float(t[0]) for t in allr), max(float(t[1]) for t in allr)
-        cost = allr[0][2:].tolist()
-        if path is not None:
+        cost = allr[0][3:].tolist()
+        if not all(t[2] for t in allr):
+            say(BUSY)
+        elif path is not None:
             _write(path, t_verify, t_expand, cost)
     if ctx.role == "draft" and config.verify_cost:
         ctx.draft.verify_cost = cost
+        ctx.draft.shares_cores = draft_shares_cores(ctx, ranks)
         if config.tree.d is None:  # an explicit d means d expansions a round, whatever they cost
             ctx.draft.step_ms = t_verify / cost[-1]  # a one-node share of the verification
     return t_verify, t_expand
+
+
+BUSY = "the machine was busy while measuring: these figures serve this run and are not cached"
 
 
 def choose_kernel_threads(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> None:
@@ -111,18 +125,20 @@ def choose_kernel_threads(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], 
         return
     if not state[1]:
         say("measuring the CPU kernels' threads")
-        state[2:] = torch.tensor(_measure_threads(ctx, sorted({ctx.threads, free})))
-        if ctx.rank == 0 and path is not None:
+        timer = CleanTimer()
+        state[2:] = torch.tensor(_measure_threads(ctx, sorted({ctx.threads, free}), timer))
+        if ctx.rank == 0 and not timer.clean:
+            say(BUSY)
+        elif ctx.rank == 0 and path is not None:
             _write_json(path, dict(zip(MODES_BY_THREADS, state[2:].tolist(), strict=True)))
-    if ctx.rank == 0:
-        ctx.kernel_threads = dict(zip(MODES_BY_THREADS, state[2:].tolist(), strict=True))
-        say("CPU kernel threads: " + ", ".join(f"{m} {n}" for m, n in ctx.kernel_threads.items()))
+    ctx.kernel_threads = dict(zip(MODES_BY_THREADS, state[2:].tolist(), strict=True))  # the draft's too
+    say("CPU kernel threads: " + ", ".join(f"{m} {n}" for m, n in ctx.kernel_threads.items()))
 
 
 MODES_BY_THREADS = ("ar", "sync", "async")
 
 
-def _measure_threads(ctx: Ctx, candidates: list[int]) -> list[int]:
+def _measure_threads(ctx: Ctx, candidates: list[int], timer: CleanTimer) -> list[int]:
     """choose_kernel_threads' measurement: the target leader times a one-row step and a verification of
     bs nodes with each candidate; returns the threads for ar, sync and async (on every rank)."""
     bs, reps = ctx.spec.config.tree.bs, 3
@@ -133,7 +149,7 @@ def _measure_threads(ctx: Ctx, candidates: list[int]) -> list[int]:
         step, verify = {}, {}
         for n in candidates:
             set_kernel_threads(n)
-            step[n], verify[n] = tree_forward_ms(ctx.target, 1, reps), tree_forward_ms(ctx.target, bs, reps)
+            step[n], verify[n] = tree_forward_ms(ctx.target, 1, reps, timer), tree_forward_ms(ctx.target, bs, reps, timer)
         choice[:] = torch.tensor([min(candidates, key=step.get), min(candidates, key=verify.get),
                                   candidates[0] if is_draft_model(ctx.spec.draft) else min(candidates, key=verify.get)])
         use_kernel_threads(ctx, "ar")
@@ -144,7 +160,7 @@ def _measure_threads(ctx: Ctx, candidates: list[int]) -> list[int]:
 DUMMY = list(range(1, 9)) * 4  # repetitive, so that the suffix drafter has something to propose
 
 
-def _measure(ctx: Ctx) -> tuple[float, float, list[float]]:
+def _measure(ctx: Ctx, timer: CleanTimer) -> tuple[float, float, list[float]]:
     """This rank's part: a target rank times verifications of bs nodes (median of 3, after a warm-up) and,
     with verify_cost, chains of 1..bs nodes, on the kernel threads that speculative answers use (the
     costs size their trees: a row's share of a step differs with the threads); a draft rank times its
@@ -154,20 +170,19 @@ def _measure(ctx: Ctx) -> tuple[float, float, list[float]]:
     if ctx.role == "target":
         use_kernel_threads(ctx, "sync")
         sampler = Sampler(SamplingParams(), ctx.device)
-        root = ctx.target.prefill(dummy, sampler)
-        times = []
-        for _ in range(4):
-            t0 = time.perf_counter()
-            v = ctx.target.verify([root, *dummy[:bs - 1]], list(range(-1, bs - 1)), sampler)
-            times.append(time.perf_counter() - t0)
-            root = v.path[-1]
-        cost = profile_verify_cost(ctx.target, bs) if ctx.spec.config.verify_cost else [0.0] * bs
+        roots = [ctx.target.prefill(dummy, sampler)]
+
+        def verify() -> None:
+            roots.append(ctx.target.verify([roots[-1], *dummy[:bs - 1]], list(range(-1, bs - 1)), sampler).path[-1])
+
+        times = [timer.seconds(verify) for _ in range(4)]
+        cost = profile_verify_cost(ctx.target, bs, timer=timer) if ctx.spec.config.verify_cost else [0.0] * bs
         return sorted(times[1:])[1] * 1e3, 0.0, cost
     # a drafter that reads features: any of the target's size will do
     ctx.draft.prefill(dummy, Features(0, torch.zeros(len(dummy), read_args(Path(ctx.spec.target_dir)).dim))
                       if ctx.features else None)
     ctx.draft.start(dummy[-1])
-    times = [ctx.draft.expand() for _ in range(4) if ctx.draft.can_expand()]
+    times = [timer.seconds(ctx.draft.expand) * 1e3 for _ in range(4) if ctx.draft.can_expand()]
     t_expand = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else (times or [0.0])[0]
     return 0.0, t_expand, [0.0] * bs
 
@@ -182,6 +197,7 @@ def profile_path(ctx: Ctx, ranks: list[RankInfo]) -> Path | None:
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if torch.cuda.is_available() else [],
         "ranks": [[r.role, r.device, r.threads, r.host] for r in ranks],
+        "kernel_threads": ctx.kernel_threads,  # what the verifications were timed on (choose_kernel_threads)
         "target": _files(spec.target_dir), "draft": spec.draft if spec.draft in BUILTIN_DRAFTS else _files(spec.draft),
         "spec": {"config": {**settings, "dtype": ctx.dtype}, "layout": dataclasses.asdict(spec.layout),
                  "corpus": spec.corpus},
@@ -300,8 +316,12 @@ def choose_cpu_backend(ctx: Ctx, say: Callable[[str], None]) -> str:
         except (OSError, ValueError, KeyError, TypeError, AssertionError):
             say("measuring the CPU backends (" + ", ".join(candidates) + ")")
             rows = 1 if spec.draft == "none" else spec.config.tree.bs  # plain decoding: only the one-row step counts
-            costs = {b: cpu_backends.synthetic_costs(model_args, b, rows) for b in candidates}
-            _write_json(path, {"costs": costs})
+            timer = CleanTimer()
+            costs = {b: cpu_backends.synthetic_costs(model_args, b, rows, timer=timer) for b in candidates}
+            if timer.clean:
+                _write_json(path, {"costs": costs})
+            else:
+                say(BUSY)
         p = ACCEPTANCE_PRIOR.get(spec.draft, ACCEPTANCE_OTHER)
         rates = {b: expected_rate(c, p) for b, c in costs.items()}
         best = max(rates, key=rates.get)

@@ -159,6 +159,16 @@ def free_threads(threads: int | None, rank: int, n_target: int) -> int:
     return max(1, (threads or len(os.sched_getaffinity(0))) // max(1, _local_ranks(rank, n_target)[1]))
 
 
+def draft_shares_cores(ctx: Ctx, ranks: list[RankInfo]) -> bool:
+    """Whether the CPU ranks on the draft leader's node want more cores in ``async`` than the node has: the
+    draft's threads, and the target's kernel threads for async (``Ctx.kernel_threads``, which may be all
+    the cores) or its share. The draft's expansions during a verification then slow it down."""
+    host = ranks[ctx.n_target].host
+    wanted = sum(ctx.kernel_threads.get("async", r.threads) if r.role == "target" else r.threads
+                 for r in ranks if r.host == host and r.device == "cpu")
+    return wanted > len(os.sched_getaffinity(0))
+
+
 def uses_cpu_kernels(ctx: Ctx) -> bool:
     """This target rank's model runs through kernels/cpu_linear.c (a CPU backend labels its precision)."""
     return ctx.role == "target" and bool(getattr(ctx.target.model, "precision", None))
