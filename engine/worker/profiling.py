@@ -35,6 +35,7 @@ from swiftspec.engine.sampling import Sampler
 from swiftspec.engine.timing import CleanTimer
 from swiftspec.engine.worker.setup import (
     Ctx,
+    barrier,
     draft_shares_cores,
     free_threads,
     is_draft_model,
@@ -78,7 +79,7 @@ def profile(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> tupl
         timer = CleanTimer(cpu_bound=ctx.device.type == "cpu")
         if ctx.role == "target":  # the target's forwards first, alone: a draft beside them would slow them
             t_verify, t_expand, cost = _measure(ctx, timer)
-        dist.barrier()
+        barrier()
         if ctx.role == "draft":
             t_verify, t_expand, cost = _measure(ctx, timer)
         mine = torch.tensor([t_verify, t_expand, timer.clean, *cost], dtype=torch.float64)
