@@ -158,24 +158,33 @@ def test_cost_aware_subtrees_keep_the_output(tiny):
         assert sync == ar and max(s.tree_size for s in steps) < 8
 
 
-def timed_runs(tiny, mode: str):
-    """For each prompt, ar's tokens and, for a target whose one-node step is 1e-4 ms (an expansion then
-    costs thousands of steps) and 1e6 ms (expansions are free): the speculative tokens, the draft
-    expansions per verification round, and the rounds' steps. d = 6, a cost profile, the self draft."""
+TIMED = {1e-4: {"step_ms": 1e-4}, 1e6: {"step_ms": 1e6}}  # an expansion costs thousands of steps; nothing
+
+
+def timed_runs(tiny, mode: str, drafts: dict = TIMED, expand_ms: float | None = None):
+    """For each prompt, ar's tokens and, per entry of ``drafts`` (DraftState's timing arguments; by default
+    a target whose one-node step is 1e-4 ms and one whose step is 1e6 ms): the speculative tokens, the
+    draft expansions per verification round, and the rounds' steps. d = 6, a cost profile, the self draft;
+    ``expand_ms``: each expansion reads as taking that long (a fixed clock)."""
     target = TargetState(tiny["target"], 512)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     cost = [1.0 + 0.05 * i for i in range(8)]
     for prompt in PROMPTS:
         ar, _ = run(target, None, prompt, params)
         runs = {}
-        for step_ms in (1e-4, 1e6):
-            draft = DraftState(tiny["self"](), TreeParams(), verify_cost=cost, step_ms=step_ms)
+        for key, timing in drafts.items():
+            draft = DraftState(tiny["self"](), TreeParams(), verify_cost=cost, **timing)
             expansions = []
-            expand = draft.expand
-            draft.expand = lambda expand=expand, expansions=expansions: expansions.append(1) or expand()
+
+            def counted(expand=draft.expand, expansions=expansions) -> float:
+                ms = expand()
+                expansions.append(1)
+                return ms if expand_ms is None else expand_ms
+
+            draft.expand = counted
             out, steps = run(target, draft, prompt, params, mode, d=6)
             rounds = [s for s in steps if s.tree_size]
-            runs[step_ms] = (out, len(expansions) / len(rounds), rounds)
+            runs[key] = (out, len(expansions) / len(rounds), rounds)
         yield ar, runs
 
 
@@ -225,26 +234,11 @@ def test_an_async_draft_on_the_targets_cores_pays_for_its_expansions(tiny):
     verification slow that verification down, so it stops at the first that did not pay, as a sync round
     does; on cores of its own it expands as long as the verification lasts. Each expansion takes a fifth
     of a step here (a fixed clock). Output: ar's."""
-    target = TargetState(tiny["target"], 512)
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    cost = [1.0 + 0.05 * i for i in range(8)]
-    for prompt in PROMPTS:
-        ar, _ = run(target, None, prompt, params)
-        per_round = {}
-        for shares in (False, True):
-            draft = DraftState(tiny["self"](), TreeParams(), verify_cost=cost, step_ms=100.0, shares_cores=shares)
-            expansions = []
-
-            def timed(expand=draft.expand, expansions=expansions) -> float:
-                expand()
-                expansions.append(1)
-                return 20.0
-
-            draft.expand = timed
-            out, steps = run(target, draft, prompt, params, "async", d=6)
-            assert out == ar
-            per_round[shares] = len(expansions) / len([s for s in steps if s.tree_size])
-        assert per_round[True] + 1 < per_round[False], per_round
+    drafts = {False: {"step_ms": 100.0}, True: {"step_ms": 100.0, "shares_cores": True}}
+    for ar, runs in timed_runs(tiny, "async", drafts, expand_ms=20.0):
+        (own, own_rate, _), (shared, shared_rate, _) = runs[False], runs[True]
+        assert own == shared == ar
+        assert shared_rate + 1 < own_rate, (shared_rate, own_rate)
 
 
 def test_self_draft_accepts_what_a_perfect_draft_could(tiny):
