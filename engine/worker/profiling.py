@@ -3,11 +3,11 @@ start on a machine, then read from the profile cache.
 
 Measuring takes ~30 forwards (seconds on a CPU), and the figures only change with the machine, the
 models and the settings, so they are kept in ``<cache>/profiles`` under a key made of exactly those:
-the software versions, the CPU or GPU names, every rank's device and threads, the model files' sizes
-and dates, and the decoding settings. A figure taken while other work held the cores is timed again, and one that
-never ran undisturbed serves its run without being cached (engine/timing.py), so a start on a busy
-machine does not mis-size every later answer. ``swiftspec cache clear profiles`` makes the next start
-measure again.
+the software versions, the CPU or GPU names, every rank's device and threads (and the CPU kernels'
+threads the verifications ran on), the model files' sizes and dates, and the decoding settings. A figure
+taken while other work held the cores is timed again, and one that never ran undisturbed serves its run
+without being cached (engine/timing.py), so a start on a busy machine does not mis-size every later
+answer. ``swiftspec cache clear profiles`` makes the next start measure again.
 """
 
 from __future__ import annotations
