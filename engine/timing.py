@@ -65,17 +65,19 @@ def waited_for_a_core(before: dict[str, tuple[int, int]], after: dict[str, tuple
 class CleanTimer:
     """Times calls, retrying those that ran disturbed. ``cpu_bound``: the call keeps its thread busy (a CPU
     forward), so that thread's CPU time may stand in for the run-queue delay where schedstat is missing
-    (a GPU forward's thread may sleep in a synchronisation)."""
+    (a GPU forward's thread may sleep in a synchronisation). ``retries``: 0 where ranks time the same
+    collective calls (tensor parallelism), which one rank alone must not repeat; a disturbed call is
+    then only counted."""
 
-    def __init__(self, cpu_bound: bool = True):
-        self.cpu_bound = cpu_bound
+    def __init__(self, cpu_bound: bool = True, retries: int = RETRIES):
+        self.cpu_bound, self.retries = cpu_bound, retries
         self.disturbed = 0  # calls that never ran clean
         self._started, self._steal = time.perf_counter(), steal_seconds()
 
     def seconds(self, fn: Callable[[], object]) -> float:
         """Wall seconds of one undisturbed call of fn (of the last try, counted in ``disturbed``, when no
         try was undisturbed)."""
-        for attempt in range(RETRIES + 1):
+        for attempt in range(self.retries + 1):
             stats, cpu = thread_schedstats(), time.thread_time()
             start = time.perf_counter()
             fn()
@@ -86,7 +88,7 @@ class CleanTimer:
                 ok = not self.cpu_bound or time.thread_time() - cpu >= MIN_CPU_SHARE * wall
             if ok:
                 return wall
-            if attempt < RETRIES:
+            if attempt < self.retries:
                 time.sleep(PAUSE_S)
         self.disturbed += 1
         return wall

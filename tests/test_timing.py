@@ -52,6 +52,10 @@ def test_a_call_whose_threads_waited_for_a_core_is_timed_again(monkeypatch, no_p
     calls.clear()
     timer.seconds(lambda: call(wait_until=99))
     assert len(calls) == timing.RETRIES + 1 and timer.disturbed == 1 and not timer.clean
+    calls.clear()
+    lockstep = CleanTimer(retries=0)  # a TP rank: its partners would not call again with it
+    lockstep.seconds(lambda: call(wait_until=99))
+    assert len(calls) == 1 and lockstep.disturbed == 1
 
 
 def test_the_working_threads_waits_add_up():

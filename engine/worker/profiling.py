@@ -32,7 +32,7 @@ from swiftspec.engine.embedded import cache_dir
 from swiftspec.engine.model_dir import read_args
 from swiftspec.engine.protocol import RankInfo
 from swiftspec.engine.sampling import Sampler
-from swiftspec.engine.timing import CleanTimer
+from swiftspec.engine.timing import RETRIES, CleanTimer
 from swiftspec.engine.worker.setup import (
     Ctx,
     barrier,
@@ -76,7 +76,8 @@ def profile(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> tupl
     if hit:
         t_verify, t_expand, cost = float(cached[1]), float(cached[2]), cached[3:].tolist()
     else:
-        timer = CleanTimer(cpu_bound=ctx.device.type == "cpu")
+        # a TP group's ranks forward together: none may time a call again alone
+        timer = CleanTimer(cpu_bound=ctx.device.type == "cpu", retries=RETRIES if ctx.tp_world == 1 else 0)
         if ctx.role == "target":  # the target's forwards first, alone: a draft beside them would slow them
             t_verify, t_expand, cost = _measure(ctx, timer)
         barrier()
