@@ -273,7 +273,6 @@ def _timer(target: TargetState) -> CleanTimer:
 def _tree_forward_s(target: TargetState, n: int, timer: CleanTimer) -> float:
     dev = target.device
     target.cache.apply()  # the tree slots it writes may hold the KV of the last verdict
-    positions, slots, mask = target_inputs(list(range(-1, n - 1)), target.cache.prefix_len)
-    tokens, positions, slots, mask = torch.zeros(n, dtype=torch.long, device=dev), positions.to(dev), \
-        slots.to(dev), mask.to(dev)
+    tokens = torch.zeros(n, dtype=torch.long, device=dev)
+    positions, slots, mask = (t.to(dev) for t in target_inputs(list(range(-1, n - 1)), target.cache.prefix_len))
     return timer.seconds(lambda: target.model(tokens, positions, slots, mask))
