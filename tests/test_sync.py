@@ -203,20 +203,39 @@ def test_sync_rounds_count_the_drafts_time(tiny):
 
 
 def test_the_payback_gate_backs_off_while_drafting_does_not_pay():
-    gate = PaybackGate(weight=1.0)  # the mean is then the last round's rate
+    gate = PaybackGate(weight=1.0)  # the means are then the last round's
     waits = []
     for _ in range(8):
-        gate.judge(0.5)
+        gate.judge(0.5, 0.2)
         waits.append(gate.wait)
         sat_out = 0
         while not gate.open():  # plain-step rounds, then it drafts again
             sat_out += 1
         assert sat_out == waits[-1]
     assert waits == [1, 2, 4, 8, 16, 32, 32, 32]
-    gate.judge(1.2)  # a round that paid: draft every round again
+    gate.judge(1.2, 0.2)  # a round that paid: draft every round again
     assert gate.wait == 0 and gate.misses == 0 and gate.open()
-    gate.judge(0.9)
+    gate.judge(0.9, 0.2)
     assert gate.wait == 1  # the back-off starts over
+
+
+def test_the_payback_gate_judges_a_draft_by_all_its_rounds():
+    """A draft whose drafting is cheap is never sat out, even in a run of rounds that gained nothing; one
+    whose rounds pay on average is not sat out for its dear rounds, which are mostly those that gained
+    nothing (each is 1 token for a step and a tenth), however many there are in a row."""
+    cheap = PaybackGate()
+    for _ in range(50):
+        cheap.judge(0.97, 0.03)
+        assert cheap.open()
+    paying = PaybackGate()
+    for _ in range(20):
+        paying.judge(2.5, 0.02)
+    for _ in range(3):
+        paying.judge(1 / 1.1, 0.1)
+        assert paying.open()
+    for _ in range(20):  # only losing rounds: the means fall below 1 and past 5 % of a step
+        paying.judge(1 / 1.1, 0.1)
+    assert not paying.open()
 
 
 def test_async_expansions_fit_in_the_verification(tiny):
