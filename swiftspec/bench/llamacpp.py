@@ -1,7 +1,7 @@
 """The bench's llama.cpp mode: the same GGUF through llama-cpp-python, greedy, as a user would run it on
 this machine (every core), timed token by token.
 
-llama.cpp runs in a child process of its own (``python -m swiftspec.bench_llamacpp``) that answers one
+llama.cpp runs in a child process of its own (``python -m swiftspec.bench.llamacpp``) that answers one
 JSON request per line: a build whose kernels this CPU lacks dies with SIGILL, and that must show as a
 crashed peer in the report, not take the bench down or read as a failed run of ours. The prompt goes in
 as token ids from our own tokenizer and chat template, so both engines answer exactly the same input.
@@ -17,13 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+from swiftspec.bench.runners import PeerCrashed, Sample
+
 MODE = "llama.cpp"
 INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" '
            ".venv/bin/pip install llama-cpp-python")
-
-
-class PeerCrashed(RuntimeError):
-    """A peer's process died or answered nonsense; the message says how."""
 
 
 def available() -> str | None:
@@ -45,7 +43,7 @@ class LlamaCppRunner:
 
     def __init__(self, gguf: Path, tokenizer, eos: list[int], threads: int, n_ctx: int):
         self.tokenizer, self.eos, self.threads = tokenizer, eos, threads
-        cmd = [sys.executable, "-m", "swiftspec.bench_llamacpp", "--model", str(gguf), "--threads", str(threads),
+        cmd = [sys.executable, "-m", "swiftspec.bench.llamacpp", "--model", str(gguf), "--threads", str(threads),
                "--n-ctx", str(n_ctx)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
@@ -75,7 +73,6 @@ class LlamaCppRunner:
         return f"llama.cpp {how}{hint}" + (f" ({' / '.join(tail)})" if tail else "")
 
     def __call__(self, messages, params):
-        from swiftspec.bench import Sample
         from swiftspec.engine.client import encode_chat
 
         ids = encode_chat(self.tokenizer, messages)
