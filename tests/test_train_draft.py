@@ -131,7 +131,7 @@ def test_rerun_resumes_and_the_same_seed_gives_the_same_head(trained, tmp_path):
 def test_training_prompts_are_distinct_and_share_no_topic_with_the_fresh_set():
     prompts = training_prompts(2000)
     assert len(set(prompts)) == len(prompts) == 2000
-    from swiftspec.bench import builtin_prompts
+    from swiftspec.bench.prompts import builtin_prompts
 
     fresh = " ".join(p.text.lower() for p in builtin_prompts("fresh"))
     assert not [t for t in TOPICS if t.lower() in fresh]
