@@ -24,7 +24,7 @@ import time
 import httpx
 
 from swiftspec.bench.prompts import select_prompts
-from swiftspec.cli import chat_defaults
+from swiftspec.cli.options import chat_defaults
 from swiftspec.config import EngineConfig
 from swiftspec.engine.client import Engine
 

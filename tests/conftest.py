@@ -74,7 +74,7 @@ def fake(monkeypatch):
     """Routes the CLI's engine start to the FakeEngine and records the configs it was given."""
     from fake_engine import FakeEngine
 
-    from swiftspec import cli
+    from swiftspec.cli import chat as cli_chat
 
     configs = []
 
@@ -82,7 +82,7 @@ def fake(monkeypatch):
         configs.append(config)
         return FakeEngine.start(config, progress)
 
-    monkeypatch.setattr(cli, "_start_engine", start)
+    monkeypatch.setattr(cli_chat, "_start_engine", start)
     return configs
 
 

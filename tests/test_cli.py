@@ -14,6 +14,7 @@ from fake_engine import ANSWER, FakeEngine
 from helpers.cli import invoke
 
 from swiftspec import cli
+from swiftspec.cli import chat as cli_chat
 from swiftspec.config import CHAT_DEFAULTS, EngineConfig, SamplingParams
 from swiftspec.history import HistoryStore
 
@@ -247,7 +248,7 @@ def test_engine_start_failure_exit_1(monkeypatch, data_dir):
     def start(config, progress):
         raise EngineError("the workers exited (torchrun exit code 1)")
 
-    monkeypatch.setattr(cli, "_start_engine", start)
+    monkeypatch.setattr(cli_chat, "_start_engine", start)
     result = invoke(["chat", "-p", "hi"])
     assert result.exit_code == 1 and "torchrun exit code 1" in result.stderr
 
@@ -337,8 +338,8 @@ def test_terminal_runs_the_tui(monkeypatch, data_dir, tmp_path):
     store = HistoryStore()
     old = store.create("earlier")
     apps = []
-    monkeypatch.setattr(cli, "_interactive", lambda: True)
-    monkeypatch.setattr(cli, "_prepare_models", lambda config: None)
+    monkeypatch.setattr(cli_chat, "_interactive", lambda: True)
+    monkeypatch.setattr(cli_chat, "_prepare_models", lambda config: None)
     monkeypatch.setattr(SwiftSpecApp, "run", lambda self: apps.append(self) or 0)
     result = invoke(["chat", "--mode", "sync", "--temperature", "0.5", "--system", "Be kind.", "--resume"])
     assert result.exit_code == 0, result.output
@@ -349,7 +350,7 @@ def test_terminal_runs_the_tui(monkeypatch, data_dir, tmp_path):
 
 
 def test_missing_model_is_a_usage_error_before_the_tui(monkeypatch, data_dir, tmp_path):
-    monkeypatch.setattr(cli, "_interactive", lambda: True)
+    monkeypatch.setattr(cli_chat, "_interactive", lambda: True)
     result = invoke(["chat", "--target", str(tmp_path / "missing")])
     assert result.exit_code == 2 and "does not exist" in result.stderr
     result = invoke(["chat", "--draft", str(tmp_path / "missing-draft.gguf")])
@@ -405,7 +406,7 @@ def test_a_head_for_another_target_is_a_usage_error(monkeypatch, tmp_path):
     args = HeadArgs.for_target(read_args(target))
     args.dim *= 2
     save_head(DraftHead(args), tmp_path / "head")
-    monkeypatch.setattr(cli, "_interactive", lambda: True)
+    monkeypatch.setattr(cli_chat, "_interactive", lambda: True)
     result = invoke(["chat", "--target", str(target), "--draft", str(tmp_path / "head")])
     assert result.exit_code == 2, result.output
     assert f"hidden size {args.dim}" in result.stderr and f"hidden size {args.dim // 2}" in result.stderr

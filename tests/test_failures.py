@@ -125,10 +125,11 @@ def test_cli_refuses_bad_sampling_values_before_starting(flags, message, monkeyp
     from typer.testing import CliRunner
 
     from swiftspec import cli
+    from swiftspec.cli import chat as cli_chat
 
     monkeypatch.setenv("SWIFTSPEC_DATA_DIR", str(tmp_path))
     started = []
-    monkeypatch.setattr(cli, "_start_engine", lambda *a: started.append(a))
+    monkeypatch.setattr(cli_chat, "_start_engine", lambda *a: started.append(a))
     result = CliRunner().invoke(cli.app, cli.normalise_argv(["chat", "-p", "hi", *flags]))
     assert result.exit_code == 2 and message in result.output and not started
 

@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from swiftspec import cli
+from swiftspec.cli import chat as cli_chat
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_broken_files_are_one_line_exit_2_in_scripted_mode(tiny_dir, tmp_path, s
 def test_broken_files_are_found_before_the_tui(tiny_dir, tmp_path, scratch_cache, monkeypatch):
     from swiftspec.tui.app import SwiftSpecApp
 
-    monkeypatch.setattr(cli, "_interactive", lambda: True)
+    monkeypatch.setattr(cli_chat, "_interactive", lambda: True)
     monkeypatch.setattr(SwiftSpecApp, "run", lambda self: pytest.fail("the TUI started on a broken model"))
     for path, message in _cases(tiny_dir, tmp_path):
         result = CliRunner().invoke(cli.app, ["chat", "--model", path])

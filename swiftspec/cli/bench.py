@@ -1,0 +1,104 @@
+"""``swiftspec bench``: the decoding modes and their peers measured side by side (swiftspec.bench does
+the measuring)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from swiftspec.cli.options import (
+    SOURCES,
+    FrequencyPenaltyOpt,
+    MaxNewTokensOpt,
+    MinPOpt,
+    PresencePenaltyOpt,
+    RepeatLastNOpt,
+    RepeatPenaltyOpt,
+    SeedOpt,
+    SystemOpt,
+    TemperatureOpt,
+    TopKOpt,
+    TopPOpt,
+    _complete,
+    _fail,
+    _opt,
+    _whole_number,
+    app,
+    engine_options,
+)
+from swiftspec.config import ConfigError, EngineConfig, SamplingParams
+
+BENCH = "Benchmark"
+
+
+@app.command(epilog=SOURCES)
+@engine_options
+def bench(
+    ctx: typer.Context,
+    config: EngineConfig,  # the engine's options (engine_options)
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    repeat_last_n: RepeatLastNOpt = SamplingParams().repeat_last_n,
+    presence_penalty: PresencePenaltyOpt = 0.0,
+    frequency_penalty: FrequencyPenaltyOpt = 0.0,
+    seed: SeedOpt = None,
+    system: SystemOpt = None,
+    max_new_tokens: MaxNewTokensOpt = 128,
+    modes: Annotated[str, _opt(
+        "--modes", panel=BENCH, metavar="MODES",
+        help="Comma-separated: hf, hf-assisted, llama.cpp, ar, sync, async. llama.cpp runs the same GGUF "
+             "through llama-cpp-python (installed by hand, see the README) on every core.")] = "hf,hf-assisted,ar,sync,async",
+    prompts: Annotated[Path | None, _opt(
+        "--prompts", panel=BENCH, metavar="FILE",
+        help="Prompts from a JSONL file with a 'prompt' field or MT-Bench-style 'turns'.")] = None,
+    prompt_set: Annotated[str | None, _opt(
+        "--set", panel=BENCH, metavar="SETS",
+        help="Built-in prompt sets, comma-separated: chat, code, math, qa, summarisation, "
+        "extraction, fresh (everyday questions no built-in training prompt shares a topic with), multiturn "
+        "(two-turn conversations, for --turns all); and humaneval when installed. Default: all built-in sets.")] = None,
+    turns: Annotated[str, _opt(
+        "--turns", panel=BENCH, metavar="TURNS", autocompletion=_complete("first", "all"),
+        help="first: each record's first turn; all: every turn of an MT-Bench-style record as one conversation, "
+             "each later turn after the mode's own earlier answers (figures per turn in the table and the JSON's "
+             "by_turn).")] = "first",
+    warm: Annotated[int, _opt(
+        "--warm", parser=_whole_number, panel=BENCH, metavar="N",
+        help="First answer N prompts of the built-in sets not measured, and let the suffix drafter learn from "
+             "those answers (and only those): the effect of a history, measured in one run. Default 0: the "
+             "drafter's history is off.")] = 0,
+    limit: Annotated[int | None, _opt("--limit", parser=_whole_number, panel=BENCH, metavar="N", help="At most N prompts per set.")] = None,
+    json_path: Annotated[Path | None, _opt(
+        "--json", panel=BENCH, metavar="FILE", help="Write the results as JSON.")] = None,
+    plot_path: Annotated[Path | None, _opt(
+        "--plot", panel=BENCH, metavar="FILE", help="Plot tokens/s and per-token latency per mode (a .png).")] = None,
+) -> None:
+    """Measure decoding modes and peers side by side on the same prompts, interleaved.
+
+    Greedy and unpenalised unless asked (a penalty keeps the "= target" check; a --temperature leaves it out: sampled answers differ by design). Ctrl-C stops the run and still reports the prompts every mode finished, marked partial.
+
+    Example: [bold]swiftspec bench --set chat,code --limit 2 --max-new-tokens 64 --json bench.json[/bold]
+    """
+    try:
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                  repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                  seed=seed, max_new_tokens=max_new_tokens).validate()
+    except ConfigError as e:
+        raise _fail(str(e), 2) from None
+    from swiftspec.bench import bench_command
+
+    try:
+        report = bench_command(config=config, modes=modes, prompts=prompts, prompt_set=prompt_set, limit=limit,
+                               sampling=sampling, system=system, json_path=json_path, plot_path=plot_path,
+                               turns=turns, warm=warm)
+    except (ValueError, FileNotFoundError) as e:  # bad options, prompts or model paths
+        raise _fail(str(e), 2) from None
+    except KeyboardInterrupt:
+        raise _fail("interrupted before every mode had finished a prompt: nothing to report", 130) from None
+    if report.get("partial"):
+        raise typer.Exit(130)

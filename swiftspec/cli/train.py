@@ -1,0 +1,97 @@
+"""``swiftspec train-draft``: a draft head (and a suffix drafter's corpus) from a target's own answers
+(swiftspec.train_draft does the training)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from swiftspec.cli.options import (
+    SOURCES,
+    DeviceOpt,
+    MaxNewTokensOpt,
+    TargetOpt,
+    TemperatureOpt,
+    ThreadsOpt,
+    _fail,
+    _number,
+    _opt,
+    _whole_number,
+    app,
+)
+
+TRAIN = "Training"
+
+
+@app.command("train-draft", epilog=SOURCES)
+def train_draft(
+    out: Annotated[Path, _opt("--out", panel=TRAIN, metavar="DIR",
+                              help="Where the head goes (config.json + model.safetensors), with its data "
+                                   "and training state: rerun the same command to resume.")],
+    target: TargetOpt = None,
+    prompts: Annotated[Path | None, _opt(
+        "--prompts", panel=TRAIN, metavar="FILE",
+        help="Training prompts, JSONL with a 'prompt' field. Default: SwiftSpec's own generated chat "
+             "requests (topic x task).")] = None,
+    n_prompts: Annotated[int, _opt("--n-prompts", parser=_whole_number, panel=TRAIN, metavar="N",
+                                   help="Prompts to answer (the first N).")] = 800,
+    max_new_tokens: MaxNewTokensOpt = 256,
+    temperature: TemperatureOpt = 0.0,
+    draft_vocab: Annotated[int, _opt("--draft-vocab", parser=_whole_number, panel=TRAIN, metavar="N",
+                                     help="Tokens the head can propose: the target's N most frequent in "
+                                          "its answers.")] = 8192,
+    steps: Annotated[int, _opt("--steps", parser=_whole_number, panel=TRAIN, metavar="N",
+                               help="Tree depths trained for (unrolled steps).")] = 3,
+    epochs: Annotated[int, _opt("--epochs", parser=_whole_number, panel=TRAIN, metavar="N",
+                                help="Passes over the data.")] = 6,
+    lr: Annotated[float, _opt("--lr", parser=_number, panel=TRAIN, metavar="NUMBER",
+                              help="Peak learning rate (AdamW, warm-up then cosine).")] = 1e-3,
+    seed: Annotated[int, _opt("--seed", parser=_whole_number, panel=TRAIN, metavar="N",
+                              help="Seed of everything random: the run is repeatable.")] = 0,
+    corpus_only: Annotated[bool, _opt(
+        "--corpus-only", panel=TRAIN,
+        help="Stop after the answers: write OUT/corpus.safetensors for --draft-corpus, train no head.")] = False,
+    device: DeviceOpt = "auto",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Train an EAGLE-style draft head for a target, on the target's own answers.
+
+    The target answers the prompts (captured: its final hidden states), then a one-layer head learns to
+    predict its next feature and token from them. Use the result with [bold]--draft DIR[/bold]. Prints the
+    held-out agreement with the target per epoch and tree depth. The answers also make a corpus for the
+    suffix drafter, OUT/corpus.safetensors: use it with [bold]--draft suffix --draft-corpus FILE[/bold].
+
+    Example: [bold]swiftspec train-draft --out heads/smollm2 --n-prompts 64 --epochs 1[/bold]
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning threads crawl when a core is busy elsewhere
+    import torch
+
+    from swiftspec.bench import parse_jsonl
+    from swiftspec.engine.model_dir import resolve_model_dir
+    from swiftspec.train_draft import TrainConfig, train
+    from swiftspec.train_prompts import training_prompts
+
+    if temperature < 0 or lr <= 0 or not 1 <= steps <= 8 or n_prompts < 2 or epochs < 1 or draft_vocab < 2:
+        raise _fail("need temperature >= 0, lr > 0, 1 <= steps <= 8, n-prompts >= 2, epochs >= 1, "
+                    "draft-vocab >= 2", 2)
+    if threads:
+        torch.set_num_threads(threads)
+    dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
+    try:
+        target_dir = resolve_model_dir(str(target) if target else None)
+        if prompts is None:
+            texts = training_prompts(n_prompts)
+        else:
+            texts = [p.text for p in parse_jsonl(prompts.read_text(encoding="utf-8"), prompts.stem)][:n_prompts]
+        cfg = TrainConfig(n_prompts=len(texts), max_new_tokens=max_new_tokens, temperature=temperature,
+                          draft_vocab=draft_vocab, steps=steps, epochs=epochs, lr=lr, seed=seed)
+        from rich.console import Console
+
+        train(target_dir, out, cfg, texts, dev, Console(stderr=True), corpus_only=corpus_only)
+    except (ValueError, OSError) as e:
+        raise _fail(str(e), 2) from None
+    if not corpus_only:
+        typer.echo(f"swiftspec: the head is in {out}; use it with --draft {out}", err=True)
