@@ -18,6 +18,8 @@ ATTN_BLOCK_N = 64
 INVARIANT_KEYS_PER_SPLIT = 512  # the batch-invariant attention's fixed key-axis split
 PROGRAMS_PER_SM = 2  # enough resident programs to keep loads in flight on every SM
 MAX_COUNTERS = 1 << 16
+FP_FUSION = True  # multiply-adds fused, as every launch so far compiled: pinned, since Triton 3.10 turns
+# its default off, which would change every kernel's rounding (the same for each row either way)
 _counters: dict[torch.device, Tensor] = {}
 
 
@@ -213,6 +215,7 @@ def tree_attention(
         mask_arg.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=ATTN_BLOCK_N, SPLIT=split, IEEE=q.dtype == torch.float32,
         INVARIANT=invariant,
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return out
 
@@ -248,6 +251,7 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
     _add_rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, out, new_res, x2.stride(0), r2.stride(0), out.stride(0), new_res.stride(0), N, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return out.view(x.shape), new_res.view(x.shape)
 
@@ -305,6 +309,7 @@ def swiglu(x: Tensor, w_gate_up: Tensor, inter: int, invariant: bool = False) ->
         x2, w_gate_up, y, M, inter, K, x2.stride(0), w_gate_up.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
         num_warps=4, num_stages=4,
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return y.view(*x.shape[:-1], inter)
 
@@ -363,6 +368,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4,
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return y.view(*x.shape[:-1], N)
 
@@ -467,6 +473,7 @@ def rms_norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps
         x2.stride(0), r2.stride(0), ro2.stride(0), weight.stride(0), y.stride(0), eps,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4,
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return y.view(*x.shape[:-1], n), residual_out
 
@@ -517,5 +524,6 @@ def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, k_cache:
         qkv, cos, sin, slots, q, k_cache, v_cache, n_heads, n_kv_heads,
         qkv.stride(0), qkv.stride(1), cos.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), HALF=D // 2,
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return q

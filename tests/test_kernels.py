@@ -141,7 +141,8 @@ def test_triton_kernels_compile_for_hopper(variant):
     hinted = [(i,) for i, arg in enumerate(kernel.arg_names) if signature[arg] not in ("constexpr", "fp32")]
     src = triton.compiler.ASTSource(kernel, signature, constexprs, attrs={k: [["tt.divisibility", 16]] for k in hinted})
     target = GPUTarget("cuda", 90, 32)
-    options = triton.compiler.make_backend(target).parse_options(dict(num_warps=num_warps, num_stages=num_stages))
+    options = triton.compiler.make_backend(target).parse_options(
+        dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=triton_kernels.FP_FUSION))
     compiled = triton.compile(src, target=target, options=options.__dict__)
     assert compiled.metadata.shared <= 227 * 1024  # per-block shared memory limit on sm_90
 
