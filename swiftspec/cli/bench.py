@@ -21,12 +21,12 @@ from swiftspec.cli.options import (
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
-    _complete,
-    _fail,
-    _opt,
-    _whole_number,
     app,
+    cli_option,
+    complete_choices,
     engine_options,
+    exit_with,
+    parse_whole_number,
 )
 from swiftspec.config import ConfigError, EngineConfig, SamplingParams
 
@@ -49,32 +49,32 @@ def bench(
     seed: SeedOpt = None,
     system: SystemOpt = None,
     max_new_tokens: MaxNewTokensOpt = 128,
-    modes: Annotated[str, _opt(
+    modes: Annotated[str, cli_option(
         "--modes", panel=BENCH, metavar="MODES",
         help="Comma-separated: hf, hf-assisted, llama.cpp, ar, sync, async. llama.cpp runs the same GGUF "
              "through llama-cpp-python (installed by hand, see the README) on every core.")] = "hf,hf-assisted,ar,sync,async",
-    prompts: Annotated[Path | None, _opt(
+    prompts: Annotated[Path | None, cli_option(
         "--prompts", panel=BENCH, metavar="FILE",
         help="Prompts from a JSONL file with a 'prompt' field or MT-Bench-style 'turns'.")] = None,
-    prompt_set: Annotated[str | None, _opt(
+    prompt_set: Annotated[str | None, cli_option(
         "--set", panel=BENCH, metavar="SETS",
         help="Built-in prompt sets, comma-separated: chat, code, math, qa, summarisation, "
         "extraction, fresh (everyday questions no built-in training prompt shares a topic with), multiturn "
         "(two-turn conversations, for --turns all); and humaneval when installed. Default: all built-in sets.")] = None,
-    turns: Annotated[str, _opt(
-        "--turns", panel=BENCH, metavar="TURNS", autocompletion=_complete("first", "all"),
+    turns: Annotated[str, cli_option(
+        "--turns", panel=BENCH, metavar="TURNS", autocompletion=complete_choices("first", "all"),
         help="first: each record's first turn; all: every turn of an MT-Bench-style record as one conversation, "
              "each later turn after the mode's own earlier answers (figures per turn in the table and the JSON's "
              "by_turn).")] = "first",
-    warm: Annotated[int, _opt(
-        "--warm", parser=_whole_number, panel=BENCH, metavar="N",
+    warm: Annotated[int, cli_option(
+        "--warm", parser=parse_whole_number, panel=BENCH, metavar="N",
         help="First answer N prompts of the built-in sets not measured, and let the suffix drafter learn from "
              "those answers (and only those): the effect of a history, measured in one run. Default 0: the "
              "drafter's history is off.")] = 0,
-    limit: Annotated[int | None, _opt("--limit", parser=_whole_number, panel=BENCH, metavar="N", help="At most N prompts per set.")] = None,
-    json_path: Annotated[Path | None, _opt(
+    limit: Annotated[int | None, cli_option("--limit", parser=parse_whole_number, panel=BENCH, metavar="N", help="At most N prompts per set.")] = None,
+    json_path: Annotated[Path | None, cli_option(
         "--json", panel=BENCH, metavar="FILE", help="Write the results as JSON.")] = None,
-    plot_path: Annotated[Path | None, _opt(
+    plot_path: Annotated[Path | None, cli_option(
         "--plot", panel=BENCH, metavar="FILE", help="Plot tokens/s and per-token latency per mode (a .png).")] = None,
 ) -> None:
     """Measure decoding modes and peers side by side on the same prompts, interleaved.
@@ -89,7 +89,7 @@ def bench(
                                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                   seed=seed, max_new_tokens=max_new_tokens).validate()
     except ConfigError as e:
-        raise _fail(str(e), 2) from None
+        raise exit_with(str(e), 2) from None
     from swiftspec.bench import bench_command
 
     try:
@@ -97,8 +97,8 @@ def bench(
                                sampling=sampling, system=system, json_path=json_path, plot_path=plot_path,
                                turns=turns, warm=warm)
     except (ValueError, FileNotFoundError) as e:  # bad options, prompts or model paths
-        raise _fail(str(e), 2) from None
+        raise exit_with(str(e), 2) from None
     except KeyboardInterrupt:
-        raise _fail("interrupted before every mode had finished a prompt: nothing to report", 130) from None
+        raise exit_with("interrupted before every mode had finished a prompt: nothing to report", 130) from None
     if report.get("partial"):
         raise typer.Exit(130)

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from swiftspec.cli.options import _fail, app
+from swiftspec.cli.options import app, exit_with
 
 cache_app = typer.Typer(help="What the cache holds (converted GGUF models, profiled step times, logs of "
                         "failed workers) and its size; clear it to free the space.", no_args_is_help=True)
@@ -38,7 +38,7 @@ def cache_clear(
     try:
         removed = clear(name)
     except CacheError as e:
-        raise _fail(str(e), 2) from None
+        raise exit_with(str(e), 2) from None
     for e in removed:
         typer.echo(f"removed {e.name} ({human_size(e.size)})")
     typer.echo(f"freed {human_size(sum(e.size for e in removed))}")

@@ -22,16 +22,16 @@ from swiftspec.cli.options import (
     MaxNewTokensOpt,
     SeedOpt,
     SystemOpt,
-    _complete,
-    _fail,
-    _given,
-    _opt,
-    _sampling,
-    _source,
-    _with_origin,
     app,
+    cli_option,
+    complete_choices,
     engine_options,
+    exit_with,
+    given_params,
+    option_source,
     sampling_options,
+    sampling_params,
+    with_origin,
 )
 from swiftspec.config import BUILTIN_DRAFTS, MODES, ConfigError, EngineConfig, SamplingParams
 
@@ -49,8 +49,8 @@ def chat(
     *,
     config: EngineConfig,  # the engine's options (engine_options)
     draft_history: DraftHistoryOpt = "on",
-    mode: Annotated[str, _opt(
-        "--mode", panel=DECODING, metavar="MODE", autocompletion=_complete(*MODES),
+    mode: Annotated[str, cli_option(
+        "--mode", panel=DECODING, metavar="MODE", autocompletion=complete_choices(*MODES),
         help="async: SwiftSpec (draft and target in parallel; the default, also on one GPU, where it measured "
              "at least as fast as sync); sync: draft then verify; ar: target only, and no draft is started "
              "(so that session cannot switch to sync or async: start it again for those).")
@@ -59,19 +59,19 @@ def chat(
     seed: SeedOpt = None,
     max_new_tokens: MaxNewTokensOpt = SamplingParams().max_new_tokens,
     system: SystemOpt = None,
-    stop: Annotated[list[str] | None, _opt(
+    stop: Annotated[list[str] | None, cli_option(
         "--stop", panel=DECODING, metavar="TEXT",
         help="End the answer before this text; repeat for several.")] = None,
     prompt: Annotated[str | None, typer.Option(
         "-p", "--prompt", metavar="TEXT", rich_help_panel=SCRIPTED,
         help="Answer this prompt and exit (scripted mode). Piped stdin, if any, is appended as material.")
     ] = None,
-    each_line: Annotated[bool, _opt(
+    each_line: Annotated[bool, cli_option(
         "--each-line", panel=SCRIPTED,
         help="Scripted mode: each stdin line is its own prompt, answered on its own (as the next turns of the "
              "conversation with --save or --resume); plain answers are separated by a blank line.")
     ] = False,
-    jsonl: Annotated[bool, _opt(
+    jsonl: Annotated[bool, cli_option(
         "--jsonl", panel=SCRIPTED,
         help='Scripted mode: stdout is one JSON object per event: {"event":"token","text","token_ids"} '
         '... {"event":"done","stats","finish_reason"}.')
@@ -80,18 +80,18 @@ def chat(
         "--resume", metavar="ID",
         help="Resume saved conversation ID, or the latest one when ID is left out (scripted mode "
         "answers after it and appends the new turns).")] = None,
-    save: Annotated[bool, _opt(
+    save: Annotated[bool, cli_option(
         "--save", panel=SCRIPTED,
         help="Scripted mode: save the prompts and answers as a new conversation, as its turns (see `swiftspec "
         "history`; the id is printed on stderr). Scripted runs are not saved otherwise, except the turns that "
         "--resume appends.")] = False,
-    server: Annotated[str | None, _opt(
+    server: Annotated[str | None, cli_option(
         "--server", panel=SERVER, metavar="URL",
         help="Chat with a running `swiftspec serve` at URL (e.g. http://127.0.0.1:8080) instead of starting an "
              "engine: instant start, one warm engine for the terminal and the editor alike. The model options "
              "are the server's.")] = None,
     api_key: ApiKeyOpt = None,
-    quiet: Annotated[bool, _opt(
+    quiet: Annotated[bool, cli_option(
         "-q", "--quiet", panel=SCRIPTED,
         help="Scripted mode: no start-up progress and no figures on stderr; errors and warnings still.")] = False,
 ) -> None:
@@ -102,7 +102,7 @@ def chat(
     Examples: [bold]swiftspec chat[/bold] · [bold]swiftspec chat "Why is the sky blue?"[/bold] · [bold]echo "Explain RoPE" | swiftspec chat > answer.md[/bold] · [bold]swiftspec chat -p "Summarise:" --jsonl < notes.txt[/bold] · [bold]swiftspec chat --resume[/bold]
     """
     if prompt_arg is not None and prompt is not None:
-        raise _fail("give the prompt either as an argument or with -p, not both", 2)
+        raise exit_with("give the prompt either as an argument or with -p, not both", 2)
     prompt = prompt_arg if prompt is None else prompt
     from swiftspec.conversation import Conversation, Settings
     from swiftspec.history import HistoryError, HistoryStore
@@ -110,18 +110,18 @@ def chat(
     sampling = dict(mode=mode, seed=seed, max_new_tokens=max_new_tokens, stop=stop or [], **sampling)
     remote = None
     if server is not None:  # the server's sampling defaults, under what this command sets
-        local = sorted(_given(ctx) & set(ENGINE_OPTIONS))
+        local = sorted(given_params(ctx) & set(ENGINE_OPTIONS))
         if local:
-            raise _fail(f"--{local[0].replace('_', '-')} has no effect with --server: the server's engine answers", 2)
+            raise exit_with(f"--{local[0].replace('_', '-')} has no effect with --server: the server's engine answers", 2)
         from swiftspec.engine.failures import EngineError
         from swiftspec.server.remote import RemoteEngine
 
         try:
             remote = RemoteEngine.connect(server, api_key)
         except EngineError as e:
-            raise _fail(str(e), 1) from None
-        sampling = {name: value for name, value in sampling.items() if _source(ctx, name) != "DEFAULT"}
-    params = _sampling(ctx, config, remote.defaults if remote else None, **sampling)
+            raise exit_with(str(e), 1) from None
+        sampling = {name: value for name, value in sampling.items() if option_source(ctx, name) != "DEFAULT"}
+    params = sampling_params(ctx, config, remote.defaults if remote else None, **sampling)
     defaults = Settings(system, params)
     scripted = prompt is not None or each_line or jsonl or not _interactive()
     store = HistoryStore() if resume is not None or save or not scripted else None
@@ -131,16 +131,16 @@ def chat(
     if store is not None and resume is not None:
         try:
             conversation_id = store.latest().id if resume == "latest" else int(resume)
-            conversation = Conversation.resume(store, conversation_id, defaults, prefer=_given(ctx))
+            conversation = Conversation.resume(store, conversation_id, defaults, prefer=given_params(ctx))
         except ValueError:
-            raise _fail(f"--resume takes a conversation id (a number), not {resume!r}", 2) from None
+            raise exit_with(f"--resume takes a conversation id (a number), not {resume!r}", 2) from None
         except HistoryError as e:
-            raise _fail(str(e), 2) from None
+            raise exit_with(str(e), 2) from None
         for warning in conversation.take_warnings():
             typer.echo(f"swiftspec: #{conversation.id}: {warning}", err=True)
     conversation = conversation or Conversation(store if (save or not scripted) else None, defaults)
     if draft_history not in ("on", "off"):
-        raise _fail(_with_origin(ctx, ConfigError("draft-history must be on or off")), 2)
+        raise exit_with(with_origin(ctx, ConfigError("draft-history must be on or off")), 2)
     config = dataclasses.replace(config, draft_history=draft_history == "on")
     kept = conversation.store  # its answers are the drafter's history; unsaved chats draft from the session's
     if kept is not None and kept.available:
@@ -161,7 +161,7 @@ def chat(
         if server is None:
             _prepare_models(config)
     except (ValueError, FileNotFoundError) as e:
-        raise _fail(str(e), 2) from None
+        raise exit_with(str(e), 2) from None
     from swiftspec.tui.app import SwiftSpecApp
 
     tui = SwiftSpecApp(connect, defaults, store=store, conversation=conversation,

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from swiftspec.cli.options import _complete, _fail, app
+from swiftspec.cli.options import app, complete_choices, exit_with
 
 history_app = typer.Typer(
     help="Saved conversations (kept in SWIFTSPEC_DATA_DIR, default the user data dir; "
@@ -26,7 +26,7 @@ def _history_store():
     if store.notice:
         typer.echo(f"swiftspec: {store.notice}", err=True)
     if store.problem:
-        raise _fail(store.problem, 1)
+        raise exit_with(store.problem, 1)
     return store
 
 
@@ -37,10 +37,10 @@ def _conversation(store, conversation_id: str):
     try:
         return store.get(int(conversation_id))
     except ValueError:
-        raise _fail(f"a conversation id is a number (swiftspec history list shows them), not {conversation_id!r}",
+        raise exit_with(f"a conversation id is a number (swiftspec history list shows them), not {conversation_id!r}",
                     2) from None
     except HistoryError as e:
-        raise _fail(str(e), 2) from None
+        raise exit_with(str(e), 2) from None
 
 
 IdArg = Annotated[str, typer.Argument(metavar="ID", show_default=False, help="The conversation's id.")]
@@ -84,7 +84,7 @@ def history_delete(
         return
     store.delete(conv.id)
     if store.problem:
-        raise _fail(store.problem, 1)
+        raise exit_with(store.problem, 1)
     typer.echo(f"Deleted #{conv.id}: {conv.title}", err=True)
 
 
@@ -92,7 +92,7 @@ def history_delete(
 def history_export(
     conversation_id: IdArg,
     format_: Annotated[str, typer.Option(
-        "--format", "-f", metavar="FORMAT", autocompletion=_complete("md", "json"),
+        "--format", "-f", metavar="FORMAT", autocompletion=complete_choices("md", "json"),
         help="md (Markdown) or json.")] = "md",
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", metavar="FILE", help="Write to FILE instead of stdout.")] = None,
@@ -101,7 +101,7 @@ def history_export(
     store = _history_store()
     conversation_id = _conversation(store, conversation_id).id
     if format_ not in ("md", "json"):
-        raise _fail(f"format must be md or json, not {format_!r}", 2)
+        raise exit_with(f"format must be md or json, not {format_!r}", 2)
     text = store.export_json(conversation_id) if format_ == "json" else store.export_markdown(conversation_id)
     if output is None:
         typer.echo(text, nl=False)
@@ -110,5 +110,5 @@ def history_export(
     try:
         path.write_text(text, encoding="utf-8")
     except OSError as e:
-        raise _fail(f"cannot write {path}: {e}", 1) from None
+        raise exit_with(f"cannot write {path}: {e}", 1) from None
     typer.echo(f"Exported #{conversation_id} to {path}", err=True)

@@ -41,7 +41,7 @@ TREE = "Speculation tree"
 SERVER = "Server"
 
 
-def _whole_number(value) -> int:
+def parse_whole_number(value) -> int:
     """A count or index; the error says what was expected, not a validator's text."""
     try:
         return int(value)
@@ -49,15 +49,15 @@ def _whole_number(value) -> int:
         raise typer.BadParameter(f"expected a whole number such as 8, not {value!r}") from None
 
 
-def _number(value) -> float:
-    """A value such as a temperature; the error, like _whole_number's, says what was expected."""
+def parse_number(value) -> float:
+    """A value such as a temperature; the error, like parse_whole_number's, says what was expected."""
     try:
         return float(value)
     except ValueError:
         raise typer.BadParameter(f"expected a number such as 0.7, not {value!r}") from None
 
 
-def _complete(*choices: str):
+def complete_choices(*choices: str):
     return lambda incomplete: [c for c in choices if c.startswith(incomplete)]
 
 
@@ -89,7 +89,7 @@ def _complete_draft(incomplete: str) -> list[str]:
     return found
 
 
-def _opt(*names: str, panel: str, metavar: str | None = None, **kwargs) -> typer.models.OptionInfo:
+def cli_option(*names: str, panel: str, metavar: str | None = None, **kwargs) -> typer.models.OptionInfo:
     """A settable option: its long name also reads SWIFTSPEC_<NAME> from the environment (and the config
     file, see swiftspec.settings); every value takes an upper-case metavar, and a flag (metavar None) none.
     A flag that is on by default is named as a pair, "--flag/--no-flag"."""
@@ -100,114 +100,114 @@ def _opt(*names: str, panel: str, metavar: str | None = None, **kwargs) -> typer
 
 # The options, defined once and shared by `chat` and `bench`. Ranges are checked by EngineConfig and
 # SamplingParams, whose messages say what a value means ("temperature must be a finite number >= 0 (0 = greedy)").
-TargetOpt = Annotated[Path | None, _opt(
+TargetOpt = Annotated[Path | None, cli_option(
     "-m", "--model", "--target", panel=MODEL, metavar="PATH",
     help="Target model: a Hugging Face model directory or a .gguf file (--target is the same flag). "
          "Default: the embedded SmolLM2-135M.")]
-DraftOpt = Annotated[str, _opt(
+DraftOpt = Annotated[str, cli_option(
     "--draft", panel=MODEL, metavar="DRAFT", autocompletion=_complete_draft,
     help="A draft model PATH sharing the target's tokenizer, 'suffix' for the model-free suffix drafter, "
          "'int8' for a dynamic-int8 copy of the target (CPU), or 'none' (no draft processes: ar only).")]
-DraftCorpusOpt = Annotated[str, _opt(
+DraftCorpusOpt = Annotated[str, cli_option(
     "--draft-corpus", panel=MODEL, metavar="FILE",
     help="The suffix drafter's corpus of the target's own answers (swiftspec train-draft writes one): a FILE, "
          "'none', or 'auto': the one shipped for the embedded default, none for other targets.")]
-DraftHistoryOpt = Annotated[str, _opt(
-    "--draft-history", panel=MODEL, metavar="SWITCH", autocompletion=_complete("on", "off"),
+DraftHistoryOpt = Annotated[str, cli_option(
+    "--draft-history", panel=MODEL, metavar="SWITCH", autocompletion=complete_choices("on", "off"),
     help="on or off. on: the suffix drafter also proposes what the target answered in earlier conversations (the saved "
          "history's answers, newest first up to 1M tokens; an unsaved chat: the session's); off: from this "
          "conversation and the corpus only.")]
-TargetDevicesOpt = Annotated[str | None, _opt(
+TargetDevicesOpt = Annotated[str | None, cli_option(
     "--target-devices", panel=MODEL, metavar="GPUS",
     help="GPU indices of the target group, e.g. 0,1 (tensor parallel over them).")]
-DraftDevicesOpt = Annotated[str | None, _opt(
+DraftDevicesOpt = Annotated[str | None, cli_option(
     "--draft-devices", panel=MODEL, metavar="GPUS", help="GPU indices of the draft group, e.g. 2.")]
-GpusOpt = Annotated[int | None, _opt(
-    "--gpus", parser=_whole_number, panel=MODEL, metavar="N",
+GpusOpt = Annotated[int | None, cli_option(
+    "--gpus", parser=parse_whole_number, panel=MODEL, metavar="N",
     help="Use the first N GPUs and let profiling choose the target/draft split.")]
-TargetProcsOpt = Annotated[int, _opt(
-    "--target-procs", parser=_whole_number, panel=MODEL, metavar="N",
+TargetProcsOpt = Annotated[int, cli_option(
+    "--target-procs", parser=parse_whole_number, panel=MODEL, metavar="N",
     help="CPU: worker processes in the target group.")]
-DraftProcsOpt = Annotated[int, _opt(
-    "--draft-procs", parser=_whole_number, panel=MODEL, metavar="N",
+DraftProcsOpt = Annotated[int, cli_option(
+    "--draft-procs", parser=parse_whole_number, panel=MODEL, metavar="N",
     help="CPU: worker processes in the draft group.")]
-DeviceOpt = Annotated[str, _opt(
-    "--device", panel=MODEL, metavar="DEVICE", autocompletion=_complete("auto", "cpu", "cuda"),
+DeviceOpt = Annotated[str, cli_option(
+    "--device", panel=MODEL, metavar="DEVICE", autocompletion=complete_choices("auto", "cpu", "cuda"),
     help="auto, cpu or cuda: where the workers run; auto picks CUDA when present.")]
-DTypeOpt = Annotated[str, _opt(
-    "--dtype", panel=MODEL, metavar="DTYPE", autocompletion=_complete(*DTYPES),
+DTypeOpt = Annotated[str, cli_option(
+    "--dtype", panel=MODEL, metavar="DTYPE", autocompletion=complete_choices(*DTYPES),
     help="auto, float32, bfloat16, float16, gguf or int4: how the target's weights are held. On the CPU every "
          "choice runs row-invariant kernels (each verified node computes what a one-token step would, so every "
          "mode stays exact) with fp32 activations: float32 / bfloat16 / float16 weights, gguf (a GGUF's own "
          "4- and 8-bit blocks, int16 activations), int4 (any checkpoint packed into 4-bit blocks "
          "at load); auto runs a checkpoint at its own width and, for a GGUF, measures its blocks against fp32 at the "
          "first start on the machine and keeps the faster for speculation (int4 only when asked). On CUDA: auto is bf16.")]
-ThreadsOpt = Annotated[int | None, _opt(
-    "--threads", parser=_whole_number, panel=MODEL, metavar="N",
+ThreadsOpt = Annotated[int | None, cli_option(
+    "--threads", parser=parse_whole_number, panel=MODEL, metavar="N",
     help="CPU threads for all workers together. Default: every core but one, which the chat itself uses.")]
-MaxSeqLenOpt = Annotated[int, _opt(
-    "--max-seq-len", parser=_whole_number, panel=MODEL, metavar="N",
+MaxSeqLenOpt = Annotated[int, cli_option(
+    "--max-seq-len", parser=parse_whole_number, panel=MODEL, metavar="N",
     help="KV cache length per conversation (tokens).")]
-TrustRemoteCodeOpt = Annotated[bool, _opt(
+TrustRemoteCodeOpt = Annotated[bool, cli_option(
     "--trust-remote-code", panel=MODEL,
     help="Run Python code shipped in the model directory (whatever its auto_map names, and what that "
          "imports) while loading its tokenizer: only for directories you trust. The forward pass always "
          "runs SwiftSpec's own model code.")]
-BsOpt = Annotated[int, _opt(
-    "--bs", parser=_whole_number, panel=TREE, metavar="N",
+BsOpt = Annotated[int, cli_option(
+    "--bs", parser=parse_whole_number, panel=TREE, metavar="N",
     help="Tree nodes verified per target forward (1-64).")]
-WOpt = Annotated[int, _opt(
-    "--w", parser=_whole_number, panel=TREE, metavar="N",
+WOpt = Annotated[int, cli_option(
+    "--w", parser=parse_whole_number, panel=TREE, metavar="N",
     help="Leaves expanded per draft forward (1-64).")]
-DOpt = Annotated[int | None, _opt(
-    "--d", parser=_whole_number, panel=TREE, metavar="N",
+DOpt = Annotated[int | None, cli_option(
+    "--d", parser=parse_whole_number, panel=TREE, metavar="N",
     help="Draft expansions per round (1-64). Default: chosen from step times profiled at start.")]
-VerifyCostOpt = Annotated[bool, _opt(
+VerifyCostOpt = Annotated[bool, cli_option(
     "--verify-cost/--no-verify-cost", panel=TREE,
     help="Verify only as many of the bs best nodes as are worth their profiled target cost; "
          "--no-verify-cost: always bs, as the paper does.")]
-MaxNewTokensOpt = Annotated[int, _opt(
-    "--max-new-tokens", parser=_whole_number, panel=DECODING, metavar="N",
+MaxNewTokensOpt = Annotated[int, cli_option(
+    "--max-new-tokens", parser=parse_whole_number, panel=DECODING, metavar="N",
     help="Most tokens generated per answer.")]
-TemperatureOpt = Annotated[float, _opt(
-    "--temperature", parser=_number, panel=DECODING, metavar="NUMBER",
+TemperatureOpt = Annotated[float, cli_option(
+    "--temperature", parser=parse_number, panel=DECODING, metavar="NUMBER",
     help="0 = greedy; sampling stays lossless.")]
-TopPOpt = Annotated[float, _opt(
-    "--top-p", parser=_number, panel=DECODING, metavar="NUMBER",
+TopPOpt = Annotated[float, cli_option(
+    "--top-p", parser=parse_number, panel=DECODING, metavar="NUMBER",
     help="Nucleus sampling, in (0, 1].")]
-TopKOpt = Annotated[int, _opt(
-    "--top-k", parser=_whole_number, panel=DECODING, metavar="N",
+TopKOpt = Annotated[int, cli_option(
+    "--top-k", parser=parse_whole_number, panel=DECODING, metavar="N",
     help="Sample from the k most likely tokens; 0 = off.")]
-MinPOpt = Annotated[float, _opt(
-    "--min-p", parser=_number, panel=DECODING, metavar="NUMBER",
+MinPOpt = Annotated[float, cli_option(
+    "--min-p", parser=parse_number, panel=DECODING, metavar="NUMBER",
     help="Keep only the tokens at least this fraction as likely as the most likely one; 0 = off.")]
-RepeatPenaltyOpt = Annotated[float, _opt(
-    "--repeat-penalty", parser=_number, panel=DECODING, metavar="NUMBER",
+RepeatPenaltyOpt = Annotated[float, cli_option(
+    "--repeat-penalty", parser=parse_number, panel=DECODING, metavar="NUMBER",
     help="Divide the logit of each token seen in the last --repeat-last-n tokens (a negative one: multiply) "
          "by this, as transformers' repetition_penalty does; 1 = off. Applies in greedy mode too.")]
-RepeatLastNOpt = Annotated[int, _opt(
-    "--repeat-last-n", parser=_whole_number, panel=DECODING, metavar="N",
+RepeatLastNOpt = Annotated[int, cli_option(
+    "--repeat-last-n", parser=parse_whole_number, panel=DECODING, metavar="N",
     help="The penalties look at the last N tokens of the conversation, the prompt included.")]
-PresencePenaltyOpt = Annotated[float, _opt(
-    "--presence-penalty", parser=_number, panel=DECODING, metavar="NUMBER",
+PresencePenaltyOpt = Annotated[float, cli_option(
+    "--presence-penalty", parser=parse_number, panel=DECODING, metavar="NUMBER",
     help="Subtract this from the logit of each token seen in the last --repeat-last-n tokens (OpenAI's "
          "rule), in [-2, 2]; 0 = off.")]
-FrequencyPenaltyOpt = Annotated[float, _opt(
-    "--frequency-penalty", parser=_number, panel=DECODING, metavar="NUMBER",
+FrequencyPenaltyOpt = Annotated[float, cli_option(
+    "--frequency-penalty", parser=parse_number, panel=DECODING, metavar="NUMBER",
     help="Subtract this times its count in the last --repeat-last-n tokens from each token's logit "
          "(OpenAI's rule), in [-2, 2]; 0 = off.")]
-LoopGuardOpt = Annotated[int, _opt(
-    "--loop-guard", parser=_whole_number, panel=DECODING, metavar="N",
+LoopGuardOpt = Annotated[int, cli_option(
+    "--loop-guard", parser=parse_whole_number, panel=DECODING, metavar="N",
     help="End an answer (finish reason 'repetition') once its last N tokens are one span repeated "
          "--loop-repeats times; 0 = off.")]
-LoopRepeatsOpt = Annotated[int, _opt(
-    "--loop-repeats", parser=_whole_number, panel=DECODING, metavar="K",
+LoopRepeatsOpt = Annotated[int, cli_option(
+    "--loop-repeats", parser=parse_whole_number, panel=DECODING, metavar="K",
     help="How many repeats of a span the loop guard waits for (>= 2).")]
-SeedOpt = Annotated[int | None, _opt(
-    "--seed", parser=_whole_number, panel=DECODING, metavar="N",
+SeedOpt = Annotated[int | None, cli_option(
+    "--seed", parser=parse_whole_number, panel=DECODING, metavar="N",
     help="Seed for sampling, so a run can be reproduced.")]
-SystemOpt = Annotated[str | None, _opt("--system", panel=DECODING, metavar="TEXT", help="System prompt.")]
-ApiKeyOpt = Annotated[str | None, _opt(
+SystemOpt = Annotated[str | None, cli_option("--system", panel=DECODING, metavar="TEXT", help="System prompt.")]
+ApiKeyOpt = Annotated[str | None, cli_option(
     "--api-key", panel=SERVER, metavar="KEY",
     help="serve: the key every request but /health must carry (Authorization: Bearer KEY); chat --server: the "
          "key to send.")]
@@ -273,7 +273,7 @@ def _engine_config(ctx: typer.Context, given: dict) -> EngineConfig:
     try:
         return engine_config(**given)
     except ConfigError as e:
-        raise _fail(_with_origin(ctx, e), 2) from None
+        raise exit_with(with_origin(ctx, e), 2) from None
 
 
 # The engine's options (ENGINE_OPTIONS) in place of a command's ``config`` parameter, which gets the one
@@ -305,7 +305,7 @@ def chat_defaults(target: str | None) -> SamplingParams:
         raise ConfigError(f"{path / 'generation_config.json'}: {e}") from None
 
 
-def _fail(message: str, code: int) -> typer.Exit:
+def exit_with(message: str, code: int) -> typer.Exit:
     typer.echo(f"swiftspec: {message}", err=True)
     return typer.Exit(code)
 
@@ -322,31 +322,31 @@ CHAT_SAMPLING = (f"Sampling defaults (the flags left out): a model directory's g
                  f"{CHAT_DEFAULTS.loop_repeats}). bench stays greedy unless asked.")
 
 
-def _sampling(ctx: typer.Context, config: EngineConfig, base: SamplingParams | None, **given) -> SamplingParams:
+def sampling_params(ctx: typer.Context, config: EngineConfig, base: SamplingParams | None, **given) -> SamplingParams:
     """The answers' sampling: the flags given (None: left out) over ``base`` or chat_defaults (a usage
     error, said with where the refused value came from)."""
     try:
         return dataclasses.replace(base or chat_defaults(config.target),
                                    **{name: value for name, value in given.items() if value is not None}).validate()
     except ConfigError as e:
-        raise _fail(_with_origin(ctx, e), 2) from None
+        raise exit_with(with_origin(ctx, e), 2) from None
     except ValueError as e:  # a generation_config.json that cannot be read
-        raise _fail(str(e), 2) from None
+        raise exit_with(str(e), 2) from None
 
 
-def _given(ctx: typer.Context) -> set[str]:
+def given_params(ctx: typer.Context) -> set[str]:
     """The settings given for this run (flag or environment variable), which win over a resumed
     conversation's own; the config file and the defaults do not."""
-    return {name for name in ctx.params if _source(ctx, name) in ("COMMANDLINE", "ENVIRONMENT")}
+    return {name for name in ctx.params if option_source(ctx, name) in ("COMMANDLINE", "ENVIRONMENT")}
 
 
-def _source(ctx: typer.Context, name: str) -> str | None:
+def option_source(ctx: typer.Context, name: str) -> str | None:
     """Where a parameter's value came from, by name (typer's own copy of click has its own enum)."""
     source = ctx.get_parameter_source(name)
     return source.name if source is not None else None
 
 
-def _with_origin(ctx: typer.Context, error: ConfigError) -> str:
+def with_origin(ctx: typer.Context, error: ConfigError) -> str:
     """A value refused by validation, said with where it came from when that was not the command line."""
     import re
 
@@ -356,9 +356,9 @@ def _with_origin(ctx: typer.Context, error: ConfigError) -> str:
         flag = name.replace("_", "-")
         if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", subject):
             continue
-        if _source(ctx, name) == "DEFAULT_MAP":
+        if option_source(ctx, name) == "DEFAULT_MAP":
             return f"{config_path()}: {flag} = {value!r}: {message}"
-        if _source(ctx, name) == "ENVIRONMENT":
+        if option_source(ctx, name) == "ENVIRONMENT":
             return f"{env_var('--' + flag)}={value!r}: {message}"
     return message
 
@@ -383,4 +383,4 @@ def _root(
     try:
         ctx.default_map = default_map(read_config(path), ctx.command.commands, path)
     except ConfigError as e:
-        raise _fail(str(e), 2) from None
+        raise exit_with(str(e), 2) from None

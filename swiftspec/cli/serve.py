@@ -14,15 +14,15 @@ from swiftspec.cli.options import (
     SOURCES,
     ApiKeyOpt,
     MaxNewTokensOpt,
-    _complete,
-    _fail,
-    _opt,
-    _sampling,
-    _whole_number,
-    _with_origin,
     app,
+    cli_option,
+    complete_choices,
     engine_options,
+    exit_with,
+    parse_whole_number,
     sampling_options,
+    sampling_params,
+    with_origin,
 )
 from swiftspec.config import MODES, ConfigError, EngineConfig, SamplingParams
 
@@ -34,23 +34,23 @@ def serve(
     ctx: typer.Context,
     config: EngineConfig,  # the engine's options (engine_options)
     sampling: dict,  # the sampling flags given (sampling_options)
-    host: Annotated[str, _opt(
+    host: Annotated[str, cli_option(
         "--host", panel=SERVER, metavar="ADDRESS",
         help="Address to listen on. Anything but loopback needs --api-key.")] = "127.0.0.1",
-    port: Annotated[int, _opt("--port", parser=_whole_number, panel=SERVER, metavar="N",
+    port: Annotated[int, cli_option("--port", parser=parse_whole_number, panel=SERVER, metavar="N",
                               help="TCP port; 0 takes a free one (printed on stderr).")] = 8080,
     api_key: ApiKeyOpt = None,
-    max_queue: Annotated[int, _opt(
-        "--max-queue", parser=_whole_number, panel=SERVER, metavar="N",
+    max_queue: Annotated[int, cli_option(
+        "--max-queue", parser=parse_whole_number, panel=SERVER, metavar="N",
         help="Requests that may wait for the engine (one answers at a time); beyond: 429 with Retry-After.")] = 32,
-    cors_origin: Annotated[list[str] | None, _opt(
+    cors_origin: Annotated[list[str] | None, cli_option(
         "--cors-origin", panel=SERVER, metavar="ORIGIN",
         help="Allow browser pages from ORIGIN (e.g. http://localhost:3000); repeat for several. Default: no CORS.")
     ] = None,
-    log_prompts: Annotated[bool, _opt(
+    log_prompts: Annotated[bool, cli_option(
         "--log-prompts", panel=SERVER, help="Log every request's messages on stderr (never logged otherwise).")] = False,
-    mode: Annotated[str, _opt(
-        "--mode", panel=DECODING, metavar="MODE", autocompletion=_complete(*MODES),
+    mode: Annotated[str, cli_option(
+        "--mode", panel=DECODING, metavar="MODE", autocompletion=complete_choices(*MODES),
         help="The answers' decoding mode (a request may ask another in its swiftspec object); ar starts no draft.")
     ] = "async",
     max_new_tokens: MaxNewTokensOpt = SamplingParams().max_new_tokens,
@@ -64,7 +64,7 @@ def serve(
     from swiftspec.server.app import ServerSettings
     from swiftspec.server.serve import serve as run_server
 
-    params = _sampling(ctx, config, None, mode=mode, max_new_tokens=max_new_tokens, **sampling)
+    params = sampling_params(ctx, config, None, mode=mode, max_new_tokens=max_new_tokens, **sampling)
     if params.mode == "ar":  # nothing would ever ask the draft for a token
         config = dataclasses.replace(config, draft="none", draft_corpus="none")
     settings = ServerSettings(host, port, api_key, max_queue, tuple(cors_origin or ()), log_prompts)
@@ -72,9 +72,9 @@ def serve(
     try:
         code = run_server(config, params, settings, say)
     except (ValueError, FileNotFoundError) as e:  # bad settings, model paths, a port in use
-        raise _fail(_with_origin(ctx, e) if isinstance(e, ConfigError) else str(e), 2) from None
+        raise exit_with(with_origin(ctx, e) if isinstance(e, ConfigError) else str(e), 2) from None
     except KeyboardInterrupt:
         code = 130
     except Exception as e:  # the workers failed to start: the message says why
-        raise _fail(f"the engine failed to start: {e}", 1) from None
+        raise exit_with(f"the engine failed to start: {e}", 1) from None
     raise typer.Exit(code)

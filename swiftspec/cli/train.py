@@ -16,11 +16,11 @@ from swiftspec.cli.options import (
     TargetOpt,
     TemperatureOpt,
     ThreadsOpt,
-    _fail,
-    _number,
-    _opt,
-    _whole_number,
     app,
+    cli_option,
+    exit_with,
+    parse_number,
+    parse_whole_number,
 )
 
 TRAIN = "Training"
@@ -28,30 +28,30 @@ TRAIN = "Training"
 
 @app.command("train-draft", epilog=SOURCES)
 def train_draft(
-    out: Annotated[Path, _opt("--out", panel=TRAIN, metavar="DIR",
+    out: Annotated[Path, cli_option("--out", panel=TRAIN, metavar="DIR",
                               help="Where the head goes (config.json + model.safetensors), with its data "
                                    "and training state: rerun the same command to resume.")],
     target: TargetOpt = None,
-    prompts: Annotated[Path | None, _opt(
+    prompts: Annotated[Path | None, cli_option(
         "--prompts", panel=TRAIN, metavar="FILE",
         help="Training prompts, JSONL with a 'prompt' field. Default: SwiftSpec's own generated chat "
              "requests (topic x task).")] = None,
-    n_prompts: Annotated[int, _opt("--n-prompts", parser=_whole_number, panel=TRAIN, metavar="N",
+    n_prompts: Annotated[int, cli_option("--n-prompts", parser=parse_whole_number, panel=TRAIN, metavar="N",
                                    help="Prompts to answer (the first N).")] = 800,
     max_new_tokens: MaxNewTokensOpt = 256,
     temperature: TemperatureOpt = 0.0,
-    draft_vocab: Annotated[int, _opt("--draft-vocab", parser=_whole_number, panel=TRAIN, metavar="N",
+    draft_vocab: Annotated[int, cli_option("--draft-vocab", parser=parse_whole_number, panel=TRAIN, metavar="N",
                                      help="Tokens the head can propose: the target's N most frequent in "
                                           "its answers.")] = 8192,
-    steps: Annotated[int, _opt("--steps", parser=_whole_number, panel=TRAIN, metavar="N",
+    steps: Annotated[int, cli_option("--steps", parser=parse_whole_number, panel=TRAIN, metavar="N",
                                help="Tree depths trained for (unrolled steps).")] = 3,
-    epochs: Annotated[int, _opt("--epochs", parser=_whole_number, panel=TRAIN, metavar="N",
+    epochs: Annotated[int, cli_option("--epochs", parser=parse_whole_number, panel=TRAIN, metavar="N",
                                 help="Passes over the data.")] = 6,
-    lr: Annotated[float, _opt("--lr", parser=_number, panel=TRAIN, metavar="NUMBER",
+    lr: Annotated[float, cli_option("--lr", parser=parse_number, panel=TRAIN, metavar="NUMBER",
                               help="Peak learning rate (AdamW, warm-up then cosine).")] = 1e-3,
-    seed: Annotated[int, _opt("--seed", parser=_whole_number, panel=TRAIN, metavar="N",
+    seed: Annotated[int, cli_option("--seed", parser=parse_whole_number, panel=TRAIN, metavar="N",
                               help="Seed of everything random: the run is repeatable.")] = 0,
-    corpus_only: Annotated[bool, _opt(
+    corpus_only: Annotated[bool, cli_option(
         "--corpus-only", panel=TRAIN,
         help="Stop after the answers: write OUT/corpus.safetensors for --draft-corpus, train no head.")] = False,
     device: DeviceOpt = "auto",
@@ -75,7 +75,7 @@ def train_draft(
     from swiftspec.train_prompts import training_prompts
 
     if temperature < 0 or lr <= 0 or not 1 <= steps <= 8 or n_prompts < 2 or epochs < 1 or draft_vocab < 2:
-        raise _fail("need temperature >= 0, lr > 0, 1 <= steps <= 8, n-prompts >= 2, epochs >= 1, "
+        raise exit_with("need temperature >= 0, lr > 0, 1 <= steps <= 8, n-prompts >= 2, epochs >= 1, "
                     "draft-vocab >= 2", 2)
     if threads:
         torch.set_num_threads(threads)
@@ -92,6 +92,6 @@ def train_draft(
 
         train(target_dir, out, cfg, texts, dev, Console(stderr=True), corpus_only=corpus_only)
     except (ValueError, OSError) as e:
-        raise _fail(str(e), 2) from None
+        raise exit_with(str(e), 2) from None
     if not corpus_only:
         typer.echo(f"swiftspec: the head is in {out}; use it with --draft {out}", err=True)
