@@ -227,15 +227,13 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
     while True:
         todo = 0 if asynchronous else d
         drafting = not paying or payback.open()
-        rate = ds.round_rate(0.0) if paying else None
+        payoff = PayingExpansions(ds) if paying else None  # sync pays for every expansion
         while drafting and (todo > 0 or ds.size < bs) and ds.can_expand():
             tell(FollowerStep(Follow.EXPAND))
             exp_ms += ds.expand()
             n_exp, todo = n_exp + 1, todo - 1
-            if rate is not None:  # sync pays for every expansion: stop at the first that did not pay
-                if (new := ds.round_rate(exp_ms)) <= rate:
-                    break
-                rate = new
+            if payoff is not None and not payoff.paid(exp_ms):
+                break
         draft_share = exp_ms / ds.step_ms if paying else 0.0  # the round's drafting, in one-node steps
         toks, parents = ds.subtree(draft_share)
         link.send(Subtree(toks, parents, n_exp, round(exp_ms * 1e3)))
@@ -245,7 +243,7 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
         if asynchronous:  # grow the tree for the next round while the target verifies this one
             # past the window, the target would wait for an expansion
             last = 0.0
-            rate = ds.round_rate(0.0) if overlap_pays else None
+            payoff = PayingExpansions(ds) if overlap_pays else None  # on shared cores, as a sync round
             for _ in range(d):
                 if not ds.can_expand() or (window is not None and exp_ms + last > window):
                     break
@@ -253,10 +251,8 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
                 last = ds.expand()
                 exp_ms += last
                 n_exp += 1
-                if rate is not None:  # on shared cores: stop at the first expansion that did not pay
-                    if (new := ds.round_rate(exp_ms)) <= rate:
-                        break
-                    rate = new
+                if payoff is not None and not payoff.paid(exp_ms):
+                    break
         msg = verdict()
         if not isinstance(msg, Verdict):
             raise unexpected(msg, "a verdict")
@@ -267,6 +263,23 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
         if msg.last:
             tell(FollowerStep(Follow.END))
             return
+
+
+class PayingExpansions:
+    """A round that pays for its draft's time stops at the first expansion that did not raise its expected
+    tokens per one-node step (``DraftState.round_rate``, the drafting so far counted)."""
+
+    def __init__(self, ds: DraftState):
+        self.ds = ds
+        self.rate = ds.round_rate(0.0)
+
+    def paid(self, drafting_ms: float) -> bool:
+        """After an expansion, ``drafting_ms`` into the round: whether it raised the rate (go on)."""
+        rate = self.ds.round_rate(drafting_ms)
+        if rate <= self.rate:
+            return False
+        self.rate = rate
+        return True
 
 
 class PaybackGate:
