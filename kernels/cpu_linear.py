@@ -1,9 +1,13 @@
-"""The row-invariant CPU kernels of ``cpu_linear.c`` (linears over packed weights, tree attention), built
-with the host's C compiler for the machine at hand and loaded through ctypes.
+"""The row-invariant CPU kernels of ``cpu/`` (linears over packed weights, tree attention, decoder-block
+glue), built with the host's C compiler for the machine at hand and loaded through ctypes.
 
-The library is compiled once per machine and source (``-O3 -march=native``, about a second) into the
-build directory the caller names, under a name made of the source's hash, the compiler's version and
-the CPU's flags, so a copied cache or an upgraded compiler never loads a library built for another
+The library holds one path per ISA family (portable C, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI), each file
+compiled with its own target flags, so every path is built on every x86 machine, whether it can run there
+or not; ``cpu/dispatch.c`` runs the one chosen. Every path computes the same bits (cpu/kernels.h says how),
+so the choice is one of speed alone: on first use each path this CPU runs is timed on a few linears and the
+fastest is kept. The library and that choice are built once per machine and source (about ten seconds)
+into the build directory the caller names, under a name made of the sources' hash, the compiler's version
+and the CPU's flags, so a copied cache or an upgraded compiler never loads a library built for another
 machine. Without a C compiler the kernels are unavailable (``load`` says why) and the CPU falls back to
 torch's own ops.
 """
@@ -13,18 +17,38 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
+from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("cpu_linear.c")
+SOURCES = Path(__file__).with_name("cpu")
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl"]
+# Each path's object: its source and target flags (a file built twice differs by -DSS_VNNI). The rest of
+# the library (dispatch, pool, blocks) is built for the machine at hand (-march=native).
+PATH_OBJECTS = {
+    "portable": ("portable.c", []),
+    **({
+        "avx2": ("avx2.c", _AVX2),
+        "avx_vnni": ("avx2.c", [*_AVX2, "-mavxvnni", "-DSS_VNNI"]),
+        "avx512": ("avx512.c", _AVX512),
+        "avx512_vnni": ("avx512.c", [*_AVX512, "-mavx512vnni", "-DSS_VNNI"]),
+    } if X86 else {}),
+}
+HOST_OBJECTS = ("dispatch.c", "pool.c", "blocks.c")
+# -ffp-contract=off: no multiply and add fused where the canonical order keeps them apart (cpu/kernels.h)
+CFLAGS = ["-O3", "-std=gnu11", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
 
 
 class Format(IntEnum):
@@ -58,37 +82,64 @@ def _compiler() -> str:
     return cc
 
 
+def _sources() -> list[Path]:
+    return sorted(p for p in SOURCES.iterdir() if p.suffix in (".c", ".h"))
+
+
 @functools.cache
 def source_digest() -> str:
-    """The kernels' source, as an identity: what was measured with other kernels is not reused."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    """The kernels' sources, as an identity: what was measured with other kernels is not reused."""
+    h = hashlib.sha256()
+    for p in _sources():
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def compile_object(cc: str, source: str, flags: list[str], out: Path) -> subprocess.Popen:
+    """Starts compiling one of the sources into an object file; the caller waits on it."""
+    cmd = [cc, *CFLAGS, *flags, "-c", "-o", str(out), str(SOURCES / source)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _build(cc: str, lib: Path) -> None:
+    """Compiles every object (at once) and links the library into ``lib``, atomically. A path's object that
+    this compiler cannot build is left out (dispatch.c finds it absent); any other failure raises."""
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        jobs = {name: compile_object(cc, src, flags, Path(tmp) / f"{name}.o") for name, (src, flags) in PATH_OBJECTS.items()}
+        jobs |= {src: compile_object(cc, src, ["-march=native"] if X86 else [], Path(tmp) / f"{Path(src).stem}.o")
+                 for src in HOST_OBJECTS}
+        objects = []
+        for name, job in jobs.items():
+            _, err = job.communicate(timeout=300)
+            if job.returncode == 0:
+                objects.append(str(Path(tmp) / f"{Path(name).stem}.o"))
+            elif name in HOST_OBJECTS or name == "portable":
+                raise KernelsUnavailable(f"compiling {name} failed: {err.strip()[-2000:]}")
+        so = Path(tmp) / lib.name
+        done = subprocess.run([cc, "-shared", "-o", str(so), *objects, "-lpthread", "-lm"], capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode != 0:
+            raise KernelsUnavailable(f"linking the CPU kernels failed: {done.stderr.strip()[-2000:]}")
+        os.replace(so, lib)  # atomic: ranks that build at once each install a whole library
 
 
 @functools.cache
 def load(build_dir: Path) -> ctypes.CDLL:
-    """The compiled library, built into ``build_dir`` on first use; KernelsUnavailable when it cannot be."""
+    """The compiled library, built into ``build_dir`` on first use and running the fastest path here;
+    KernelsUnavailable when it cannot be built."""
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelsUnavailable(f"the C compiler {cc} does not run: {e}") from None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode() + platform.machine().encode())
+    key = hashlib.sha256(f"{source_digest()} {version} {_cpu_flags()} {platform.machine()}".encode())
     lib = Path(build_dir) / f"cpu_linear-{key.hexdigest()[:16]}.so"
     if not lib.is_file():
         lib.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-        os.close(fd)
-        cmd = [cc, "-O3", "-march=native", "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lpthread", "-lm"]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise KernelsUnavailable(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
-            os.replace(tmp, lib)  # atomic: ranks that build at once each install a whole library
+            _build(cc, lib)
         except (OSError, subprocess.SubprocessError) as e:
-            raise KernelsUnavailable(f"compiling {SOURCE.name} failed: {e}") from None
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+            raise KernelsUnavailable(f"compiling the CPU kernels failed: {e}") from None
     dll = ctypes.CDLL(str(lib))
     dll.ss_linear.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 6
     dll.ss_linear.restype = ctypes.c_int
@@ -96,18 +147,93 @@ def load(build_dir: Path) -> ctypes.CDLL:
     dll.ss_set_threads.restype = ctypes.c_int
     dll.ss_attention.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_void_p] * 5
     dll.ss_attention.restype = ctypes.c_int
-    dll.ss_avx2.restype = ctypes.c_int
+    dll.ss_path_name.argtypes = [ctypes.c_int]
+    dll.ss_path_name.restype = ctypes.c_char_p
+    dll.ss_path_runs.argtypes = [ctypes.c_int]
+    dll.ss_use_path.argtypes = [ctypes.c_int]
     dll.ss_attention_block.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] \
         + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     dll.ss_attention_block.restype = ctypes.c_int
     dll.ss_mlp_block.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
     dll.ss_mlp_block.restype = ctypes.c_int
+    use_path(dll, fastest_path(dll, lib.with_suffix(".path.json")))
     return dll
 
 
+@dataclass(frozen=True)
+class KernelPath:
+    """One of the library's paths: its index in dispatch.c's table, its name, whether this CPU runs it."""
+
+    index: int
+    name: str
+    runs: bool
+
+
+def paths(dll: ctypes.CDLL) -> list[KernelPath]:
+    """The paths compiled into the library, widest first."""
+    found = []
+    for i in range(dll.ss_path_count()):
+        name = dll.ss_path_name(i)
+        if name is not None:
+            found.append(KernelPath(i, name.decode(), bool(dll.ss_path_runs(i))))
+    return found
+
+
+def use_path(dll: ctypes.CDLL, name: str) -> None:
+    """Runs the path called ``name`` from now on (every path gives the same bits; only the speed differs)."""
+    for p in paths(dll):
+        if p.name == name and p.runs:
+            dll.ss_use_path(p.index)
+            return
+    raise ValueError(f"the CPU kernels have no path {name!r} that runs here")
+
+
 def isa(dll: ctypes.CDLL) -> str:
-    """The instruction set the library was built for: what the precision label shows."""
-    return "AVX2" if dll.ss_avx2() else "portable C"
+    """The path in use, by name: what the precision label shows ("AVX-512 VNNI")."""
+    return dll.ss_path_name(dll.ss_path()).decode()
+
+
+def _path_seconds(dll: ctypes.CDLL, name: str) -> float:
+    """One path's time on the linears a decode step and a verification are made of: Q4 and Q8 weights of a
+    small model's shapes, one row and eight, one thread, the best of several calls."""
+    g = torch.Generator().manual_seed(0)
+    use_path(dll, name)
+    total = 0.0
+    for fmt, n, k in ((Format.Q4, 1536, 576), (Format.Q4, 576, 1536), (Format.Q8, 4096, 576)):
+        nb = k // 32
+        w = torch.randint(-100, 100, (n, nb * (16 if fmt == Format.Q4 else 32)), generator=g, dtype=torch.int8)
+        d, m = torch.rand(n, nb, generator=g), torch.rand(n, nb, generator=g)
+        for rows in (1, 8):
+            x = torch.randn(rows, k, generator=g)
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                linear(dll, fmt, x, n, w, d, m)
+                best = min(best, time.perf_counter() - t0)
+            total += best
+    return total
+
+
+def fastest_path(dll: ctypes.CDLL, record: Path) -> str:
+    """The fastest path this CPU runs, measured once and kept in ``record`` beside the library."""
+    try:
+        chosen = json.loads(record.read_text())["path"]
+        if any(p.name == chosen and p.runs for p in paths(dll)):
+            return chosen
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    previous = dll.ss_threads()
+    set_threads(dll, 1)
+    try:
+        seconds = {p.name: _path_seconds(dll, p.name) for p in paths(dll) if p.runs}
+    finally:
+        set_threads(dll, previous)
+    chosen = min(seconds, key=seconds.get)
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=record.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"path": chosen, "seconds": seconds}, f)
+    os.replace(tmp, record)
+    return chosen
 
 
 def set_threads(dll: ctypes.CDLL, n: int) -> int:

@@ -1,0 +1,101 @@
+/* The decoder blocks: the glue between the linears in C too, two calls a layer, the same on every path.
+ * The attention block: residual += x (or = x on the first layer), h = rmsnorm(residual) * w,
+ * qkv = h Wqkv (+ bias), RoPE (rotate-half) on q and k, k and v written into the cache at `slots`, tree
+ * attention under `mask`, out = attn Wo. The MLP block: residual += x, h = rmsnorm(residual) * w,
+ * out = (silu(h Wg) * (h Wu)) W2. Tensor parallelism all-reduces `out` between the calls. Every step
+ * is per row, so the blocks keep the rows independent. */
+#include <stdlib.h>
+
+#include "kernels.h"
+
+typedef struct {
+    int fmt, N, K;
+    const void *w;
+    const float *d, *m, *bias;
+} lin_t;
+
+typedef struct {
+    lin_t wqkv, wo, w13, w2;
+    const float *attention_norm, *ffn_norm;
+    float eps, scale;
+    int dim, n_heads, n_kv_heads, head_dim, inter;
+} block_t;
+
+static int lin(const lin_t *l, int M, const float *x, float *out) {
+    return ss_linear(l->fmt, M, l->K, l->N, x, l->w, l->d, l->m, l->bias, out);
+}
+
+static void add_rms_norm(int T, int dim, float eps, int first, const float *x, float *residual,
+                         const float *w, float *h) {
+    for (int t = 0; t < T; t++) {
+        float *r = residual + (size_t)t * dim;
+        const float *xt = x + (size_t)t * dim;
+        float acc[8] = {0};
+        for (int i = 0; i < dim; i++) {
+            r[i] = first ? xt[i] : r[i] + xt[i];
+            acc[i & 7] = fmaf(r[i], r[i], acc[i & 7]);
+        }
+        const float ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        const float inv = 1.0f / sqrtf(ss / dim + eps);
+        for (int i = 0; i < dim; i++) h[(size_t)t * dim + i] = r[i] * inv * w[i];
+    }
+}
+
+static void rope(float *x, const float *cos, const float *sin, int hd) {
+    const int half = hd / 2;
+    for (int i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* x, residual [T][dim]; cos, sin [T][head_dim]; k, v caches [n_kv_heads][s_max][head_dim] of this layer;
+ * out [T][dim]. Returns 0, or -1 when out of memory. */
+int ss_attention_block(const block_t *b, int T, const float *x, float *residual, int first, const float *cos,
+                       const float *sin, const int64_t *slots, const uint8_t *mask, int S, float *k_cache,
+                       float *v_cache, int s_max, float *out) {
+    const int hd = b->head_dim, nh = b->n_heads, nkv = b->n_kv_heads, width = (nh + 2 * nkv) * hd;
+    float *h = malloc(sizeof(float) * (size_t)T * (b->dim + width + nh * hd));
+    if (!h) return -1;
+    float *qkv = h + (size_t)T * b->dim, *att = qkv + (size_t)T * width;
+    add_rms_norm(T, b->dim, b->eps, first, x, residual, b->attention_norm, h);
+    int rc = lin(&b->wqkv, T, h, qkv);
+    if (rc == 0) {
+        float *q = malloc(sizeof(float) * (size_t)T * nh * hd);
+        if (!q) rc = -1;
+        for (int t = 0; rc == 0 && t < T; t++) {
+            float *row = qkv + (size_t)t * width;
+            for (int j = 0; j < nh + nkv; j++) rope(row + j * hd, cos + (size_t)t * hd, sin + (size_t)t * hd, hd);
+            memcpy(q + (size_t)t * nh * hd, row, sizeof(float) * nh * hd);
+            for (int j = 0; j < nkv; j++) {
+                memcpy(k_cache + ((size_t)j * s_max + slots[t]) * hd, row + (nh + j) * hd, sizeof(float) * hd);
+                memcpy(v_cache + ((size_t)j * s_max + slots[t]) * hd, row + (nh + nkv + j) * hd, sizeof(float) * hd);
+            }
+        }
+        if (rc == 0) rc = ss_attention(T, nh, nkv, hd, S, s_max, b->scale, q, k_cache, v_cache, mask, att);
+        free(q);
+    }
+    if (rc == 0) rc = lin(&b->wo, T, att, out);
+    free(h);
+    return rc;
+}
+
+int ss_mlp_block(const block_t *b, int T, const float *x, float *residual, float *out) {
+    const int inter = b->inter;
+    float *h = malloc(sizeof(float) * (size_t)T * (b->dim + 3 * inter));
+    if (!h) return -1;
+    float *gu = h + (size_t)T * b->dim, *act = gu + (size_t)T * 2 * inter;
+    add_rms_norm(T, b->dim, b->eps, 0, x, residual, b->ffn_norm, h);
+    int rc = lin(&b->w13, T, h, gu);
+    if (rc == 0) {
+        for (int t = 0; t < T; t++)
+            for (int i = 0; i < inter; i++) {
+                const float g = gu[(size_t)t * 2 * inter + i], u = gu[(size_t)t * 2 * inter + inter + i];
+                act[(size_t)t * inter + i] = g / (1.0f + ss_exp(-g)) * u;
+            }
+        rc = lin(&b->w2, T, act, out);
+    }
+    free(h);
+    return rc;
+}

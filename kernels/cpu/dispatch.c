@@ -1,0 +1,153 @@
+/* The one dispatch table of the CPU kernels' paths, the choice of the one in use, and the entry points
+ * (ss_linear, ss_attention) that run it. A path whose file the compiler could not build is absent (a weak
+ * symbol left null); a path the CPU lacks is present but never run. */
+#include <stdlib.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
+#include "kernels.h"
+
+extern const ss_path_t ss_path_portable;
+extern const ss_path_t ss_path_avx2 __attribute__((weak));
+extern const ss_path_t ss_path_avx_vnni __attribute__((weak));
+extern const ss_path_t ss_path_avx512 __attribute__((weak));
+extern const ss_path_t ss_path_avx512_vnni __attribute__((weak));
+
+/* Every path, widest first. */
+static const ss_path_t *const paths[] = {&ss_path_avx512_vnni, &ss_path_avx512, &ss_path_avx_vnni, &ss_path_avx2,
+                                         &ss_path_portable};
+enum { N_PATHS = sizeof paths / sizeof paths[0] };
+
+static unsigned cpu_features(void) {
+    unsigned f = 0;
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE)) return 0;
+    const int fma = c & bit_FMA, avx = c & bit_AVX, f16c = c & bit_F16C;
+    unsigned lo, hi;
+    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    const int ymm = (lo & 0x6) == 0x6, zmm = ymm && (lo & 0xE0) == 0xE0;
+    if (!avx || !ymm || __get_cpuid_max(0, 0) < 7) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    if ((b & bit_AVX2) && fma && f16c) f |= SS_CPU_AVX2;
+    if (zmm && (b & bit_AVX512F) && (b & bit_AVX512BW) && (b & bit_AVX512VL)) f |= SS_CPU_AVX512;
+    if ((f & SS_CPU_AVX512) && (c & bit_AVX512VNNI)) f |= SS_CPU_AVX512_VNNI;
+    const unsigned leaves = a;
+    if (leaves >= 1) {
+        __cpuid_count(7, 1, a, b, c, d);
+        if (a & (1u << 4)) f |= SS_CPU_AVX_VNNI;
+    }
+#endif
+    (void)hi;
+    return f;
+}
+
+/* 1 when path i was compiled into this library and runs on this CPU. */
+int ss_path_runs(int i) {
+    static int features = -1;
+    if (features < 0) features = (int)cpu_features();
+    return i >= 0 && i < N_PATHS && paths[i] && (paths[i]->needs & ~(unsigned)features) == 0;
+}
+
+int ss_path_count(void) { return N_PATHS; }
+
+/* Path i's name, or NULL when it was not compiled. */
+const char *ss_path_name(int i) { return i >= 0 && i < N_PATHS && paths[i] ? paths[i]->name : 0; }
+
+static const ss_path_t *active;
+
+/* The index of the path in use: the widest that runs until ss_use_path chooses. */
+int ss_path(void) {
+    if (!active)
+        for (int i = 0; i < N_PATHS && !active; i++)
+            if (ss_path_runs(i)) active = paths[i];
+    for (int i = 0; i < N_PATHS; i++)
+        if (paths[i] == active) return i;
+    return -1;
+}
+
+/* Runs path i from now on; -1 (and no change) when it cannot run here. */
+int ss_use_path(int i) {
+    if (!ss_path_runs(i)) return -1;
+    active = paths[i];
+    return 0;
+}
+
+static const ss_path_t *path(void) {
+    if (!active) ss_path();
+    return active;
+}
+
+/* Each row's int16 blocks, their scales and (Q4) exact block sums, into one buffer per thread; the blocks
+ * of each full group of 8 in kernel order (kernels.h), as the weights are. */
+static int prepare_rows(job_t *j) {
+    static _Thread_local void *buf;
+    static _Thread_local size_t cap;
+    const int nb = j->K / 32, full = nb / 8 * 8;
+    const size_t blocks = (size_t)j->M * nb, need = blocks * (32 * sizeof(int16_t) + 2 * sizeof(float));
+    if (need > cap) {
+        free(buf);
+        buf = malloc(need);
+        cap = buf ? need : 0;
+        if (!buf) return -1;
+    }
+    float *dx = buf, *xsum = dx + blocks;
+    int16_t *qx = (int16_t *)(xsum + blocks);
+    void (*quantise)(const float *, int16_t *, float *, float *) = path()->quantise;
+    for (size_t i = 0; i < blocks; i++) {
+        const int b = (int)(i % nb);
+        if (b < full) { /* kernel order: pair s of block b goes to lanes 2 (b % 8), +1 of step s */
+            int16_t block[32], *group = qx + (i - b % 8) * 32;
+            quantise(j->x + i * 32, block, dx + i, xsum + i);
+            for (int s = 0; s < 16; s++) memcpy(group + s * 16 + 2 * (b % 8), block + 2 * s, 2 * sizeof(int16_t));
+        } else {
+            quantise(j->x + i * 32, qx + i * 32, dx + i, xsum + i);
+        }
+    }
+    j->qx = qx, j->dx = dx, j->xsum = xsum;
+    return 0;
+}
+
+/* Columns per unit of a linear: runs of 16, more for wide outputs (~128 units a call at most). */
+static int column_grain(int N) {
+    const int runs = (N + 16 * 128 - 1) / (16 * 128);
+    return 16 * (runs > 1 ? runs : 1);
+}
+
+static void linear_unit(const void *job, int unit, int part) {
+    const job_t *j = job;
+    const int grain = column_grain(j->N), n0 = unit * grain, n1 = n0 + grain < j->N ? n0 + grain : j->N;
+    (void)part;
+    path()->columns(j, n0, n1);
+}
+
+/* x [M][K] fp32 (contiguous), out [M][N] fp32. Returns 0, or -1 when out of memory. */
+int ss_linear(int fmt, int M, int K, int N, const float *x, const void *w, const float *d, const float *m,
+              const float *bias, float *out) {
+    job_t j = {fmt, M, K, N, x, 0, 0, 0, w, d, m, bias, out};
+    path(); /* chosen here, before the pool's threads read it */
+    if ((fmt == FMT_Q4 || fmt == FMT_Q8) && prepare_rows(&j) != 0) return -1;
+    ss_run(linear_unit, &j, (N + column_grain(N) - 1) / column_grain(N), (size_t)N * K < 65536);
+    return 0;
+}
+
+static void attention_unit(const void *job, int unit, int part) {
+    const attn_t *a = job;
+    float *buf = (float *)(a->scratch + (size_t)part * a->S * (sizeof(float) + sizeof(int)));
+    path()->attend(a, unit / a->H, unit % a->H, (int *)(buf + a->S), buf);
+}
+
+/* q [T][H][D], k and v [Hkv][s_max][D] fp32, mask [T][S] bytes (nonzero = attend: every row needs one),
+ * out [T][H][D]. Returns 0, or -1 when out of memory. */
+int ss_attention(int T, int H, int Hkv, int D, int S, int s_max, float scale, const float *q, const float *k,
+                 const float *v, const uint8_t *mask, float *out) {
+    const int parts = ss_threads();
+    path();
+    char *scratch = malloc((size_t)parts * S * (sizeof(float) + sizeof(int)) + 1);
+    if (!scratch) return -1;
+    attn_t a = {T, H, Hkv, D, S, s_max, scale, q, k, v, mask, out, scratch};
+    ss_run(attention_unit, &a, T * H, (size_t)T * H * S < 4096);
+    free(scratch);
+    return 0;
+}

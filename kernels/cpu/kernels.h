@@ -1,0 +1,153 @@
+/* What the CPU kernels' files share: the job descriptions, the canonical arithmetic and the dispatch
+ * table's entry type.
+ *
+ * The files, ggml-cpu's way: one per ISA family (portable.c, avx2.c, avx512.c), each compiled with its
+ * own target flags (kernels/cpu_linear.py holds the recipe; avx2.c and avx512.c are built twice, with
+ * and without VNNI), and dispatch.c, which holds the one table of paths, picks the one in use and owns
+ * the entry points; pool.c is the thread pool, blocks.c the decoder-block glue.
+ *
+ * Every path computes every output bit for bit as portable.c does: the block dot products are exact
+ * integers, and each path performs the same fp32 operations in the same order (below), so the same
+ * weights give the same tokens on every x86 machine and under every path. Everything is compiled with
+ * -ffp-contract=off, so no compiler fuses a multiply and an add that the order below keeps apart.
+ *
+ * The canonical order:
+ *   R8(t)      = ((t0 + t4) + (t1 + t5)) + ((t2 + t6) + (t3 + t7)), the one horizontal sum of 8 lanes.
+ *   Quantising a block v[0..31] (Q4, Q8): amax = max |v|, scale = amax / 32767, inv = 1 / scale (0 when
+ *              scale is 0), q = round-to-nearest-even(v * inv) saturated to int16, and its sum (Q4's offset
+ *              term) R8(t) with t_l = (v[l] + v[16 + l]) + (v[8 + l] + v[24 + l]).
+ *   Q4 / Q8 linear, one (row, column): 8 lanes a, each +0; block b = 8 g + l of a full group of 8 (and
+ *              tail block b = 8 G + l) goes to lane l: a_l = fma(D_b, d_b * dx_b, a_l), then for Q4
+ *              a_l = fma(m_b, xsum_b, a_l), blocks in increasing order; out = R8(a) (+ bias).
+ *              D_b, the block's integer dot product, is exact in int32 and in the float it becomes.
+ *   Float linear: 32 lanes c, each +0; c_i = fma(w[32 b + i], x[32 b + i], c_i) for the blocks in order;
+ *              out = R8(t) with t_l = (c_l + c_{16 + l}) + (c_{8 + l} + c_{24 + l}) (+ bias).
+ *   Attention, one (row, head) over its allowed keys in order: a score is R8 of 8 lanes, lane l summing
+ *              fma(q[e], k[e], .) over e = l, l + 8, ... from +0, times the scale; p_i = exp8(score_i -
+ *              max); sum = p_0 + p_1 + ... in order; out[e] = (fma over the keys in order of p_i v_i[e],
+ *              from +0) * (1 / sum).
+ *   exp8(x):   Cephes' expf polynomial (below), each step one fp32 operation or one fma.
+ */
+#ifndef SS_KERNELS_H
+#define SS_KERNELS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_F16 = 2, FMT_BF16 = 3, FMT_F32 = 4 };
+
+/* One linear: out [M][N] = x [M][K] . w [N][K] (+ bias). Weight formats (K a multiple of 32, nb = K / 32):
+ *   Q4  qs [N][nb * 16] uint8, d and m [N][nb] fp32: w = d * q + m  (Q4_1 as stored; Q4_0 is m = -8 d)
+ *   Q8  qs [N][nb * 32] int8, d [N][nb] fp32: w = d * q  (Q8_0)
+ *   F16 w [N][K] IEEE half;  BF16 w [N][K] bfloat16;  F32 w [N][K] float
+ * The integer formats' values are in "kernel order" (engine/cpu_backends.py packs them): each row's blocks
+ * go in groups of 8, and a group holds 16 steps, step s being values 2s and 2s + 1 of each of its 8 blocks
+ * in turn (16 values), so that one multiply-add of a step with the activations' step leaves one block's
+ * partial dot product per lane. Q8 stores the 16 steps as 16 int8 each; Q4 stores steps s and s + 8 in one
+ * 16 bytes (low, high nibbles). The last nb % 8 blocks are stored as GGUF stores a block: 32 int8 (Q8), or
+ * 16 bytes whose byte j holds value j in its low nibble and j + 16 in its high one (Q4). The activations'
+ * int16 blocks (qx) are laid out the same way: a full group's 256 values step by step, a tail block's 32
+ * in order. */
+typedef struct {
+    int fmt, M, K, N;
+    const float *x;      /* [M][K] fp32: the float formats */
+    const int16_t *qx;   /* [M][nb][32], kernel order: Q4 and Q8 */
+    const float *dx;     /* [M][nb] scales of qx */
+    const float *xsum;   /* [M][nb] fp32 block sums of x: Q4 */
+    const void *w;
+    const float *d, *m, *bias;
+    float *out;
+} job_t;
+
+/* Tree attention: q [T][H][D], k and v [Hkv][s_max][D] fp32, mask [T][S] bytes (nonzero = attend). */
+typedef struct {
+    int T, H, Hkv, D, S, s_max;
+    float scale;
+    const float *q, *k, *v;
+    const uint8_t *mask;
+    float *out;
+    char *scratch; /* per part: S floats (scores) and S ints (the allowed keys) */
+} attn_t;
+
+/* CPU features, as dispatch.c reads them (cpuid, and the OS's saving of the vector registers). */
+enum {
+    SS_CPU_AVX2 = 1 << 0, /* with FMA and F16C */
+    SS_CPU_AVX_VNNI = 1 << 1,
+    SS_CPU_AVX512 = 1 << 2, /* F, BW and VL */
+    SS_CPU_AVX512_VNNI = 1 << 3,
+};
+
+/* A path: one ISA family's kernels. */
+typedef struct {
+    const char *name;    /* what the precision label shows: "AVX-512 VNNI" */
+    unsigned needs;      /* the CPU features it runs on (SS_CPU_*) */
+    /* block v[32] -> q[32] int16 in order, its scale and its sum, as the canonical order says */
+    void (*quantise)(const float *v, int16_t *q, float *scale, float *sum);
+    /* columns n0 .. n1 - 1 of every row of the job */
+    void (*columns)(const job_t *j, int n0, int n1);
+    /* one (row, head) of an attention; keys and buf hold S ints and S floats */
+    void (*attend)(const attn_t *a, int t, int h, int *keys, float *buf);
+} ss_path_t;
+
+/* The thread pool (pool.c): fn over units 0 .. units - 1 on the pool's threads (the caller is part 0),
+ * or alone when `small`; one caller at a time. */
+typedef void (*ss_task_fn)(const void *job, int unit, int part);
+void ss_run(ss_task_fn fn, const void *job, int units, int small);
+int ss_threads(void);
+int ss_set_threads(int n);
+
+/* The entry points (dispatch.c) that the decoder blocks (blocks.c) call too; 0, or -1 when out of memory. */
+int ss_linear(int fmt, int M, int K, int N, const float *x, const void *w, const float *d, const float *m,
+              const float *bias, float *out);
+int ss_attention(int T, int H, int Hkv, int D, int S, int s_max, float scale, const float *q, const float *k,
+                 const float *v, const uint8_t *mask, float *out);
+
+/* The portable path's attention: the vector paths' fallback for head sizes that are not multiples of 8. */
+void ss_portable_attend(const attn_t *a, int t, int h, int *keys, float *buf);
+
+/* The allowed keys of row t, in order; returns their number. */
+static inline int ss_keys(const attn_t *a, int t, int *keys) {
+    const uint8_t *mrow = a->mask + (size_t)t * a->S;
+    int n = 0;
+    for (int s = 0; s < a->S; s++)
+        if (mrow[s]) keys[n++] = s;
+    return n;
+}
+
+static inline float ss_r8(const float *t) {
+    return ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
+}
+
+/* Cephes' expf on 2^n e^r, the arguments clamped to [-87.3, 88.3] (results normal and finite): ~1 ulp. */
+#define SS_EXP_LO (-87.3f)
+#define SS_EXP_HI 88.3f
+#define SS_LOG2E 1.44269504088896341f
+#define SS_LN2_HI 0.693359375f
+#define SS_LN2_LO (-2.12194440e-4f)
+#define SS_EXP_P0 1.9875691500e-4f
+#define SS_EXP_P1 1.3981999507e-3f
+#define SS_EXP_P2 8.3334519073e-3f
+#define SS_EXP_P3 4.1665795894e-2f
+#define SS_EXP_P4 1.6666665459e-1f
+#define SS_EXP_P5 5.0000001201e-1f
+
+static inline float ss_exp(float x) {
+    x = x < SS_EXP_LO ? SS_EXP_LO : x > SS_EXP_HI ? SS_EXP_HI : x;
+    const float n = nearbyintf(x * SS_LOG2E);
+    float r = fmaf(-n, SS_LN2_HI, x);
+    r = fmaf(-n, SS_LN2_LO, r);
+    float p = SS_EXP_P0;
+    p = fmaf(p, r, SS_EXP_P1);
+    p = fmaf(p, r, SS_EXP_P2);
+    p = fmaf(p, r, SS_EXP_P3);
+    p = fmaf(p, r, SS_EXP_P4);
+    p = fmaf(p, r, SS_EXP_P5);
+    p = fmaf(p, r * r, r + 1.0f);
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float e;
+    memcpy(&e, &bits, sizeof e);
+    return p * e;
+}
+
+#endif

@@ -1,0 +1,100 @@
+/* The kernels' thread pool: workers spin briefly on a generation counter, then sleep. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "kernels.h"
+
+static inline void spin_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* A job is a number of units (a run of columns, an attention row and head) that the threads claim one at
+ * a time from a shared counter, so a thread the OS preempts (another process wants the core) holds back
+ * only the unit it is in, not a fixed share. The counter carries the job's generation: a worker that
+ * claims a unit is sure of the job it read, and a late worker finds the units gone and goes back to
+ * sleep without being waited for. */
+#define MAX_THREADS 64
+#define CLOSED 0xFFFFFFFFu
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static atomic_int generation, done_units, n_threads = 1, n_started = 1;
+static _Atomic uint64_t claim; /* generation << 32 | the next unclaimed unit (CLOSED while a job is set) */
+static _Atomic(ss_task_fn) current_fn;
+static _Atomic(const void *) current_job;
+static atomic_int current_units;
+
+static void drain(int part) {
+    for (;;) {
+        uint64_t c = atomic_load_explicit(&claim, memory_order_acquire);
+        const ss_task_fn fn = atomic_load_explicit(&current_fn, memory_order_relaxed);
+        const void *job = atomic_load_explicit(&current_job, memory_order_relaxed);
+        const uint32_t unit = (uint32_t)c;
+        if (unit == CLOSED || unit >= (uint32_t)atomic_load_explicit(&current_units, memory_order_relaxed)) return;
+        if (!atomic_compare_exchange_weak_explicit(&claim, &c, c + 1, memory_order_acq_rel, memory_order_relaxed))
+            continue; /* claimed by another thread, or a new job: read again */
+        fn(job, (int)unit, part);
+        atomic_fetch_add_explicit(&done_units, 1, memory_order_release);
+    }
+}
+
+static void *worker(void *arg) {
+    const int part = (int)(intptr_t)arg;
+    int seen = 0;
+    for (;;) {
+        int spins = 0;
+        while (atomic_load_explicit(&generation, memory_order_acquire) == seen) {
+            if (++spins < 20000) {
+                spin_pause();
+                continue;
+            }
+            pthread_mutex_lock(&mu);
+            while (atomic_load(&generation) == seen) pthread_cond_wait(&wake, &mu);
+            pthread_mutex_unlock(&mu);
+        }
+        seen = atomic_load(&generation);
+        if (part < atomic_load(&n_threads)) drain(part);
+    }
+    return 0;
+}
+
+int ss_set_threads(int n) {
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    for (int i = atomic_load(&n_started); i < n; i++) {
+        pthread_t t;
+        if (pthread_create(&t, 0, worker, (void *)(intptr_t)i) != 0) return atomic_load(&n_threads);
+        pthread_detach(t);
+        atomic_store(&n_started, i + 1);
+    }
+    atomic_store(&n_threads, n);
+    return n;
+}
+
+/* Runs fn over units 0 .. units - 1 on the pool's threads (the caller is part 0), or alone when small.
+ * Not reentrant: one caller at a time (a rank's one compute thread). */
+void ss_run(ss_task_fn fn, const void *job, int units, int small) {
+    if (atomic_load(&n_threads) == 1 || small || units <= 1) {
+        for (int u = 0; u < units; u++) fn(job, u, 0);
+        return;
+    }
+    const uint64_t g = (atomic_load(&claim) >> 32) + 1;
+    atomic_store(&claim, g << 32 | CLOSED);
+    atomic_store_explicit(&current_fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&current_job, job, memory_order_relaxed);
+    atomic_store_explicit(&current_units, units, memory_order_relaxed);
+    atomic_store_explicit(&done_units, 0, memory_order_relaxed);
+    atomic_store_explicit(&claim, g << 32, memory_order_release);
+    pthread_mutex_lock(&mu);
+    atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+    pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&mu);
+    drain(0);
+    while (atomic_load_explicit(&done_units, memory_order_acquire) < units) {
+        spin_pause();
+    }
+}
+
+int ss_threads(void) { return atomic_load(&n_threads); }

@@ -1,0 +1,131 @@
+/* The portable path: plain C that any compiler builds for any CPU, and the definition of the canonical
+ * order (kernels.h) that every other path reproduces bit for bit. */
+#include "kernels.h"
+
+static void quantise(const float *v, int16_t *q, float *scale, float *sum) {
+    float amax = 0.0f, t[8];
+    for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
+    for (int l = 0; l < 8; l++) t[l] = (v[l] + v[16 + l]) + (v[8 + l] + v[24 + l]);
+    const float s = amax / 32767.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    for (int k = 0; k < 32; k++) {
+        const float r = nearbyintf(v[k] * inv);
+        q[k] = (int16_t)(r > 32767.0f ? 32767.0f : r < -32768.0f ? -32768.0f : r);
+    }
+    *scale = s;
+    *sum = ss_r8(t);
+}
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Value k of block b of column n, from the kernel order. */
+static inline int int_weight(const job_t *j, int n, int b, int k) {
+    const int nb = j->K / 32, g = b / 8;
+    if (j->fmt == FMT_Q8) {
+        const int8_t *q = (const int8_t *)j->w + (size_t)n * nb * 32;
+        return g < nb / 8 ? q[g * 256 + (k / 2) * 16 + 2 * (b % 8) + k % 2] : q[b * 32 + k];
+    }
+    const uint8_t *q = (const uint8_t *)j->w + (size_t)n * nb * 16;
+    if (g < nb / 8) {
+        const int s = k / 2;
+        return (q[g * 128 + (s % 8) * 16 + 2 * (b % 8) + k % 2] >> (s < 8 ? 0 : 4)) & 0x0F;
+    }
+    return (q[b * 16 + (k & 15)] >> (k < 16 ? 0 : 4)) & 0x0F;
+}
+
+/* Activation k of block b of row r, from the kernel order. */
+static inline int int_activation(const job_t *j, int r, int b, int k) {
+    const int nb = j->K / 32, g = b / 8;
+    const int16_t *x = j->qx + (size_t)r * nb * 32;
+    return g < nb / 8 ? x[g * 256 + (k / 2) * 16 + 2 * (b % 8) + k % 2] : x[b * 32 + k];
+}
+
+static inline float float_weight(const job_t *j, int n, int k) {
+    const size_t at = (size_t)n * j->K + k;
+    if (j->fmt == FMT_F16) return half_to_float(((const uint16_t *)j->w)[at]);
+    if (j->fmt == FMT_BF16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)j->w)[at] << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    return ((const float *)j->w)[at];
+}
+
+static float int_dot(const job_t *j, int r, int n) {
+    const int nb = j->K / 32;
+    float a[8] = {0};
+    for (int b = 0; b < nb; b++) {
+        const size_t blk = (size_t)n * nb + b, at = (size_t)r * nb + b;
+        int32_t dot = 0;
+        for (int k = 0; k < 32; k++) dot += int_weight(j, n, b, k) * int_activation(j, r, b, k);
+        a[b % 8] = fmaf((float)dot, j->d[blk] * j->dx[at], a[b % 8]);
+        if (j->fmt == FMT_Q4) a[b % 8] = fmaf(j->m[blk], j->xsum[at], a[b % 8]);
+    }
+    return ss_r8(a);
+}
+
+static float float_dot(const job_t *j, int r, int n) {
+    const float *x = j->x + (size_t)r * j->K;
+    float c[32] = {0}, t[8];
+    for (int k = 0; k < j->K; k += 32)
+        for (int i = 0; i < 32; i++) c[i] = fmaf(float_weight(j, n, k + i), x[k + i], c[i]);
+    for (int l = 0; l < 8; l++) t[l] = (c[l] + c[16 + l]) + (c[8 + l] + c[24 + l]);
+    return ss_r8(t);
+}
+
+static void columns(const job_t *j, int n0, int n1) {
+    const int integer = j->fmt == FMT_Q4 || j->fmt == FMT_Q8;
+    for (int r = 0; r < j->M; r++)
+        for (int n = n0; n < n1; n++) {
+            float s = integer ? int_dot(j, r, n) : float_dot(j, r, n);
+            if (j->bias) s += j->bias[n];
+            j->out[(size_t)r * j->N + n] = s;
+        }
+}
+
+void ss_portable_attend(const attn_t *a, int t, int h, int *keys, float *buf) {
+    const int D = a->D, kvh = h / (a->H / a->Hkv);
+    const float *q = a->q + ((size_t)t * a->H + h) * D;
+    const float *kb = a->k + (size_t)kvh * a->s_max * D, *vb = a->v + (size_t)kvh * a->s_max * D;
+    const int n = ss_keys(a, t, keys);
+    float mx = -INFINITY;
+    for (int i = 0; i < n; i++) {
+        const float *k = kb + (size_t)keys[i] * D;
+        float acc[8] = {0};
+        for (int e = 0; e < D; e++) acc[e % 8] = fmaf(q[e], k[e], acc[e % 8]);
+        buf[i] = ss_r8(acc) * a->scale;
+        mx = buf[i] > mx ? buf[i] : mx;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        buf[i] = ss_exp(buf[i] - mx);
+        sum += buf[i];
+    }
+    const float inv = 1.0f / sum;
+    float *o = a->out + ((size_t)t * a->H + h) * D;
+    for (int e = 0; e < D; e++) {
+        float acc = 0.0f;
+        for (int i = 0; i < n; i++) acc = fmaf(buf[i], vb[(size_t)keys[i] * D + e], acc);
+        o[e] = acc * inv;
+    }
+}
+
+const ss_path_t ss_path_portable = {"portable C", 0, quantise, columns, ss_portable_attend};

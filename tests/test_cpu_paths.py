@@ -1,0 +1,132 @@
+"""The CPU kernels' ISA paths (kernels/cpu/): every path this machine runs computes what the portable path
+computes, bit for bit, on random shapes with loose tail blocks, every format and row count, one thread or
+two; every path, whether it runs here or not, compiles; the library names the path it runs and keeps the
+one it measured fastest."""
+
+import json
+
+import pytest
+import torch
+
+from swiftspec.engine import cpu_backends
+from swiftspec.kernels import cpu_linear
+from swiftspec.kernels.cpu_linear import Format
+
+PORTABLE = "portable C"
+FLOAT_DTYPES = {Format.F32: torch.float32, Format.F16: torch.float16, Format.BF16: torch.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def dll():
+    lib = cpu_backends.library()
+    chosen = cpu_linear.isa(lib)
+    yield lib
+    cpu_linear.use_path(lib, chosen)
+    cpu_linear.set_threads(lib, 1)
+
+
+def running(dll) -> list[str]:
+    return [p.name for p in cpu_linear.paths(dll) if p.runs]
+
+
+def on_every_path(dll, fn) -> dict[str, torch.Tensor]:
+    out = {}
+    for name in running(dll):
+        cpu_linear.use_path(dll, name)
+        out[name] = fn()
+    return out
+
+
+def weights(g: torch.Generator, fmt: Format, n: int, k: int):
+    """Random packed weights: any bytes are valid blocks (Q4: 16 nibble pairs, Q8: 32 int8 a block)."""
+    nb = k // 32
+    if fmt in (Format.Q4, Format.Q8):
+        qs = torch.randint(-128, 128, (n, nb * (16 if fmt == Format.Q4 else 32)), generator=g, dtype=torch.int8)
+        return qs, torch.rand(n, nb, generator=g) * 0.02, torch.randn(n, nb, generator=g) * 0.02
+    return (torch.randn(n, k, generator=g) * 0.1).to(FLOAT_DTYPES[fmt]), None, None
+
+
+def test_the_portable_path_and_a_vector_one_run_on_x86(dll):
+    names = {p.name for p in cpu_linear.paths(dll)}
+    assert PORTABLE in names
+    if cpu_linear.X86:
+        assert {"AVX2", "AVX-VNNI", "AVX-512", "AVX-512 VNNI"} <= names  # compiled, whether they run here or not
+        assert cpu_linear.isa(dll) in running(dll)
+
+
+@pytest.mark.parametrize("fmt", list(Format))
+@pytest.mark.parametrize("blocks", [1, 7, 8, 9, 18, 19, 48])  # alone, one group, a group and tails, ...
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_path_computes_the_portable_bits(dll, fmt, blocks, threads):
+    g = torch.Generator().manual_seed(blocks * 10 + int(fmt))
+    k, n = 32 * blocks, 41
+    w, d, m = weights(g, fmt, n, k)
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(11, k, generator=g)
+    x[3, 5] = 60.0  # a block with one large activation
+    x[7, :32] = 0.0  # a block of zeros: scale 0
+    cpu_linear.set_threads(dll, threads)
+    outs = on_every_path(dll, lambda: cpu_linear.linear(dll, fmt, x, n, w, d, m, bias))
+    rows = on_every_path(dll, lambda: torch.cat([cpu_linear.linear(dll, fmt, x[i:i + 1], n, w, d, m, bias)
+                                                  for i in range(len(x))]))
+    cpu_linear.set_threads(dll, 1)
+    for name in outs:
+        assert torch.equal(outs[name], outs[PORTABLE]), name
+        assert torch.equal(rows[name], outs[PORTABLE]), name  # row invariance on every path
+
+
+def test_the_paths_compute_the_format(dll):
+    """The common answer is the right one: Q4 weights as d q + m against fp32 math, within int16's error."""
+    g = torch.Generator().manual_seed(1)
+    w, d, m = weights(g, Format.Q4, 64, 32 * 19)
+    qs = w.view(torch.uint8).reshape(64, 19, 16)
+    blocks = cpu_backends.Blocks(Format.Q4, "int4", qs, d, m, kernel_order=True)
+    x = torch.randn(5, 32 * 19, generator=g)
+    want = x @ blocks.dequantize().T
+    out = cpu_linear.linear(dll, Format.Q4, x, 64, w, d, m)
+    assert (out - want).abs().max() <= 2e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 32, 40, 36])  # the constant-D copies, the general loop, no 8
+def test_every_path_attends_as_the_portable_one(dll, head_dim):
+    g = torch.Generator().manual_seed(head_dim)
+    t, h, hkv, s, s_max = 6, 6, 2, 77, 90
+    q = torch.randn(t, h, head_dim, generator=g)
+    k, v = torch.randn(hkv, s_max, head_dim, generator=g), torch.randn(hkv, s_max, head_dim, generator=g)
+    mask = torch.rand(t, s, generator=g) < 0.5
+    mask[:, 0] = True
+    mask[1, 1:] = False  # one key alone
+    outs = on_every_path(dll, lambda: cpu_linear.attention(dll, q, k, v, mask, head_dim ** -0.5))
+    for name, out in outs.items():
+        assert torch.equal(out, outs[PORTABLE]), name
+    scores = torch.einsum("thd,hsd->ths", q, k.repeat_interleave(h // hkv, 0)[:, :s]) * head_dim ** -0.5
+    p = torch.softmax(scores.masked_fill(~mask[:, None, :], -torch.inf), -1)
+    want = torch.einsum("ths,hsd->thd", p, v.repeat_interleave(h // hkv, 0)[:, :s])
+    torch.testing.assert_close(outs[PORTABLE], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(cpu_linear.PATH_OBJECTS))
+def test_every_path_compiles(name, tmp_path):
+    """Compile only: a path this CPU cannot run is still built, so it never rots."""
+    source, flags = cpu_linear.PATH_OBJECTS[name]
+    job = cpu_linear.compile_object(cpu_linear._compiler(), source, [*flags, "-Werror"], tmp_path / "path.o")
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err
+
+
+def test_the_fastest_path_is_measured_once_and_kept(dll, tmp_path):
+    record = tmp_path / "path.json"
+    chosen = cpu_linear.fastest_path(dll, record)
+    kept = json.loads(record.read_text())
+    assert kept["path"] == chosen and set(kept["seconds"]) == set(running(dll))
+    assert chosen == min(kept["seconds"], key=kept["seconds"].get)
+    record.write_text(json.dumps({"path": PORTABLE, "seconds": {}}))
+    assert cpu_linear.fastest_path(dll, record) == PORTABLE  # read back, not measured again
+    record.write_text(json.dumps({"path": "a path of another machine"}))
+    assert cpu_linear.fastest_path(dll, record) in running(dll)
+
+
+def test_a_path_that_cannot_run_is_refused(dll):
+    with pytest.raises(ValueError, match="no path"):
+        cpu_linear.use_path(dll, "AVX-1024")
+    assert cpu_linear.isa(dll) in running(dll)
