@@ -1,4 +1,4 @@
-"""The CPU target's linear backends, each row-invariant by construction (kernels/cpu_linear.c): a row of
+"""The CPU target's linear backends, each row-invariant by construction (kernels/cpu): a row of
 a multi-row forward equals a one-row forward bit for bit, so greedy speculation is exact without
 one-row loops. Applied to a built Transformer as module surgery (``apply``), gpt-fast style:
 
@@ -6,7 +6,7 @@ one-row loops. Applied to a built Transformer as module surgery (``apply``), gpt
 * ``gguf``: a GGUF's own blocks, as the file holds them: Q4_0 / Q4_1 / Q4_K as 4-bit blocks (w = d q + m per
   32 weights, the fp16 d and m widened to fp32 exactly; Q4_K's super-block scales folded into each
   sub-block's d and m, exactly), Q8_0 as 8-bit blocks, with the activations
-  quantised to int16 per block of 32 (kernels/cpu_linear.c says why not llama.cpp's int8). The embedding is looked up from its blocks.
+  quantised to int16 per block of 32 (kernels/cpu says why not llama.cpp's int8). The embedding is looked up from its blocks.
   ``--quantize int4`` packs a float checkpoint the same way (Q4_1-style blocks, the lm_head and embedding
   as Q8_0-style ones).
 
@@ -66,33 +66,40 @@ def _pack(values: Tensor, fmt: Format) -> Tensor:
     return values if fmt == Format.Q8 else values[..., :16] | (values[..., 16:] << 4)
 
 
-def _pairs(qs: Tensor) -> Tensor:
-    """A row's full groups of 8 blocks [N, G * 8, bytes] as int16 byte pairs [N, G, 8 blocks, bytes / 2]."""
-    n, nb, size = qs.shape
-    return qs[:, :nb // 8 * 8].reshape(n, nb // 8, 8, size).view(torch.int16)
+def kernel_groups(nb: int) -> list[tuple[int, int]]:
+    """(first block, blocks) of each group of a row of ``nb`` blocks in kernel order (kernels/cpu/kernels.h):
+    groups of 8, then the nb % 8 last blocks as groups of 4, 2 and 1, as many as its binary digits say."""
+    groups = [(b, 8) for b in range(0, nb // 8 * 8, 8)]
+    at = nb // 8 * 8
+    for size in (4, 2, 1):
+        if nb % 8 & size:
+            groups.append((at, size))
+            at += size
+    return groups
 
 
 def to_kernel_order(qs: Tensor) -> Tensor:
-    """GGUF-ordered blocks [N, nb, bytes] in cpu_linear.c's kernel order (same shape): in each full group
-    of 8 blocks, byte pair j of every block in turn, for j = 0, 1, ... (a Q8 pair is a step's two values;
-    a Q4 byte pair holds a step's two values in its low nibbles and those of the step 8 later in its
-    high ones); the nb % 8 last blocks as they are."""
-    n, nb, size = qs.shape
-    full = nb // 8 * 8
-    if full == 0:
-        return qs.contiguous()
-    steps = _pairs(qs).transpose(2, 3).contiguous().view(qs.dtype).reshape(n, full, size)
-    return torch.cat([steps, qs[:, full:]], 1)
+    """GGUF-ordered blocks [N, nb, bytes] in the kernels' order (same shape): in each group of g blocks
+    (kernel_groups), byte pair j of each of its blocks in turn, for j = 0, 1, ... (a Q8 pair is a step's
+    two values; a Q4 byte pair holds a step's two values in its low nibbles and those of the step 8 later
+    in its high ones). A group of one block is as GGUF stores it."""
+    return _regroup(qs, to_kernel=True)
 
 
 def from_kernel_order(qs: Tensor) -> Tensor:
     """The inverse of to_kernel_order."""
+    return _regroup(qs, to_kernel=False)
+
+
+def _regroup(qs: Tensor, to_kernel: bool) -> Tensor:
+    """Each group's byte pairs [blocks, pairs] transposed to [pairs, blocks] (to_kernel) or back."""
     n, nb, size = qs.shape
-    full = nb // 8 * 8
-    if full == 0:
-        return qs
-    blocks = _pairs(qs).reshape(n, nb // 8, size // 2, 8).transpose(2, 3).contiguous().view(qs.dtype)
-    return torch.cat([blocks.reshape(n, full, size), qs[:, full:]], 1)
+    parts = []
+    for b, g in kernel_groups(nb):
+        pairs = qs[:, b:b + g].reshape(n, -1).view(torch.int16)
+        shape = (n, g, size // 2) if to_kernel else (n, size // 2, g)
+        parts.append(pairs.reshape(shape).transpose(1, 2).reshape(n, -1).view(qs.dtype).reshape(n, g, size))
+    return torch.cat(parts, 1) if parts else qs.contiguous()
 
 
 @dataclass

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import secrets
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         if ctx.role == "target" and ctx.device.type == "cpu" and config.dtype == "auto" and config.batch_invariant != "off":
             ctx.dtype = choose_cpu_backend(ctx, say)
         load(ctx)
+        gc.freeze()  # the loaded models' objects leave the collector's sight: no collection walks them mid-step
         agree_on_features(ctx)  # a collective over every rank: all have loaded
         choose_kernel_threads(ctx, ranks, say)  # first: the verifications are timed on sync's threads
         t_verify, t_expand = profile(ctx, ranks, say)

@@ -42,13 +42,6 @@ INLINE __m256 r8x8(const __m256 a[8]) {
     return _mm256_permutevar8x32_ps(_mm256_hadd_ps(q[0], q[1]), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* The exact int32 sums of each of 8 vectors, as the 8 lanes of one */
-INLINE __m256i isum8(const __m256i v[8]) {
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-}
-
 static void quantise(const float *v, int16_t *q, float *scale, float *sum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 x[4], mx = _mm256_setzero_ps();
@@ -90,6 +83,40 @@ INLINE __m256 load_first(const float *p, int n) {
     return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
 }
 
+/* A tail group of g (4, 2 or 1) blocks at block `first`, its lanes from `off` on: each row's exact block
+ * dot products added into lanes off .. off + g - 1 of dots[r]. */
+INLINE void tail_group(const job_t *j, const int fmt, const int R, const int g, size_t column, int first, int off,
+                       const int16_t *qx, __m256i dots[]) {
+    const int nb = j->K / 32;
+    __m256i w[8]; /* the group's 32 g values as int16, in its order */
+    for (int c = 0; c < g; c++) {
+        if (fmt == FMT_Q4) { /* low nibbles: values [0, 16 g), high: [16 g, 32 g) */
+            const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)j->w + column + first * 16 + 16 * c));
+            w[c] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0F)));
+            w[g + c] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
+        } else {
+            const int8_t *q = (const int8_t *)j->w + column + first * 32 + 32 * c;
+            w[2 * c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+            w[2 * c + 1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+        }
+    }
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(off), lanes),
+                                           _mm256_cmpgt_epi32(_mm256_set1_epi32(off + g), lanes));
+    const __m256i place = _mm256_blendv_epi8(_mm256_set1_epi32(7), _mm256_sub_epi32(lanes, _mm256_set1_epi32(off)), in);
+    for (int r = 0; r < R; r++) {
+        const int16_t *x = qx + ((size_t)r * nb + first) * 32;
+        __m256i sum = _mm256_setzero_si256();
+        for (int c = 0; c < 2 * g; c++) sum = DPWSSD(sum, w[c], _mm256_loadu_si256((const __m256i *)(x + 16 * c)));
+        /* lane l holds a part of block l % g: fold the halves until g lanes are left, the rest zero */
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        if (g <= 2) h = _mm_move_epi64(_mm_add_epi32(h, _mm_unpackhi_epi64(h, h)));
+        if (g == 1) h = _mm_cvtsi32_si128(_mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 1))));
+        const __m256i wide = _mm256_inserti128_si256(_mm256_setzero_si256(), h, 0); /* lanes 4..7 zero */
+        dots[r] = _mm256_add_epi32(dots[r], _mm256_permutevar8x32_epi32(wide, place));
+    }
+}
+
 /* Integer formats: rows r0 .. r0 + R - 1 of column n (R and fmt constant where inlined). Per full group,
  * each row's 16 steps are summed exactly in int32 (a lane: one block's 32 products, at most
  * 32 * 128 * 32768 < 2^31) and scaled as kernels.h says; the tail blocks' dot products are gathered
@@ -102,6 +129,7 @@ INLINE void int_tile(const job_t *j, const int fmt, const int R, int r0, int n) 
     const int16_t *qx = j->qx + (size_t)r0 * nb * 32;
     const float *dx = j->dx + (size_t)r0 * nb, *xs = j->xsum + (size_t)r0 * nb;
     const size_t column = fmt == FMT_Q4 ? (size_t)n * nb * 16 : (size_t)n * nb * 32;
+    ss_prefetch_column(j, n);
     for (int g = 0; g < groups; g++) {
         __m256i isum[MAX_R];
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
@@ -123,22 +151,16 @@ INLINE void int_tile(const job_t *j, const int fmt, const int R, int r0, int n) 
     }
     if (tail) {
         const int b0 = 8 * groups;
-        __m256i dots[MAX_R][8];
-        for (int r = 0; r < R; r++)
-            for (int t = tail; t < 8; t++) dots[r][t] = _mm256_setzero_si256();
-        for (int t = 0; t < tail; t++) {
-            __m256i w[2];
-            widen(j, fmt, fmt == FMT_Q4 ? column + (b0 + t) * 16 : column + (b0 + t) * 32, 16, w);
-            for (int r = 0; r < R; r++) {
-                const int16_t *x = qx + ((size_t)r * nb + b0 + t) * 32;
-                const __m256i lo = DPWSSD(_mm256_setzero_si256(), w[0], _mm256_loadu_si256((const __m256i *)x));
-                dots[r][t] = DPWSSD(lo, w[1], _mm256_loadu_si256((const __m256i *)(x + 16)));
-            }
-        }
+        __m256i dots[MAX_R];
+        for (int r = 0; r < R; r++) dots[r] = _mm256_setzero_si256();
+        int first = b0;
+        if (tail & 4) tail_group(j, fmt, R, 4, column, first, first - b0, qx, dots), first += 4;
+        if (tail & 2) tail_group(j, fmt, R, 2, column, first, first - b0, qx, dots), first += 2;
+        if (tail & 1) tail_group(j, fmt, R, 1, column, first, first - b0, qx, dots);
         const __m256 dt = load_first(dn + b0, tail);
         for (int r = 0; r < R; r++) {
             const size_t at = (size_t)r * nb + b0;
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8(dots[r])), _mm256_mul_ps(dt, load_first(dx + at, tail)), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(dt, load_first(dx + at, tail)), acc[r]);
             if (fmt == FMT_Q4) acc[r] = _mm256_fmadd_ps(load_first(mn + b0, tail), load_first(xs + at, tail), acc[r]);
         }
     }

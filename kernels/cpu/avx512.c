@@ -30,7 +30,8 @@ static inline __attribute__((always_inline)) __m256i dp256(__m256i acc, __m256i 
 #define DP256(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
 #endif
 #define INLINE static inline __attribute__((always_inline))
-#define MAX_R 8 /* rows per tile */
+#define MAX_R 4 /* rows per tile */
+#define MAX_C 4 /* columns per tile */
 
 void ss_avx2_attend(const attn_t *a, int t, int h, int *keys, float *buf);
 
@@ -41,14 +42,6 @@ INLINE float r8(__m256 s) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-/* The exact int32 sums of each of 8 vectors, as the 8 lanes of one */
-INLINE __m256i isum8(const __m256i v[8]) {
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-}
-
-/* The two 8-lane halves added: lane l + lane l + 8 */
 INLINE __m256 halves(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
@@ -63,85 +56,133 @@ static void quantise(const float *v, int16_t *q, float *scale, float *sum) {
     *scale = s;
 }
 
-/* One tail block's 32 weights as int16: values 0..15 in w[0], 16..31 in w[1]. */
-INLINE void tail_block(const int fmt, const uint8_t *at, __m256i w[2]) {
+/* A tail group of g (4, 2 or 1) blocks at block `first`, its lanes from `off` on: each row's exact block
+ * dot products added into lanes off .. off + g - 1 of dots[r]. */
+INLINE void tail_group(const job_t *j, const int fmt, const int R, const int g, const uint8_t *column, int first,
+                       int off, const int16_t *qx, __m256i dots[]) {
+    const int nb = j->K / 32;
+    __m512i w[4]; /* the group's 32 g values as int16, in its order */
     if (fmt == FMT_Q4) {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)at);
-        w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0F)));
-        w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
-        return;
+        const uint8_t *at = column + first * 16; /* low nibbles: values [0, 16 g), high: [16 g, 32 g) */
+        if (g == 4) {
+            const __m512i raw = _mm512_loadu_si512(at), lo = _mm512_and_si512(raw, _mm512_set1_epi8(0x0F));
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F));
+            w[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)), w[1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
+            w[2] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)), w[3] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+        } else if (g == 2) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)at);
+            w[0] = _mm512_cvtepu8_epi16(_mm256_and_si256(raw, _mm256_set1_epi8(0x0F)));
+            w[1] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F)));
+        } else {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)at);
+            const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0F)));
+            const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
+            w[0] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        }
+    } else {
+        for (int i = 0; i < g; i++) w[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(column + first * 32 + 32 * i)));
     }
-    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)at));
-    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + 16)));
+    const __mmask8 lanes = (__mmask8)(((1u << g) - 1) << off);
+    for (int r = 0; r < R; r++) {
+        const int16_t *x = qx + ((size_t)r * nb + first) * 32;
+        __m512i sum = _mm512_setzero_si512();
+        for (int i = 0; i < g; i++) sum = DP512(sum, w[i], _mm512_loadu_si512(x + 32 * i));
+        /* lane l holds a part of block l % g: fold the halves until g lanes are left */
+        const __m256i f = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(f), _mm256_extracti128_si256(f, 1));
+        if (g <= 2) h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+        if (g == 1) h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 1));
+        dots[r] = _mm256_add_epi32(dots[r], _mm256_maskz_expand_epi32(lanes, _mm256_castsi128_si256(h)));
+    }
 }
 
 /* The first `n` of 8 floats at p, the rest 0 */
 INLINE __m256 load_first(const float *p, int n) { return _mm256_maskz_loadu_ps((__mmask8)((1u << n) - 1), p); }
 
-/* Integer formats: rows r0 .. r0 + R - 1 of column n (R and fmt constant where inlined). */
-INLINE void int_tile(const job_t *j, const int fmt, const int R, int r0, int n) {
-    const int nb = j->K / 32, groups = nb / 8, tail = nb - 8 * groups;
-    __m256 acc[MAX_R];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const float *dn = j->d + (size_t)n * nb, *mn = fmt == FMT_Q4 ? j->m + (size_t)n * nb : 0;
+/* Integer formats: rows r0 .. r0 + R - 1 of columns n .. n + C - 1 (R, C and fmt constant where inlined).
+ * Each activation vector is loaded once for the C columns: the loads, not the multiply-adds, are what
+ * a tile of one column runs out of. Per full group, a (row, column)'s 16 steps are summed exactly in
+ * int32 and scaled as kernels.h says; the tail groups' dot products are gathered into one vector, a block
+ * a lane, and scaled the same way. */
+INLINE void int_tile(const job_t *j, const int fmt, const int R, const int C, int r0, int n) {
+    const int nb = j->K / 32, groups = nb / 8, tail = nb - 8 * groups, bytes = fmt == FMT_Q4 ? nb * 16 : nb * 32;
+    __m256 acc[MAX_R][MAX_C];
+    const uint8_t *column[MAX_C];
+    const float *dn[MAX_C], *mn[MAX_C];
+    for (int c = 0; c < C; c++) {
+        for (int r = 0; r < R; r++) acc[r][c] = _mm256_setzero_ps();
+        column[c] = (const uint8_t *)j->w + (size_t)(n + c) * bytes;
+        dn[c] = j->d + (size_t)(n + c) * nb, mn[c] = fmt == FMT_Q4 ? j->m + (size_t)(n + c) * nb : 0;
+        ss_prefetch_column(j, n + c);
+    }
     const int16_t *qx = j->qx + (size_t)r0 * nb * 32;
     const float *dx = j->dx + (size_t)r0 * nb, *xs = j->xsum + (size_t)r0 * nb;
-    const uint8_t *column = (const uint8_t *)j->w + (fmt == FMT_Q4 ? (size_t)n * nb * 16 : (size_t)n * nb * 32);
     for (int g = 0; g < groups; g++) {
-        __m512i isum[MAX_R];
-        for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
+        __m512i isum[MAX_R][MAX_C];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) isum[r][c] = _mm512_setzero_si512();
         if (fmt == FMT_Q4) {
             for (int s = 0; s < 8; s += 2) { /* 32 bytes: steps s, s + 1 low, s + 8, s + 9 high */
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(column + g * 128 + s * 16));
-                const __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(raw, _mm256_set1_epi8(0x0F)));
-                const __m512i hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F)));
+                __m512i lo[MAX_C], hi[MAX_C];
+                for (int c = 0; c < C; c++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(column[c] + g * 128 + s * 16));
+                    lo[c] = _mm512_cvtepu8_epi16(_mm256_and_si256(raw, _mm256_set1_epi8(0x0F)));
+                    hi[c] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F)));
+                }
                 for (int r = 0; r < R; r++) {
                     const int16_t *x = qx + ((size_t)r * nb + 8 * g) * 32;
-                    isum[r] = DP512(isum[r], lo, _mm512_loadu_si512(x + 16 * s));
-                    isum[r] = DP512(isum[r], hi, _mm512_loadu_si512(x + 16 * (s + 8)));
+                    const __m512i xl = _mm512_loadu_si512(x + 16 * s), xh = _mm512_loadu_si512(x + 16 * (s + 8));
+                    for (int c = 0; c < C; c++) {
+                        isum[r][c] = DP512(isum[r][c], lo[c], xl);
+                        isum[r][c] = DP512(isum[r][c], hi[c], xh);
+                    }
                 }
             }
         } else {
             for (int s = 0; s < 16; s += 2) { /* 32 int8: steps s, s + 1 */
-                const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(column + g * 256 + s * 16)));
-                for (int r = 0; r < R; r++)
-                    isum[r] = DP512(isum[r], w, _mm512_loadu_si512(qx + ((size_t)r * nb + 8 * g) * 32 + 16 * s));
+                __m512i w[MAX_C];
+                for (int c = 0; c < C; c++)
+                    w[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(column[c] + g * 256 + s * 16)));
+                for (int r = 0; r < R; r++) {
+                    const __m512i xv = _mm512_loadu_si512(qx + ((size_t)r * nb + 8 * g) * 32 + 16 * s);
+                    for (int c = 0; c < C; c++) isum[r][c] = DP512(isum[r][c], w[c], xv);
+                }
             }
         }
-        const __m256 d8 = _mm256_loadu_ps(dn + 8 * g);
-        for (int r = 0; r < R; r++) {
-            const size_t at = (size_t)r * nb + 8 * g;
-            const __m256i dot = _mm256_add_epi32(_mm512_castsi512_si256(isum[r]), _mm512_extracti64x4_epi64(isum[r], 1));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d8, _mm256_loadu_ps(dx + at)), acc[r]);
-            if (fmt == FMT_Q4) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mn + 8 * g), _mm256_loadu_ps(xs + at), acc[r]);
+        for (int c = 0; c < C; c++) {
+            const __m256 d8 = _mm256_loadu_ps(dn[c] + 8 * g);
+            for (int r = 0; r < R; r++) {
+                const size_t at = (size_t)r * nb + 8 * g;
+                const __m512i sum = isum[r][c];
+                const __m256i dot = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d8, _mm256_loadu_ps(dx + at)), acc[r][c]);
+                if (fmt == FMT_Q4) acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(mn[c] + 8 * g), _mm256_loadu_ps(xs + at), acc[r][c]);
+            }
         }
     }
     if (tail) {
         const int b0 = 8 * groups;
-        __m256i dots[MAX_R][8];
-        for (int r = 0; r < R; r++)
-            for (int t = tail; t < 8; t++) dots[r][t] = _mm256_setzero_si256();
-        for (int t = 0; t < tail; t++) {
-            __m256i w[2];
-            tail_block(fmt, column + (fmt == FMT_Q4 ? (b0 + t) * 16 : (b0 + t) * 32), w);
+        for (int c = 0; c < C; c++) {
+            __m256i dots[MAX_R];
+            for (int r = 0; r < R; r++) dots[r] = _mm256_setzero_si256();
+            int first = b0;
+            if (tail & 4) tail_group(j, fmt, R, 4, column[c], first, first - b0, qx, dots), first += 4;
+            if (tail & 2) tail_group(j, fmt, R, 2, column[c], first, first - b0, qx, dots), first += 2;
+            if (tail & 1) tail_group(j, fmt, R, 1, column[c], first, first - b0, qx, dots);
+            const __m256 dt = load_first(dn[c] + b0, tail);
             for (int r = 0; r < R; r++) {
-                const int16_t *x = qx + ((size_t)r * nb + b0 + t) * 32;
-                const __m256i lo = DP256(_mm256_setzero_si256(), w[0], _mm256_loadu_si256((const __m256i *)x));
-                dots[r][t] = DP256(lo, w[1], _mm256_loadu_si256((const __m256i *)(x + 16)));
+                const size_t at = (size_t)r * nb + b0;
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(dt, load_first(dx + at, tail)), acc[r][c]);
+                if (fmt == FMT_Q4) acc[r][c] = _mm256_fmadd_ps(load_first(mn[c] + b0, tail), load_first(xs + at, tail), acc[r][c]);
             }
         }
-        const __m256 dt = load_first(dn + b0, tail);
-        for (int r = 0; r < R; r++) {
-            const size_t at = (size_t)r * nb + b0;
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8(dots[r])), _mm256_mul_ps(dt, load_first(dx + at, tail)), acc[r]);
-            if (fmt == FMT_Q4) acc[r] = _mm256_fmadd_ps(load_first(mn + b0, tail), load_first(xs + at, tail), acc[r]);
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float s = r8(acc[r][c]);
+            if (j->bias) s += j->bias[n + c];
+            j->out[(size_t)(r0 + r) * j->N + n + c] = s;
         }
-    }
-    for (int r = 0; r < R; r++) {
-        float s = r8(acc[r]);
-        if (j->bias) s += j->bias[n];
-        j->out[(size_t)(r0 + r) * j->N + n] = s;
-    }
 }
 
 /* The 32 weights of block b of column n as 2 vectors of 16 floats. */
@@ -178,36 +219,36 @@ INLINE void float_tile(const job_t *j, const int fmt, const int R, int r0, int n
     }
 }
 
-#define TILE_ROWS(fmt) ((fmt) == FMT_Q4 || (fmt) == FMT_Q8 ? 8 : 4)
+/* An integer tile's columns for R rows: as many as the registers hold (R x C accumulators). */
+#define INT_COLUMNS(R) ((R) <= 2 ? 4 : 2)
 
-INLINE void tile(const job_t *j, const int fmt, const int R, int r0, int n) {
-    if (fmt == FMT_Q4 || fmt == FMT_Q8) int_tile(j, fmt, R, r0, n);
-    else float_tile(j, fmt, R, r0, n);
+/* Rows r0 .. r0 + R - 1 of columns c0 .. c1 - 1 in tiles of INT_COLUMNS(R) columns, the rest one by one. */
+INLINE void int_rows(const job_t *j, const int fmt, const int R, int r0, int c0, int c1) {
+    const int C = INT_COLUMNS(R);
+    int n = c0;
+    for (; n + C <= c1; n += C) int_tile(j, fmt, R, C, r0, n);
+    for (; n < c1; n++) int_tile(j, fmt, R, 1, r0, n);
 }
 
-/* The last M % R rows of column n, R - 1 at most. */
-INLINE void rest_tile(const job_t *j, const int fmt, int rest, int r0, int n) {
-    switch (rest) {
-    case 7: tile(j, fmt, 7, r0, n); break;
-    case 6: tile(j, fmt, 6, r0, n); break;
-    case 5: tile(j, fmt, 5, r0, n); break;
-    case 4: tile(j, fmt, 4, r0, n); break;
-    case 3: tile(j, fmt, 3, r0, n); break;
-    case 2: tile(j, fmt, 2, r0, n); break;
-    case 1: tile(j, fmt, 1, r0, n); break;
-    default: break;
-    }
+/* Float formats: 4 rows a tile, one column. */
+INLINE void float_rows(const job_t *j, const int fmt, const int R, int r0, int c0, int c1) {
+    for (int n = c0; n < c1; n++) float_tile(j, fmt, R, r0, n);
 }
 
-/* Columns in chunks whose weights stay in cache while every tile of rows passes over them. */
+INLINE void rows(const job_t *j, const int fmt, const int R, int r0, int c0, int c1) {
+    if (fmt == FMT_Q4 || fmt == FMT_Q8) int_rows(j, fmt, R, r0, c0, c1);
+    else float_rows(j, fmt, R, r0, c0, c1);
+}
+
+/* Columns in chunks whose weights stay in cache while every tile of 4 rows passes over them. */
 INLINE void columns_fmt(const job_t *j, const int fmt, int n0, int n1) {
-    const int R = TILE_ROWS(fmt), rest = j->M % R, full = j->M - rest;
+    const int rest = j->M % 4, full = j->M - rest;
     for (int c0 = n0; c0 < n1; c0 += 16) {
         const int c1 = c0 + 16 < n1 ? c0 + 16 : n1;
-        for (int r0 = 0; r0 < full; r0 += R)
-            for (int n = c0; n < c1; n++) tile(j, fmt, R, r0, n);
-        if (rest)
-            for (int n = c0; n < c1; n++) rest_tile(j, fmt, rest, full, n);
+        for (int r0 = 0; r0 < full; r0 += 4) rows(j, fmt, 4, r0, c0, c1);
+        if (rest == 3) rows(j, fmt, 3, full, c0, c1);
+        else if (rest == 2) rows(j, fmt, 2, full, c0, c1);
+        else if (rest == 1) rows(j, fmt, 1, full, c0, c1);
     }
 }
 

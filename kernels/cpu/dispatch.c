@@ -80,11 +80,11 @@ static const ss_path_t *path(void) {
 }
 
 /* Each row's int16 blocks, their scales and (Q4) exact block sums, into one buffer per thread; the blocks
- * of each full group of 8 in kernel order (kernels.h), as the weights are. */
+ * in kernel order (kernels.h), as the weights are. */
 static int prepare_rows(job_t *j) {
     static _Thread_local void *buf;
     static _Thread_local size_t cap;
-    const int nb = j->K / 32, full = nb / 8 * 8;
+    const int nb = j->K / 32;
     const size_t blocks = (size_t)j->M * nb, need = blocks * (32 * sizeof(int16_t) + 2 * sizeof(float));
     if (need > cap) {
         free(buf);
@@ -97,21 +97,23 @@ static int prepare_rows(job_t *j) {
     void (*quantise)(const float *, int16_t *, float *, float *) = path()->quantise;
     for (size_t i = 0; i < blocks; i++) {
         const int b = (int)(i % nb);
-        if (b < full) { /* kernel order: pair s of block b goes to lanes 2 (b % 8), +1 of step s */
-            int16_t block[32], *group = qx + (i - b % 8) * 32;
-            quantise(j->x + i * 32, block, dx + i, xsum + i);
-            for (int s = 0; s < 16; s++) memcpy(group + s * 16 + 2 * (b % 8), block + 2 * s, 2 * sizeof(int16_t));
-        } else {
-            quantise(j->x + i * 32, qx + i * 32, dx + i, xsum + i);
-        }
+        int first, size;
+        ss_group(nb, b, &first, &size);
+        int16_t block[32], *group = qx + (i - b + first) * 32;
+        quantise(j->x + i * 32, size == 1 ? group : block, dx + i, xsum + i);
+        if (size > 1) /* pair s of the block goes to lanes 2 (b - first), +1 of step s */
+            for (int s = 0; s < 16; s++) memcpy(group + ss_group_index(first, size, b, 2 * s), block + 2 * s, 2 * sizeof(int16_t));
     }
     j->qx = qx, j->dx = dx, j->xsum = xsum;
     return 0;
 }
 
-/* Columns per unit of a linear: runs of 16, more for wide outputs (~128 units a call at most). */
+/* Columns per unit of a linear: runs of 16, about UNITS_A_THREAD units a thread. Few units keep the
+ * threads from contending for the claim counter (each claim moves its cache line between the cores), enough
+ * of them let the others take over the share of a thread the OS preempts. */
+#define UNITS_A_THREAD 6
 static int column_grain(int N) {
-    const int runs = (N + 16 * 128 - 1) / (16 * 128);
+    const int runs = N / (16 * UNITS_A_THREAD * ss_threads());
     return 16 * (runs > 1 ? runs : 1);
 }
 
@@ -147,7 +149,7 @@ int ss_attention(int T, int H, int Hkv, int D, int S, int s_max, float scale, co
     char *scratch = malloc((size_t)parts * S * (sizeof(float) + sizeof(int)) + 1);
     if (!scratch) return -1;
     attn_t a = {T, H, Hkv, D, S, s_max, scale, q, k, v, mask, out, scratch};
-    ss_run(attention_unit, &a, T * H, (size_t)T * H * S < 4096);
+    ss_run(attention_unit, &a, T * H, (size_t)T * H * S * D < 32768); /* a few microseconds: alone */
     free(scratch);
     return 0;
 }

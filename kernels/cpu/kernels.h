@@ -42,13 +42,12 @@ enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_F16 = 2, FMT_BF16 = 3, FMT_F32 = 4 };
  *   Q8  qs [N][nb * 32] int8, d [N][nb] fp32: w = d * q  (Q8_0)
  *   F16 w [N][K] IEEE half;  BF16 w [N][K] bfloat16;  F32 w [N][K] float
  * The integer formats' values are in "kernel order" (engine/cpu_backends.py packs them): each row's blocks
- * go in groups of 8, and a group holds 16 steps, step s being values 2s and 2s + 1 of each of its 8 blocks
- * in turn (16 values), so that one multiply-add of a step with the activations' step leaves one block's
- * partial dot product per lane. Q8 stores the 16 steps as 16 int8 each; Q4 stores steps s and s + 8 in one
- * 16 bytes (low, high nibbles). The last nb % 8 blocks are stored as GGUF stores a block: 32 int8 (Q8), or
- * 16 bytes whose byte j holds value j in its low nibble and j + 16 in its high one (Q4). The activations'
- * int16 blocks (qx) are laid out the same way: a full group's 256 values step by step, a tail block's 32
- * in order. */
+ * go in groups, of 8 and then the nb % 8 last ones in groups of 4, 2 and 1 (its binary digits, largest
+ * first). A group of g blocks holds 16 steps, step s being values 2s and 2s + 1 of each of its g blocks in
+ * turn (2g values), so that one multiply-add of the weights' steps with the activations' leaves partial
+ * dot products of block l % g in lane l. Q8 stores a step as 2g int8; Q4 stores steps s and s + 8 in one
+ * 2g bytes (low, high nibbles). A group of one block is GGUF's own layout. The activations' int16 blocks
+ * (qx) are laid out the same way, step by step. */
 typedef struct {
     int fmt, M, K, N;
     const float *x;      /* [M][K] fp32: the float formats */
@@ -105,6 +104,44 @@ int ss_attention(int T, int H, int Hkv, int D, int S, int s_max, float scale, co
 
 /* The portable path's attention: the vector paths' fallback for head sizes that are not multiples of 8. */
 void ss_portable_attend(const attn_t *a, int t, int h, int *keys, float *buf);
+
+/* The group (kernel order) holding block b of a row of nb: its first block and its number of blocks. */
+static inline void ss_group(int nb, int b, int *first, int *size) {
+    const int full = nb / 8 * 8;
+    if (b < full) {
+        *first = b / 8 * 8, *size = 8;
+        return;
+    }
+    int at = full;
+    for (int g = 4; g >= 1; g /= 2)
+        if ((nb % 8) & g) {
+            if (b < at + g) {
+                *first = at, *size = g;
+                return;
+            }
+            at += g;
+        }
+}
+
+/* Where value k of block b sits among the group's int16 (activations) or its Q8 bytes, from the group's
+ * start; Q4 keeps steps 8..15 in the high nibbles of steps 0..7's bytes. */
+static inline int ss_group_index(int first, int size, int b, int k) {
+    return (k / 2) * 2 * size + 2 * (b - first) + k % 2;
+}
+
+/* The weights and scales of the column SS_PREFETCH columns on, asked of memory while this one is computed:
+ * a linear's columns are short streams, which the hardware's prefetchers join late. */
+#define SS_PREFETCH 16
+static inline void ss_prefetch_column(const job_t *j, int n) {
+    if (n + SS_PREFETCH >= j->N) return;
+    const int nb = j->K / 32, bytes = j->fmt == FMT_Q4 ? nb * 16 : nb * 32;
+    const char *w = (const char *)j->w + (size_t)(n + SS_PREFETCH) * bytes;
+    for (int at = 0; at < bytes; at += 64) __builtin_prefetch(w + at);
+    for (int at = 0; at < nb * 4; at += 64) {
+        __builtin_prefetch((const char *)(j->d + (size_t)(n + SS_PREFETCH) * nb) + at);
+        if (j->fmt == FMT_Q4) __builtin_prefetch((const char *)(j->m + (size_t)(n + SS_PREFETCH) * nb) + at);
+    }
+}
 
 /* The allowed keys of row t, in order; returns their number. */
 static inline int ss_keys(const attn_t *a, int t, int *keys) {

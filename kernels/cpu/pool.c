@@ -20,24 +20,30 @@ static inline void spin_pause(void) {
 #define CLOSED 0xFFFFFFFFu
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
-static atomic_int generation, done_units, n_threads = 1, n_started = 1;
-static _Atomic uint64_t claim; /* generation << 32 | the next unclaimed unit (CLOSED while a job is set) */
+/* what every thread writes, each on a cache line of its own: sharing one with what they only read would
+ * move it between the cores at every claim */
+static _Alignas(64) _Atomic uint64_t claim; /* generation << 32 | the next unclaimed unit (CLOSED while a job is set) */
+static _Alignas(64) atomic_int done_units;
+static _Alignas(64) atomic_int generation, n_threads = 1, n_started = 1;
 static _Atomic(ss_task_fn) current_fn;
 static _Atomic(const void *) current_job;
 static atomic_int current_units;
 
+/* Claims and runs units until none is left; the units it ran are counted once, at the end. */
 static void drain(int part) {
+    int ran = 0;
     for (;;) {
         uint64_t c = atomic_load_explicit(&claim, memory_order_acquire);
         const ss_task_fn fn = atomic_load_explicit(&current_fn, memory_order_relaxed);
         const void *job = atomic_load_explicit(&current_job, memory_order_relaxed);
         const uint32_t unit = (uint32_t)c;
-        if (unit == CLOSED || unit >= (uint32_t)atomic_load_explicit(&current_units, memory_order_relaxed)) return;
+        if (unit == CLOSED || unit >= (uint32_t)atomic_load_explicit(&current_units, memory_order_relaxed)) break;
         if (!atomic_compare_exchange_weak_explicit(&claim, &c, c + 1, memory_order_acq_rel, memory_order_relaxed))
             continue; /* claimed by another thread, or a new job: read again */
         fn(job, (int)unit, part);
-        atomic_fetch_add_explicit(&done_units, 1, memory_order_release);
+        ran++;
     }
+    if (ran) atomic_fetch_add_explicit(&done_units, ran, memory_order_release);
 }
 
 static void *worker(void *arg) {

@@ -37,24 +37,20 @@ static inline float half_to_float(uint16_t h) {
 
 /* Value k of block b of column n, from the kernel order. */
 static inline int int_weight(const job_t *j, int n, int b, int k) {
-    const int nb = j->K / 32, g = b / 8;
-    if (j->fmt == FMT_Q8) {
-        const int8_t *q = (const int8_t *)j->w + (size_t)n * nb * 32;
-        return g < nb / 8 ? q[g * 256 + (k / 2) * 16 + 2 * (b % 8) + k % 2] : q[b * 32 + k];
-    }
-    const uint8_t *q = (const uint8_t *)j->w + (size_t)n * nb * 16;
-    if (g < nb / 8) {
-        const int s = k / 2;
-        return (q[g * 128 + (s % 8) * 16 + 2 * (b % 8) + k % 2] >> (s < 8 ? 0 : 4)) & 0x0F;
-    }
-    return (q[b * 16 + (k & 15)] >> (k < 16 ? 0 : 4)) & 0x0F;
+    const int nb = j->K / 32;
+    int first, size;
+    ss_group(nb, b, &first, &size);
+    if (j->fmt == FMT_Q8) return ((const int8_t *)j->w)[(size_t)n * nb * 32 + first * 32 + ss_group_index(first, size, b, k)];
+    const uint8_t byte = ((const uint8_t *)j->w)[(size_t)n * nb * 16 + first * 16 + ss_group_index(first, size, b, k % 16)];
+    return (k < 16 ? byte : byte >> 4) & 0x0F;
 }
 
 /* Activation k of block b of row r, from the kernel order. */
 static inline int int_activation(const job_t *j, int r, int b, int k) {
-    const int nb = j->K / 32, g = b / 8;
-    const int16_t *x = j->qx + (size_t)r * nb * 32;
-    return g < nb / 8 ? x[g * 256 + (k / 2) * 16 + 2 * (b % 8) + k % 2] : x[b * 32 + k];
+    const int nb = j->K / 32;
+    int first, size;
+    ss_group(nb, b, &first, &size);
+    return j->qx[(size_t)r * nb * 32 + first * 32 + ss_group_index(first, size, b, k)];
 }
 
 static inline float float_weight(const job_t *j, int n, int k) {
