@@ -2,6 +2,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "kernels.h"
 
@@ -79,13 +80,36 @@ int ss_set_threads(int n) {
     return n;
 }
 
-/* Runs fn over units 0 .. units - 1 on the pool's threads (the caller is part 0), or alone when small.
- * Not reentrant: one caller at a time (a rank's one compute thread). */
+/* Under load. A thread that the OS preempts while it holds a unit makes the caller wait for that unit,
+ * however small the units are: with one busy process on a 2-core machine, two threads run slower than
+ * one. So the caller times its own share of each job and its wait for the others; when the wait exceeded
+ * the share in more than LAG_SHARE of the recent jobs, the caller runs the next SOLO_JOBS jobs alone
+ * (the other threads go to sleep and leave their cores to whoever wants them), then tries them again.
+ * The results do not depend on the number of threads, only the time does. */
+#define LAG_SHARE 0.25
+#define SOLO_JOBS 4096 /* ~30 decode steps of a small model: 5 jobs a layer */
+static double lag_rate; /* moving average over the recent jobs of "the wait exceeded the share" */
+static int solo_left, solo_spells;
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* How often the pool has run alone since it started, because its threads lagged. */
+int ss_solo_spells(void) { return solo_spells; }
+
+/* Runs fn over units 0 .. units - 1 on the pool's threads (the caller is part 0), or alone when small or
+ * when the machine is loaded (above). Not reentrant: one caller at a time (a rank's one compute thread). */
 void ss_run(ss_task_fn fn, const void *job, int units, int small) {
-    if (atomic_load(&n_threads) == 1 || small || units <= 1) {
+    const int alone = atomic_load(&n_threads) == 1 || small || units <= 1;
+    if (alone || solo_left > 0) {
+        if (!alone) solo_left--;
         for (int u = 0; u < units; u++) fn(job, u, 0);
         return;
     }
+    const double t0 = seconds();
     const uint64_t g = (atomic_load(&claim) >> 32) + 1;
     atomic_store(&claim, g << 32 | CLOSED);
     atomic_store_explicit(&current_fn, fn, memory_order_relaxed);
@@ -98,8 +122,15 @@ void ss_run(ss_task_fn fn, const void *job, int units, int small) {
     pthread_cond_broadcast(&wake);
     pthread_mutex_unlock(&mu);
     drain(0);
+    const double t1 = seconds();
     while (atomic_load_explicit(&done_units, memory_order_acquire) < units) {
         spin_pause();
+    }
+    const double waited = seconds() - t1;
+    lag_rate = 0.9 * lag_rate + (waited > t1 - t0 + 20e-6 ? 0.1 : 0.0);
+    if (lag_rate > LAG_SHARE) {
+        solo_left = SOLO_JOBS, lag_rate = 0.0;
+        solo_spells++;
     }
 }
 
