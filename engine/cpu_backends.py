@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from swiftspec.engine.loader import q4_k_parts
+from swiftspec.engine.model import LayerInputs, Layers, TransformerBlock
 from swiftspec.engine.timing import CleanTimer
 from swiftspec.kernels import cpu_linear
 from swiftspec.kernels.cpu_linear import Format, KernelsUnavailable
@@ -291,6 +292,30 @@ class CpuBlock(nn.Module):
         return inp.all_reduce(out), residual
 
 
+class CpuLayers(Layers):
+    """The decoder layers as CpuBlocks. Without tensor parallelism (``whole``) the stack is one call into
+    the kernels, where Python would spend two calls with their arguments and three allocations a layer;
+    with it, the blocks run in turn with the all-reduces between their halves."""
+
+    def __init__(self, dll: ctypes.CDLL, blocks: list[CpuBlock], whole: bool):
+        super().__init__(blocks)
+        self.dll, self.whole = dll, whole
+        self.specs = (_Block * len(blocks))(*(b.spec for b in blocks))
+
+    def forward(self, x: Tensor, inp, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+        if not self.whole:
+            return super().forward(x, inp, k_cache, v_cache)
+        x = x.contiguous().clone()  # the stack's output, in place of the embeddings
+        residual, tmp = torch.empty_like(x), torch.empty_like(x)
+        mask = inp.mask
+        if self.dll.ss_layers(self.specs, len(self), x.shape[0], x.data_ptr(), residual.data_ptr(), inp.cos.data_ptr(),
+                              inp.sin.data_ptr(), inp.slots.data_ptr(), mask.data_ptr(), mask.shape[1],
+                              k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.shape[2],
+                              tmp.data_ptr()) != 0:
+            raise MemoryError("cpu_linear: out of memory in a decoder block")
+        return x, residual
+
+
 def _linears(model: nn.Module):
     """(parent module, attribute name, linear) for every nn.Linear of the model, the lm_head last."""
     for mod in list(model.modules()):
@@ -334,7 +359,7 @@ def apply(model: nn.Module, backend: str, blocks: dict[str, Blocks] | None = Non
             packed = PackedLinear(dll, lin.weight, FLOAT_FORMATS[backend], lin.bias)
         setattr(mod, name, packed)
     model.attention_ops = CpuAttention(dll)
-    model.layers = nn.ModuleList(CpuBlock(dll, layer) for layer in model.layers)
+    model.layers = CpuLayers(dll, [CpuBlock(dll, layer) for layer in model.layers], whole=model.tp_world == 1)
     return label(backend, blocks, dll)
 
 
@@ -366,8 +391,6 @@ def synthetic_costs(args, backend: str, rows: int, layers: int | None = None, ti
     the lm_head of the model's shapes with random weights (what a step costs differs between backends in
     the weights' format only), scaled to the model's layers: the measurement behind --dtype auto.
     ``timer``: one whose ``clean`` the caller reads."""
-    from swiftspec.engine.model import LayerInputs, TransformerBlock
-
     timer = timer or CleanTimer()
 
     g = torch.Generator().manual_seed(0)

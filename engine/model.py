@@ -257,6 +257,17 @@ class TransformerBlock(nn.Module):
         return inp.all_reduce(self.feed_forward(h)), residual
 
 
+class Layers(nn.ModuleList):
+    """The decoder layers, run in turn over the static cache's per-layer slices. A backend that runs the
+    whole stack in one call replaces it (engine/cpu_backends.py)."""
+
+    def forward(self, x: Tensor, inp: LayerInputs, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+        residual = None
+        for layer, k, v in zip(self, k_cache.unbind(0), v_cache.unbind(0), strict=True):
+            x, residual = layer(x, residual, inp, k, v)
+        return x, residual
+
+
 class Transformer(nn.Module):
     """The decoder plus its static KV cache ([layers, kv_heads, slots, head_dim] for K and for V).
 
@@ -273,7 +284,7 @@ class Transformer(nn.Module):
         lay = shard_layout(args, tp_world)
         # _weight skips the random init: on the meta device that init alone imports ~1.5 s of torch._refs.
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim))
-        self.layers = nn.ModuleList(TransformerBlock(args, lay.n_heads, lay.n_kv_heads, lay.intermediate)
+        self.layers = Layers(TransformerBlock(args, lay.n_heads, lay.n_kv_heads, lay.intermediate)
                                     for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -389,9 +400,7 @@ class Transformer(nn.Module):
         attn_mask = ops.prepare_mask(mask, attn.n_heads // attn.n_kv_heads, dtype, invariant)
         inp = LayerInputs(rope, cos, sin, slots, attn_mask, ops.tree_attention, self._all_reduce)
         x = self.tok_embeddings(tokens)
-        residual = None
-        for layer, k_cache, v_cache in zip(self.layers, self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True):
-            x, residual = layer(x, residual, inp, k_cache, v_cache)
+        x, residual = self.layers(x, inp, self.k_cache, self.v_cache)
         hidden, _ = self.norm(x, residual)
         rows = hidden if logits_rows is None else hidden[logits_rows]
         logits = self.output(rows).float()

@@ -156,6 +156,9 @@ def load(build_dir: Path) -> ctypes.CDLL:
     dll.ss_attention_block.restype = ctypes.c_int
     dll.ss_mlp_block.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
     dll.ss_mlp_block.restype = ctypes.c_int
+    dll.ss_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] \
+        + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    dll.ss_layers.restype = ctypes.c_int
     use_path(dll, fastest_path(dll, lib.with_suffix(".path.json")))
     return dll
 

@@ -55,7 +55,7 @@ def test_the_portable_path_and_a_vector_one_run_on_x86(dll):
 
 
 @pytest.mark.parametrize("fmt", list(Format))
-@pytest.mark.parametrize("blocks", [1, 7, 8, 9, 18, 19, 48])  # alone, one group, a group and tails, ...
+@pytest.mark.parametrize("blocks", [1, 7, 8, 9, 15, 18, 31, 48])  # tails of every group size, full groups, both
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_path_computes_the_portable_bits(dll, fmt, blocks, threads):
     g = torch.Generator().manual_seed(blocks * 10 + int(fmt))

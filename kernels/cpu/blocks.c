@@ -99,3 +99,18 @@ int ss_mlp_block(const block_t *b, int T, const float *x, float *residual, float
     free(h);
     return rc;
 }
+
+/* Every layer of a model without tensor parallelism, in turn, in one call: x [T][dim] holds the
+ * embeddings on entry and the last layer's output on return, residual the stream it adds to (the final
+ * norm is the caller's); layer l's caches start l * layer_stride floats on; tmp [T][dim]. */
+int ss_layers(const block_t *blocks, int n, int T, float *x, float *residual, const float *cos, const float *sin,
+              const int64_t *slots, const uint8_t *mask, int S, float *k_cache, float *v_cache, int64_t layer_stride,
+              int s_max, float *tmp) {
+    for (int l = 0; l < n; l++) {
+        int rc = ss_attention_block(blocks + l, T, x, residual, l == 0, cos, sin, slots, mask, S,
+                                    k_cache + l * layer_stride, v_cache + l * layer_stride, s_max, tmp);
+        if (rc == 0) rc = ss_mlp_block(blocks + l, T, tmp, residual, x);
+        if (rc != 0) return rc;
+    }
+    return 0;
+}
