@@ -68,6 +68,19 @@ def test_tree_rows_equal_one_token_steps(backend, tree, gguf_dir):
         assert torch.equal(rows, steps), (backend, tree, n)
 
 
+@pytest.mark.parametrize("backend", ["gguf", "float32"])
+def test_the_stack_in_one_call_computes_the_blocks_in_turn(backend, gguf_dir):
+    """Without TP the layers run as one call into the kernels; with TP as two a layer around the all-reduces:
+    the same bits, and the same cache contents."""
+    model = model_for(backend, gguf_dir)
+    assert isinstance(model.layers, cpu_backends.CpuLayers) and model.layers.whole
+    rows, _ = tree_and_steps(model, TREES["branches"])
+    k_cache = model.k_cache.clone()
+    model.layers.whole = False
+    in_turn, _ = tree_and_steps(model, TREES["branches"])
+    assert torch.equal(rows, in_turn) and torch.equal(model.k_cache, k_cache)
+
+
 def test_the_gguf_backend_runs_the_files_own_blocks(gguf_dir):
     model = model_for("gguf", gguf_dir)
     fmts = {name: m.fmt for name, m in model.named_modules() if isinstance(m, PackedLinear)}

@@ -30,8 +30,8 @@ static _Atomic(ss_task_fn) current_fn;
 static _Atomic(const void *) current_job;
 static atomic_int current_units;
 
-/* Claims and runs units until none is left; the units it ran are counted once, at the end. */
-static void drain(int part) {
+/* Claims and runs units until none is left; the units it ran are counted once, at the end, and returned. */
+static int drain(int part) {
     int ran = 0;
     for (;;) {
         uint64_t c = atomic_load_explicit(&claim, memory_order_acquire);
@@ -45,6 +45,7 @@ static void drain(int part) {
         ran++;
     }
     if (ran) atomic_fetch_add_explicit(&done_units, ran, memory_order_release);
+    return ran;
 }
 
 static void *worker(void *arg) {
@@ -80,14 +81,16 @@ int ss_set_threads(int n) {
     return n;
 }
 
-/* Under load. A thread that the OS preempts while it holds a unit makes the caller wait for that unit,
- * however small the units are: with one busy process on a 2-core machine, two threads run slower than
- * one. So the caller times its own share of each job and its wait for the others; when the wait exceeded
- * the share in more than LAG_SHARE of the recent jobs, the caller runs the next SOLO_JOBS jobs alone
- * (the other threads go to sleep and leave their cores to whoever wants them), then tries them again.
- * The results do not depend on the number of threads, only the time does. */
-#define LAG_SHARE 0.25
-#define SOLO_JOBS 4096 /* ~30 decode steps of a small model: 5 jobs a layer */
+/* Under load. With one busy process on a 2-core machine two threads run slower than one: the OS
+ * preempts one of them, the caller then runs most units itself and still waits for the unit the other
+ * holds, and the threads take turns on the cores with the busy process. So the caller watches each job
+ * of enough units: it lagged when the caller ran more than 1.5 times its share of the units, or waited
+ * for the others longer than it worked. When more than LAG_SHARE of the recent jobs lagged, the caller
+ * runs the next SOLO_JOBS jobs alone (the other threads go to sleep and leave their cores to whoever
+ * wants them), then tries them again: a machine that is still loaded shows it within a few jobs. The
+ * results do not depend on the number of threads, only the time does. */
+#define LAG_SHARE 0.3
+#define SOLO_JOBS 1024 /* ~7 decode steps of a small model: 5 jobs a layer */
 static double lag_rate; /* moving average over the recent jobs of "the wait exceeded the share" */
 static int solo_left, solo_spells;
 
@@ -121,13 +124,15 @@ void ss_run(ss_task_fn fn, const void *job, int units, int small) {
     atomic_fetch_add_explicit(&generation, 1, memory_order_release);
     pthread_cond_broadcast(&wake);
     pthread_mutex_unlock(&mu);
-    drain(0);
+    const int mine = drain(0);
     const double t1 = seconds();
     while (atomic_load_explicit(&done_units, memory_order_acquire) < units) {
         spin_pause();
     }
     const double waited = seconds() - t1;
-    lag_rate = 0.9 * lag_rate + (waited > t1 - t0 + 20e-6 ? 0.1 : 0.0);
+    if (units < 4 * atomic_load(&n_threads)) return; /* too few to tell a lag from a late start */
+    const int lagged = 2 * mine * atomic_load(&n_threads) > 3 * units || waited > t1 - t0 + 20e-6;
+    lag_rate = 0.9 * lag_rate + (lagged ? 0.1 : 0.0);
     if (lag_rate > LAG_SHARE) {
         solo_left = SOLO_JOBS, lag_rate = 0.0;
         solo_spells++;
