@@ -100,10 +100,12 @@ INLINE void tail_group(const job_t *j, const int fmt, const int R, const int g, 
             w[2 * c + 1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
         }
     }
+    /* lanes off .. off + g - 1 take the group's g sums, the others a zero lane (the first group's are in place) */
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(off), lanes),
                                            _mm256_cmpgt_epi32(_mm256_set1_epi32(off + g), lanes));
-    const __m256i place = _mm256_blendv_epi8(_mm256_set1_epi32(7), _mm256_sub_epi32(lanes, _mm256_set1_epi32(off)), in);
+    const __m256i place = off ? _mm256_blendv_epi8(_mm256_set1_epi32(7), _mm256_sub_epi32(lanes, _mm256_set1_epi32(off)), in)
+                              : lanes;
     for (int r = 0; r < R; r++) {
         const int16_t *x = qx + ((size_t)r * nb + first) * 32;
         __m256i sum = _mm256_setzero_si256();
@@ -113,7 +115,7 @@ INLINE void tail_group(const job_t *j, const int fmt, const int R, const int g, 
         if (g <= 2) h = _mm_move_epi64(_mm_add_epi32(h, _mm_unpackhi_epi64(h, h)));
         if (g == 1) h = _mm_cvtsi32_si128(_mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 1))));
         const __m256i wide = _mm256_inserti128_si256(_mm256_setzero_si256(), h, 0); /* lanes 4..7 zero */
-        dots[r] = _mm256_add_epi32(dots[r], _mm256_permutevar8x32_epi32(wide, place));
+        dots[r] = _mm256_add_epi32(dots[r], off ? _mm256_permutevar8x32_epi32(wide, place) : wide);
     }
 }
 
