@@ -91,7 +91,7 @@ int ss_set_threads(int n) {
  * results do not depend on the number of threads, only the time does. */
 #define LAG_SHARE 0.3
 #define SOLO_JOBS 1024 /* ~7 decode steps of a small model: 5 jobs a layer */
-static double lag_rate; /* moving average over the recent jobs of "the wait exceeded the share" */
+static double lag_rate; /* the share of the recent jobs that lagged, a moving average */
 static int solo_left, solo_spells;
 
 static double seconds(void) {
