@@ -170,6 +170,15 @@ class Blocks:
                       self.kernel_order)
 
 
+def _narrow_scales(d: Tensor, m: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """A block weight's scales as float16 where that holds them exactly (a GGUF's Q4_0, Q4_1 and Q8_0
+    store them so), else as they are: the kernels then read 2 bytes of scale a block instead of 4."""
+    half = d.half()
+    if not torch.equal(half.float(), d) or (m is not None and not torch.equal(m.half().float(), m)):
+        return d, m
+    return half, None if m is None else m.half()
+
+
 class PackedLinear(nn.Module):
     """A CPU linear over packed weights through cpu_linear.c: rows independent of each other by
     construction. fp32 in and out."""
@@ -180,7 +189,7 @@ class PackedLinear(nn.Module):
         if isinstance(weight, Blocks):
             self.out_features, self.in_features = weight.shape
             weight = weight.in_kernel_order()
-            self.qs, self.d, self.m = weight.qs, weight.d, weight.m
+            self.qs, self.d, self.m = weight.qs, *_narrow_scales(weight.d, weight.m)
         else:
             self.out_features, self.in_features = weight.shape
             dtype = {Format.F32: torch.float32, Format.F16: torch.float16, Format.BF16: torch.bfloat16}[fmt]
@@ -193,7 +202,8 @@ class PackedLinear(nn.Module):
         target's lm_head, and for comparisons)."""
         if self.d is None:
             return self.qs.float()
-        return Blocks(self.fmt, "", self.qs, self.d, self.m, kernel_order=True).dequantize()
+        m = None if self.m is None else self.m.float()
+        return Blocks(self.fmt, "", self.qs, self.d.float(), m, kernel_order=True).dequantize()
 
     def forward(self, x: Tensor) -> Tensor:
         return cpu_linear.linear(self.dll, self.fmt, x, self.out_features, self.qs, self.d, self.m, self.bias)
@@ -249,7 +259,8 @@ class _Block(ctypes.Structure):
 
 def _lin(p: PackedLinear) -> _Lin:
     ptr = lambda t: None if t is None else t.data_ptr()
-    return _Lin(int(p.fmt), p.out_features, p.in_features, ptr(p.qs), ptr(p.d), ptr(p.m), ptr(p.bias))
+    return _Lin(cpu_linear.scales_format(p.fmt, p.d), p.out_features, p.in_features, ptr(p.qs), ptr(p.d), ptr(p.m),
+                ptr(p.bias))
 
 
 class CpuBlock(nn.Module):

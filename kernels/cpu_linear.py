@@ -61,6 +61,9 @@ class Format(IntEnum):
     F32 = 4
 
 
+HALF_SCALES = 8  # a flag of the format (cpu/kernels.h): the integer formats' d and m are float16
+
+
 class KernelsUnavailable(RuntimeError):
     """The C kernels cannot be built here; the message says why."""
 
@@ -250,16 +253,22 @@ def _ptr(t: Tensor | None) -> int | None:
 
 def linear(dll: ctypes.CDLL, fmt: Format, x: Tensor, n: int, w: Tensor, d: Tensor | None = None,
            m: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
-    """x [..., K] fp32 times the packed weight of ``n`` output features -> [..., n] fp32."""
+    """x [..., K] fp32 times the packed weight of ``n`` output features -> [..., n] fp32; the integer
+    formats' ``d`` and ``m`` are float32 or float16."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    if dll.ss_linear(int(fmt), x2.shape[0], x2.shape[1], n, x2.data_ptr(), w.data_ptr(), _ptr(d), _ptr(m),
+    if dll.ss_linear(scales_format(fmt, d), x2.shape[0], x2.shape[1], n, x2.data_ptr(), w.data_ptr(), _ptr(d), _ptr(m),
                      _ptr(bias), out.data_ptr()) != 0:
         raise MemoryError("cpu_linear: out of memory for the activations' int16 copy")
     return out.view(*shape[:-1], n)
+
+
+def scales_format(fmt: Format, d: Tensor | None) -> int:
+    """The format as the kernels take it: with HALF_SCALES where the scales are float16."""
+    return int(fmt) | (HALF_SCALES if d is not None and d.dtype == torch.float16 else 0)
 
 
 def attention(dll: ctypes.CDLL, q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float) -> Tensor:

@@ -75,6 +75,30 @@ def test_every_path_computes_the_portable_bits(dll, fmt, blocks, threads):
         assert torch.equal(rows[name], outs[PORTABLE]), name  # row invariance on every path
 
 
+@pytest.mark.parametrize("fmt", [Format.Q4, Format.Q8])
+@pytest.mark.parametrize("blocks", [7, 18, 31])
+def test_half_scales_give_the_bits_of_their_float_values(dll, fmt, blocks):
+    """A GGUF's scales are float16: read as halves, they give on every path what their float32 values give."""
+    g = torch.Generator().manual_seed(blocks)
+    k, n = 32 * blocks, 37
+    w, d, m = weights(g, fmt, n, k)
+    d, m = d.half(), m.half()
+    x = torch.randn(9, k, generator=g)
+    halves = on_every_path(dll, lambda: cpu_linear.linear(dll, fmt, x, n, w, d, m))
+    floats = on_every_path(dll, lambda: cpu_linear.linear(dll, fmt, x, n, w, d.float(), m.float()))
+    for name in halves:
+        assert torch.equal(halves[name], floats[PORTABLE]), name
+
+
+def test_a_gguf_weight_keeps_its_scales_in_half(dll):
+    blocks = cpu_backends.Blocks.quantize(torch.randn(8, 64), Format.Q4)
+    assert cpu_backends.PackedLinear(dll, blocks, Format.Q4).d.dtype == torch.float32  # fp32 range / 15
+    half = cpu_backends.Blocks(Format.Q4, "Q4_1", blocks.qs, blocks.d.half().float(), blocks.m.half().float())
+    packed = cpu_backends.PackedLinear(dll, half, Format.Q4)
+    assert packed.d.dtype == packed.m.dtype == torch.float16
+    assert torch.equal(packed.weight, half.dequantize())
+
+
 def test_the_paths_compute_the_format(dll):
     """The common answer is the right one: Q4 weights as d q + m against fp32 math, within int16's error."""
     g = torch.Generator().manual_seed(1)

@@ -119,6 +119,20 @@ INLINE void tail_group(const job_t *j, const int fmt, const int R, const int g, 
     }
 }
 
+/* 8 scales of a column's row (d or m) from block b on, floats or halves. */
+INLINE __m256 scales8(const job_t *j, const void *row, int b) {
+    return j->half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + b)))
+                   : _mm256_loadu_ps((const float *)row + b);
+}
+
+/* The first n of them, the rest 0. */
+INLINE __m256 scales_first(const job_t *j, const void *row, int b, int n) {
+    if (!j->half) return load_first((const float *)row + b, n);
+    uint16_t h[8] = {0};
+    memcpy(h, (const uint16_t *)row + b, sizeof(uint16_t) * n);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
 /* Integer formats: rows r0 .. r0 + R - 1 of column n (R and fmt constant where inlined). Per full group,
  * each row's 16 steps are summed exactly in int32 (a lane: one block's 32 products, at most
  * 32 * 128 * 32768 < 2^31) and scaled as kernels.h says; the tail blocks' dot products are gathered
@@ -127,7 +141,7 @@ INLINE void int_tile(const job_t *j, const int fmt, const int R, int r0, int n) 
     const int nb = j->K / 32, groups = nb / 8, tail = nb - 8 * groups;
     __m256 acc[MAX_R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const float *dn = j->d + (size_t)n * nb, *mn = fmt == FMT_Q4 ? j->m + (size_t)n * nb : 0;
+    const void *dn = ss_scale_row(j, j->d, n), *mn = fmt == FMT_Q4 ? ss_scale_row(j, j->m, n) : 0;
     const int16_t *qx = j->qx + (size_t)r0 * nb * 32;
     const float *dx = j->dx + (size_t)r0 * nb, *xs = j->xsum + (size_t)r0 * nb;
     const size_t column = fmt == FMT_Q4 ? (size_t)n * nb * 16 : (size_t)n * nb * 32;
@@ -144,11 +158,11 @@ INLINE void int_tile(const job_t *j, const int fmt, const int R, int r0, int n) 
                 isum[r] = DPWSSD(isum[r], w[1], _mm256_loadu_si256((const __m256i *)(x + 16 * (s + 8))));
             }
         }
-        const __m256 d8 = _mm256_loadu_ps(dn + 8 * g);
+        const __m256 d8 = scales8(j, dn, 8 * g);
         for (int r = 0; r < R; r++) {
             const size_t at = (size_t)r * nb + 8 * g;
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d8, _mm256_loadu_ps(dx + at)), acc[r]);
-            if (fmt == FMT_Q4) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mn + 8 * g), _mm256_loadu_ps(xs + at), acc[r]);
+            if (fmt == FMT_Q4) acc[r] = _mm256_fmadd_ps(scales8(j, mn, 8 * g), _mm256_loadu_ps(xs + at), acc[r]);
         }
     }
     if (tail) {
@@ -159,11 +173,11 @@ INLINE void int_tile(const job_t *j, const int fmt, const int R, int r0, int n) 
         if (tail & 4) tail_group(j, fmt, R, 4, column, first, first - b0, qx, dots), first += 4;
         if (tail & 2) tail_group(j, fmt, R, 2, column, first, first - b0, qx, dots), first += 2;
         if (tail & 1) tail_group(j, fmt, R, 1, column, first, first - b0, qx, dots);
-        const __m256 dt = load_first(dn + b0, tail);
+        const __m256 dt = scales_first(j, dn, b0, tail);
         for (int r = 0; r < R; r++) {
             const size_t at = (size_t)r * nb + b0;
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(dt, load_first(dx + at, tail)), acc[r]);
-            if (fmt == FMT_Q4) acc[r] = _mm256_fmadd_ps(load_first(mn + b0, tail), load_first(xs + at, tail), acc[r]);
+            if (fmt == FMT_Q4) acc[r] = _mm256_fmadd_ps(scales_first(j, mn, b0, tail), load_first(xs + at, tail), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) {

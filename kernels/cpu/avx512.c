@@ -99,6 +99,19 @@ INLINE void tail_group(const job_t *j, const int fmt, const int R, const int g, 
 /* The first `n` of 8 floats at p, the rest 0 */
 INLINE __m256 load_first(const float *p, int n) { return _mm256_maskz_loadu_ps((__mmask8)((1u << n) - 1), p); }
 
+/* 8 scales of a column's row (d or m) from block b on, floats or halves. */
+INLINE __m256 scales8(const job_t *j, const void *row, int b) {
+    return j->half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + b)))
+                   : _mm256_loadu_ps((const float *)row + b);
+}
+
+/* The first n of them, the rest 0. */
+INLINE __m256 scales_first(const job_t *j, const void *row, int b, int n) {
+    const __mmask8 k = (__mmask8)((1u << n) - 1);
+    return j->half ? _mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, (const uint16_t *)row + b))
+                   : _mm256_maskz_loadu_ps(k, (const float *)row + b);
+}
+
 /* Integer formats: rows r0 .. r0 + R - 1 of columns n .. n + C - 1 (R, C and fmt constant where inlined).
  * Each activation vector is loaded once for the C columns: the loads, not the multiply-adds, are what
  * a tile of one column runs out of. Per full group, a (row, column)'s 16 steps are summed exactly in
@@ -108,11 +121,11 @@ INLINE void int_tile(const job_t *j, const int fmt, const int R, const int C, in
     const int nb = j->K / 32, groups = nb / 8, tail = nb - 8 * groups, bytes = fmt == FMT_Q4 ? nb * 16 : nb * 32;
     __m256 acc[MAX_R][MAX_C];
     const uint8_t *column[MAX_C];
-    const float *dn[MAX_C], *mn[MAX_C];
+    const void *dn[MAX_C], *mn[MAX_C];
     for (int c = 0; c < C; c++) {
         for (int r = 0; r < R; r++) acc[r][c] = _mm256_setzero_ps();
         column[c] = (const uint8_t *)j->w + (size_t)(n + c) * bytes;
-        dn[c] = j->d + (size_t)(n + c) * nb, mn[c] = fmt == FMT_Q4 ? j->m + (size_t)(n + c) * nb : 0;
+        dn[c] = ss_scale_row(j, j->d, n + c), mn[c] = fmt == FMT_Q4 ? ss_scale_row(j, j->m, n + c) : 0;
         ss_prefetch_column(j, n + c);
     }
     const int16_t *qx = j->qx + (size_t)r0 * nb * 32;
@@ -150,13 +163,13 @@ INLINE void int_tile(const job_t *j, const int fmt, const int R, const int C, in
             }
         }
         for (int c = 0; c < C; c++) {
-            const __m256 d8 = _mm256_loadu_ps(dn[c] + 8 * g);
+            const __m256 d8 = scales8(j, dn[c], 8 * g);
             for (int r = 0; r < R; r++) {
                 const size_t at = (size_t)r * nb + 8 * g;
                 const __m512i sum = isum[r][c];
                 const __m256i dot = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d8, _mm256_loadu_ps(dx + at)), acc[r][c]);
-                if (fmt == FMT_Q4) acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(mn[c] + 8 * g), _mm256_loadu_ps(xs + at), acc[r][c]);
+                if (fmt == FMT_Q4) acc[r][c] = _mm256_fmadd_ps(scales8(j, mn[c], 8 * g), _mm256_loadu_ps(xs + at), acc[r][c]);
             }
         }
     }
@@ -169,11 +182,11 @@ INLINE void int_tile(const job_t *j, const int fmt, const int R, const int C, in
             if (tail & 4) tail_group(j, fmt, R, 4, column[c], first, first - b0, qx, dots), first += 4;
             if (tail & 2) tail_group(j, fmt, R, 2, column[c], first, first - b0, qx, dots), first += 2;
             if (tail & 1) tail_group(j, fmt, R, 1, column[c], first, first - b0, qx, dots);
-            const __m256 dt = load_first(dn[c] + b0, tail);
+            const __m256 dt = scales_first(j, dn[c], b0, tail);
             for (int r = 0; r < R; r++) {
                 const size_t at = (size_t)r * nb + b0;
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(dt, load_first(dx + at, tail)), acc[r][c]);
-                if (fmt == FMT_Q4) acc[r][c] = _mm256_fmadd_ps(load_first(mn[c] + b0, tail), load_first(xs + at, tail), acc[r][c]);
+                if (fmt == FMT_Q4) acc[r][c] = _mm256_fmadd_ps(scales_first(j, mn[c], b0, tail), load_first(xs + at, tail), acc[r][c]);
             }
         }
     }

@@ -11,7 +11,8 @@
 typedef struct {
     int fmt, N, K;
     const void *w;
-    const float *d, *m, *bias;
+    const void *d, *m; /* floats, or halves with SS_HALF_SCALES in fmt */
+    const float *bias;
 } lin_t;
 
 typedef struct {

@@ -124,10 +124,12 @@ static void linear_unit(const void *job, int unit, int part) {
     path()->columns(j, n0, n1);
 }
 
-/* x [M][K] fp32 (contiguous), out [M][N] fp32. Returns 0, or -1 when out of memory. */
-int ss_linear(int fmt, int M, int K, int N, const float *x, const void *w, const float *d, const float *m,
+/* x [M][K] fp32 (contiguous), out [M][N] fp32; fmt may carry SS_HALF_SCALES. Returns 0, or -1 when out of
+ * memory. */
+int ss_linear(int fmt, int M, int K, int N, const float *x, const void *w, const void *d, const void *m,
               const float *bias, float *out) {
-    job_t j = {fmt, M, K, N, x, 0, 0, 0, w, d, m, bias, out};
+    job_t j = {fmt & ~SS_HALF_SCALES, M, K, N, (fmt & SS_HALF_SCALES) != 0, x, 0, 0, 0, w, d, m, bias, out};
+    fmt = j.fmt;
     path(); /* chosen here, before the pool's threads read it */
     if ((fmt == FMT_Q4 || fmt == FMT_Q8) && prepare_rows(&j) != 0) return -1;
     ss_run(linear_unit, &j, (N + column_grain(N) - 1) / column_grain(N), (size_t)N * K < 65536);

@@ -48,14 +48,20 @@ enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_F16 = 2, FMT_BF16 = 3, FMT_F32 = 4 };
  * dot products of block l % g in lane l. Q8 stores a step as 2g int8; Q4 stores steps s and s + 8 in one
  * 2g bytes (low, high nibbles). A group of one block is GGUF's own layout. The activations' int16 blocks
  * (qx) are laid out the same way, step by step. */
+/* A flag of ss_linear's format: the integer formats' d and m are IEEE halves, not floats (a GGUF's own
+ * scales are, exactly; they are 2 bytes of a block's 18 or 20, not 4 of 24). */
+#define SS_HALF_SCALES 8
+
 typedef struct {
     int fmt, M, K, N;
+    int half;            /* d and m are halves (SS_HALF_SCALES) */
     const float *x;      /* [M][K] fp32: the float formats */
     const int16_t *qx;   /* [M][nb][32], kernel order: Q4 and Q8 */
     const float *dx;     /* [M][nb] scales of qx */
     const float *xsum;   /* [M][nb] fp32 block sums of x: Q4 */
     const void *w;
-    const float *d, *m, *bias;
+    const void *d, *m;   /* [N][nb] floats, or halves */
+    const float *bias;
     float *out;
 } job_t;
 
@@ -97,7 +103,7 @@ int ss_threads(void);
 int ss_set_threads(int n);
 
 /* The entry points (dispatch.c) that the decoder blocks (blocks.c) call too; 0, or -1 when out of memory. */
-int ss_linear(int fmt, int M, int K, int N, const float *x, const void *w, const float *d, const float *m,
+int ss_linear(int fmt, int M, int K, int N, const float *x, const void *w, const void *d, const void *m,
               const float *bias, float *out);
 int ss_attention(int T, int H, int Hkv, int D, int S, int s_max, float scale, const float *q, const float *k,
                  const float *v, const uint8_t *mask, float *out);
@@ -129,6 +135,11 @@ static inline int ss_group_index(int first, int size, int b, int k) {
     return (k / 2) * 2 * size + 2 * (b - first) + k % 2;
 }
 
+/* Column n's row of scales (d or m) of the job. */
+static inline const void *ss_scale_row(const job_t *j, const void *scales, int n) {
+    return (const char *)scales + (size_t)n * (j->K / 32) * (j->half ? 2 : 4);
+}
+
 /* The weights and scales of the column SS_PREFETCH columns on, asked of memory while this one is computed:
  * a linear's columns are short streams, which the hardware's prefetchers join late. */
 #define SS_PREFETCH 16
@@ -137,9 +148,10 @@ static inline void ss_prefetch_column(const job_t *j, int n) {
     const int nb = j->K / 32, bytes = j->fmt == FMT_Q4 ? nb * 16 : nb * 32;
     const char *w = (const char *)j->w + (size_t)(n + SS_PREFETCH) * bytes;
     for (int at = 0; at < bytes; at += 64) __builtin_prefetch(w + at);
-    for (int at = 0; at < nb * 4; at += 64) {
-        __builtin_prefetch((const char *)(j->d + (size_t)(n + SS_PREFETCH) * nb) + at);
-        if (j->fmt == FMT_Q4) __builtin_prefetch((const char *)(j->m + (size_t)(n + SS_PREFETCH) * nb) + at);
+    const char *d = ss_scale_row(j, j->d, n + SS_PREFETCH), *m = j->fmt == FMT_Q4 ? ss_scale_row(j, j->m, n + SS_PREFETCH) : 0;
+    for (int at = 0; at < nb * (j->half ? 2 : 4); at += 64) {
+        __builtin_prefetch(d + at);
+        if (m) __builtin_prefetch(m + at);
     }
 }
 

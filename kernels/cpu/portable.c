@@ -65,15 +65,21 @@ static inline float float_weight(const job_t *j, int n, int k) {
     return ((const float *)j->w)[at];
 }
 
+/* Scale b of a column's row of scales (d or m). */
+static inline float scale(const job_t *j, const void *row, int b) {
+    return j->half ? half_to_float(((const uint16_t *)row)[b]) : ((const float *)row)[b];
+}
+
 static float int_dot(const job_t *j, int r, int n) {
     const int nb = j->K / 32;
     float a[8] = {0};
+    const void *dn = ss_scale_row(j, j->d, n), *mn = j->fmt == FMT_Q4 ? ss_scale_row(j, j->m, n) : 0;
     for (int b = 0; b < nb; b++) {
-        const size_t blk = (size_t)n * nb + b, at = (size_t)r * nb + b;
+        const size_t at = (size_t)r * nb + b;
         int32_t dot = 0;
         for (int k = 0; k < 32; k++) dot += int_weight(j, n, b, k) * int_activation(j, r, b, k);
-        a[b % 8] = fmaf((float)dot, j->d[blk] * j->dx[at], a[b % 8]);
-        if (j->fmt == FMT_Q4) a[b % 8] = fmaf(j->m[blk], j->xsum[at], a[b % 8]);
+        a[b % 8] = fmaf((float)dot, scale(j, dn, b) * j->dx[at], a[b % 8]);
+        if (mn) a[b % 8] = fmaf(scale(j, mn, b), j->xsum[at], a[b % 8]);
     }
     return ss_r8(a);
 }
