@@ -1,4 +1,4 @@
-"""The CPU target's linear backends, each row-invariant by construction (kernels/cpu): a row of
+"""The CPU target's linear backends, each row-invariant by construction (kernels/cpu/): a row of
 a multi-row forward equals a one-row forward bit for bit, so greedy speculation is exact without
 one-row loops. Applied to a built Transformer as module surgery (``apply``), gpt-fast style:
 
@@ -6,7 +6,7 @@ one-row loops. Applied to a built Transformer as module surgery (``apply``), gpt
 * ``gguf``: a GGUF's own blocks, as the file holds them: Q4_0 / Q4_1 / Q4_K as 4-bit blocks (w = d q + m per
   32 weights, the fp16 d and m widened to fp32 exactly; Q4_K's super-block scales folded into each
   sub-block's d and m, exactly), Q8_0 as 8-bit blocks, with the activations
-  quantised to int16 per block of 32 (kernels/cpu says why not llama.cpp's int8). The embedding is looked up from its blocks.
+  quantised to int16 per block of 32 (kernels/cpu/kernels.h says why not llama.cpp's int8). The embedding is looked up from its blocks.
   ``--quantize int4`` packs a float checkpoint the same way (Q4_1-style blocks, the lm_head and embedding
   as Q8_0-style ones).
 
@@ -106,7 +106,7 @@ def _regroup(qs: Tensor, to_kernel: bool) -> Tensor:
 @dataclass
 class Blocks:
     """A weight as packed blocks of 32: ``qs`` [N, nb, 16] uint8 (Q4) or [N, nb, 32] int8 (Q8), ``d``
-    (and for Q4 ``m``) [N, nb] fp32. ``qs`` is in GGUF's order, or in cpu_linear.c's kernel order once
+    (and for Q4 ``m``) [N, nb] fp32. ``qs`` is in GGUF's order, or in the kernels' order once
     ``in_kernel_order`` made it so (what the kernels read)."""
 
     fmt: Format
@@ -180,7 +180,7 @@ def _narrow_scales(d: Tensor, m: Tensor | None) -> tuple[Tensor, Tensor | None]:
 
 
 class PackedLinear(nn.Module):
-    """A CPU linear over packed weights through cpu_linear.c: rows independent of each other by
+    """A CPU linear over packed weights through the kernels (kernels/cpu): rows independent of each other by
     construction. fp32 in and out."""
 
     def __init__(self, dll: ctypes.CDLL, weight: Tensor | Blocks, fmt: Format, bias: Tensor | None = None):
@@ -228,7 +228,7 @@ class BlockEmbedding(nn.Module):
 
 
 class CpuAttention:
-    """Tree attention through cpu_linear.c (the mask stays a bool [T, S] mask): one fixed order over each
+    """Tree attention through the kernels (the mask stays a bool [T, S] mask): one fixed order over each
     row's keys."""
 
     def __init__(self, dll: ctypes.CDLL):
@@ -264,7 +264,7 @@ def _lin(p: PackedLinear) -> _Lin:
 
 
 class CpuBlock(nn.Module):
-    """A decoder layer as two calls into cpu_linear.c (the attention half and the MLP half, with the
+    """A decoder layer as two calls into the kernels (the attention half and the MLP half, with the
     tensor-parallel all-reduce between them): the norms, RoPE, the KV writes and the SwiGLU in C as well,
     where torch would spend ~20 small ops a layer. Holds the block's packed linears and norms."""
 
@@ -316,7 +316,7 @@ class CpuLayers(Layers):
     def forward(self, x: Tensor, inp, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
         if not self.whole:
             return super().forward(x, inp, k_cache, v_cache)
-        x = x.contiguous().clone()  # the stack's output, in place of the embeddings
+        x = x.clone(memory_format=torch.contiguous_format)  # the stack's output, in place of the embeddings
         residual, tmp = torch.empty_like(x), torch.empty_like(x)
         mask = inp.mask
         if self.dll.ss_layers(self.specs, len(self), x.shape[0], x.data_ptr(), residual.data_ptr(), inp.cos.data_ptr(),

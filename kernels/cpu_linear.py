@@ -52,10 +52,10 @@ CFLAGS = ["-O3", "-std=gnu11", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
 
 
 class Format(IntEnum):
-    """A packed weight's format, as cpu_linear.c numbers them."""
+    """A packed weight's format, as the kernels number them (cpu/kernels.h)."""
 
-    Q4 = 0  # GGUF Q4_0 / Q4_1 blocks: 16 bytes of nibbles, fp32 d and m per 32 weights; int16 activations
-    Q8 = 1  # GGUF Q8_0 blocks: 32 int8, fp32 d per 32 weights; int16 activations
+    Q4 = 0  # GGUF Q4_0 / Q4_1 blocks: 16 bytes of nibbles, d and m per 32 weights; int16 activations
+    Q8 = 1  # GGUF Q8_0 blocks: 32 int8, d per 32 weights; int16 activations
     F16 = 2
     BF16 = 3
     F32 = 4
@@ -107,17 +107,17 @@ def compile_object(cc: str, source: str, flags: list[str], out: Path) -> subproc
 def _build(cc: str, lib: Path) -> None:
     """Compiles every object (at once) and links the library into ``lib``, atomically. A path's object that
     this compiler cannot build is left out (dispatch.c finds it absent); any other failure raises."""
+    recipes = PATH_OBJECTS | {Path(src).stem: (src, ["-march=native"] if X86 else []) for src in HOST_OBJECTS}
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        jobs = {name: compile_object(cc, src, flags, Path(tmp) / f"{name}.o") for name, (src, flags) in PATH_OBJECTS.items()}
-        jobs |= {src: compile_object(cc, src, ["-march=native"] if X86 else [], Path(tmp) / f"{Path(src).stem}.o")
-                 for src in HOST_OBJECTS}
+        outs = {name: Path(tmp) / f"{name}.o" for name in recipes}
+        jobs = {name: compile_object(cc, src, flags, outs[name]) for name, (src, flags) in recipes.items()}
         objects = []
         for name, job in jobs.items():
             _, err = job.communicate(timeout=300)
             if job.returncode == 0:
-                objects.append(str(Path(tmp) / f"{Path(name).stem}.o"))
-            elif name in HOST_OBJECTS or name == "portable":
-                raise KernelsUnavailable(f"compiling {name} failed: {err.strip()[-2000:]}")
+                objects.append(str(outs[name]))
+            elif name not in PATH_OBJECTS or name == "portable":
+                raise KernelsUnavailable(f"compiling {recipes[name][0]} failed: {err.strip()[-2000:]}")
         so = Path(tmp) / lib.name
         done = subprocess.run([cc, "-shared", "-o", str(so), *objects, "-lpthread", "-lm"], capture_output=True,
                               text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""The CPU backends (engine/cpu_backends.py over kernels/cpu_linear.c): each row of a multi-row forward
+"""The CPU backends (engine/cpu_backends.py over kernels/cpu/): each row of a multi-row forward
 equals a one-row forward bit for bit, for every backend, row count and tree shape, so every decoding mode's
 greedy output is the target's by construction; the kernels compute what their formats stand for; the
 gguf backend stays close to the fp32 dequantised model; --dtype auto chooses by measurement."""

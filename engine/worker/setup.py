@@ -170,7 +170,7 @@ def draft_shares_cores(ctx: Ctx, ranks: list[RankInfo]) -> bool:
 
 
 def uses_cpu_kernels(ctx: Ctx) -> bool:
-    """This target rank's model runs through kernels/cpu_linear.c (a CPU backend labels its precision)."""
+    """This target rank's model runs through the kernels of kernels/cpu/ (a CPU backend labels its precision)."""
     return ctx.role == "target" and bool(getattr(ctx.target.model, "precision", None))
 
 

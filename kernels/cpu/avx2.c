@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include "kernels.h"
+#include "vec256.h"
 
 #ifdef SS_VNNI
 #define PATH ss_path_avx_vnni
@@ -23,13 +24,6 @@ static inline __attribute__((always_inline)) __m256i dpwssd(__m256i acc, __m256i
 #endif
 #define INLINE static inline __attribute__((always_inline))
 #define MAX_R 4 /* rows per tile: the integer formats' accumulators take 2 registers a row */
-
-/* R8 of kernels.h */
-INLINE float r8(__m256 s) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_hadd_ps(h, h);
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
 
 /* R8 of each of 8 vectors, as the 8 lanes of one */
 INLINE __m256 r8x8(const __m256 a[8]) {
@@ -64,8 +58,8 @@ static void quantise(const float *v, int16_t *q, float *scale, float *sum) {
 }
 
 /* 32 weights as int16, in w[0] and w[1]: Q4's 16 bytes at byte `at` (the low nibbles, then the high ones),
- * or Q8's 16 int8 at `at` and 16 more `apart` bytes further on. */
-INLINE void widen(const job_t *j, const int fmt, size_t at, int apart, __m256i w[2]) {
+ * or Q8's 16 int8 at `at` and the 16 of the step 8 later, 128 bytes further on. */
+INLINE void widen(const job_t *j, const int fmt, size_t at, __m256i w[2]) {
     if (fmt == FMT_Q4) {
         __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)j->w + at));
         w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0F)));
@@ -74,7 +68,7 @@ INLINE void widen(const job_t *j, const int fmt, size_t at, int apart, __m256i w
     }
     const int8_t *q = (const int8_t *)j->w + at;
     w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
-    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + apart)));
+    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 128)));
 }
 
 /* The first `n` of 8 floats at p, the rest 0 */
@@ -119,13 +113,7 @@ INLINE void tail_group(const job_t *j, const int fmt, const int R, const int g, 
     }
 }
 
-/* 8 scales of a column's row (d or m) from block b on, floats or halves. */
-INLINE __m256 scales8(const job_t *j, const void *row, int b) {
-    return j->half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + b)))
-                   : _mm256_loadu_ps((const float *)row + b);
-}
-
-/* The first n of them, the rest 0. */
+/* The first n scales of a column's row (d or m) from block b on, the rest 0. */
 INLINE __m256 scales_first(const job_t *j, const void *row, int b, int n) {
     if (!j->half) return load_first((const float *)row + b, n);
     uint16_t h[8] = {0};
@@ -151,7 +139,7 @@ INLINE void int_tile(const job_t *j, const int fmt, const int R, int r0, int n) 
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
         for (int s = 0; s < 8; s++) {
             __m256i w[2];
-            widen(j, fmt, fmt == FMT_Q4 ? column + g * 128 + s * 16 : column + g * 256 + s * 16, 128, w);
+            widen(j, fmt, fmt == FMT_Q4 ? column + g * 128 + s * 16 : column + g * 256 + s * 16, w);
             for (int r = 0; r < R; r++) {
                 const int16_t *x = qx + ((size_t)r * nb + 8 * g) * 32;
                 isum[r] = DPWSSD(isum[r], w[0], _mm256_loadu_si256((const __m256i *)(x + 16 * s)));

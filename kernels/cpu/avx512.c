@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include "kernels.h"
+#include "vec256.h"
 
 #ifdef SS_VNNI
 #define PATH ss_path_avx512_vnni
@@ -16,18 +17,12 @@ static inline __attribute__((always_inline)) __m512i dp512(__m512i acc, __m512i 
     __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
     return acc;
 }
-static inline __attribute__((always_inline)) __m256i dp256(__m256i acc, __m256i a, __m256i b) {
-    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
-    return acc;
-}
 #define DP512(acc, a, b) dp512((acc), (a), (b))
-#define DP256(acc, a, b) dp256((acc), (a), (b))
 #else
 #define PATH ss_path_avx512
 #define NAME "AVX-512"
 #define NEEDS (SS_CPU_AVX2 | SS_CPU_AVX512)
 #define DP512(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
-#define DP256(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
 #endif
 #define INLINE static inline __attribute__((always_inline))
 #define MAX_R 4 /* rows per tile */
@@ -35,13 +30,7 @@ static inline __attribute__((always_inline)) __m256i dp256(__m256i acc, __m256i 
 
 void ss_avx2_attend(const attn_t *a, int t, int h, int *keys, float *buf);
 
-/* R8 of kernels.h */
-INLINE float r8(__m256 s) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_hadd_ps(h, h);
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-
+/* The two 8-lane halves added: lane l + lane l + 8 */
 INLINE __m256 halves(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
@@ -99,13 +88,7 @@ INLINE void tail_group(const job_t *j, const int fmt, const int R, const int g, 
 /* The first `n` of 8 floats at p, the rest 0 */
 INLINE __m256 load_first(const float *p, int n) { return _mm256_maskz_loadu_ps((__mmask8)((1u << n) - 1), p); }
 
-/* 8 scales of a column's row (d or m) from block b on, floats or halves. */
-INLINE __m256 scales8(const job_t *j, const void *row, int b) {
-    return j->half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + b)))
-                   : _mm256_loadu_ps((const float *)row + b);
-}
-
-/* The first n of them, the rest 0. */
+/* The first n scales of a column's row (d or m) from block b on, the rest 0. */
 INLINE __m256 scales_first(const job_t *j, const void *row, int b, int n) {
     const __mmask8 k = (__mmask8)((1u << n) - 1);
     return j->half ? _mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, (const uint16_t *)row + b))

@@ -27,6 +27,7 @@ static unsigned cpu_features(void) {
     const int fma = c & bit_FMA, avx = c & bit_AVX, f16c = c & bit_F16C;
     unsigned lo, hi;
     __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    (void)hi;
     const int ymm = (lo & 0x6) == 0x6, zmm = ymm && (lo & 0xE0) == 0xE0;
     if (!avx || !ymm || __get_cpuid_max(0, 0) < 7) return 0;
     __cpuid_count(7, 0, a, b, c, d);
@@ -39,7 +40,6 @@ static unsigned cpu_features(void) {
         if (a & (1u << 4)) f |= SS_CPU_AVX_VNNI;
     }
 #endif
-    (void)hi;
     return f;
 }
 
@@ -57,13 +57,18 @@ const char *ss_path_name(int i) { return i >= 0 && i < N_PATHS && paths[i] ? pat
 
 static const ss_path_t *active;
 
-/* The index of the path in use: the widest that runs until ss_use_path chooses. */
+/* The path in use: the widest that runs until ss_use_path chooses. */
+static const ss_path_t *path(void) {
+    for (int i = 0; i < N_PATHS && !active; i++)
+        if (ss_path_runs(i)) active = paths[i];
+    return active;
+}
+
+/* The index of the path in use. */
 int ss_path(void) {
-    if (!active)
-        for (int i = 0; i < N_PATHS && !active; i++)
-            if (ss_path_runs(i)) active = paths[i];
+    const ss_path_t *p = path();
     for (int i = 0; i < N_PATHS; i++)
-        if (paths[i] == active) return i;
+        if (paths[i] == p) return i;
     return -1;
 }
 
@@ -72,11 +77,6 @@ int ss_use_path(int i) {
     if (!ss_path_runs(i)) return -1;
     active = paths[i];
     return 0;
-}
-
-static const ss_path_t *path(void) {
-    if (!active) ss_path();
-    return active;
 }
 
 /* Each row's int16 blocks, their scales and (Q4) exact block sums, into one buffer per thread; the blocks

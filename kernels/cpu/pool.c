@@ -92,16 +92,13 @@ int ss_set_threads(int n) {
 #define LAG_SHARE 0.3
 #define SOLO_JOBS 1024 /* ~7 decode steps of a small model: 5 jobs a layer */
 static double lag_rate; /* the share of the recent jobs that lagged, a moving average */
-static int solo_left, solo_spells;
+static int solo_left;
 
 static double seconds(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
-
-/* How often the pool has run alone since it started, because its threads lagged. */
-int ss_solo_spells(void) { return solo_spells; }
 
 /* Runs fn over units 0 .. units - 1 on the pool's threads (the caller is part 0), or alone when small or
  * when the machine is loaded (above). Not reentrant: one caller at a time (a rank's one compute thread). */
@@ -135,7 +132,6 @@ void ss_run(ss_task_fn fn, const void *job, int units, int small) {
     lag_rate = 0.9 * lag_rate + (lagged ? 0.1 : 0.0);
     if (lag_rate > LAG_SHARE) {
         solo_left = SOLO_JOBS, lag_rate = 0.0;
-        solo_spells++;
     }
 }
 
