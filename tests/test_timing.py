@@ -36,15 +36,19 @@ def test_a_call_that_kept_its_core_is_timed_once_and_clean():
 def test_a_call_whose_threads_waited_for_a_core_is_timed_again(monkeypatch, no_pause):
     """Each call here reads as having had its working thread wait half its time for a core until the
     third: timed three times, clean; one that waits every time is counted. A thread that did not work
-    through the call (it ran for a moment) may wait as it likes."""
+    through the call (it never ran) may wait as it likes."""
     ran, waited, calls = [0], [0], []
     monkeypatch.setattr(timing, "thread_schedstats", lambda: {"1": (ran[0], waited[0]), "2": (0, waited[0] * 9)})
 
     def call(wait_until: int) -> None:
+        """Reads as having run the whole call and waited half of it: measured, so that a call that a busy
+        machine stretches reads the same."""
         calls.append(1)
+        start = time.perf_counter_ns()
         busy(0.002)
-        ran[0] += 2_000_000
-        waited[0] += 1_000_000 if len(calls) < wait_until else 0
+        took = time.perf_counter_ns() - start
+        ran[0] += took
+        waited[0] += took // 2 if len(calls) < wait_until else 0
 
     timer = CleanTimer()
     timer.seconds(lambda: call(wait_until=3))
