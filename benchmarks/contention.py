@@ -15,8 +15,8 @@ import subprocess
 import sys
 import time
 
-from swiftspec.config import EngineConfig, SamplingParams
-from swiftspec.engine.client import Engine
+from swiftspec.engine.config import EngineConfig, SamplingParams
+from swiftspec.engine.host.client import Engine
 
 PROMPT = [{"role": "user", "content": "Explain how a hash map works, step by step."}]
 

@@ -6,7 +6,7 @@ It measures the drafter, not the engine: `swiftspec bench` measures what the hit
     .venv/bin/python benchmarks/corpus_hit_rate.py [--set fresh] [--prompts FILE] [--tokens 160]
         [--corpus FILE] [--target PATH]
 
-Without --corpus, the embedded default's shipped corpus (engine/corpus.py).
+Without --corpus, the embedded default's shipped corpus (engine/spec/corpus.py).
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import argparse
 from pathlib import Path
 
 from swiftspec.bench.prompts import select_prompts
-from swiftspec.config import SamplingParams
-from swiftspec.engine.client import encode_chat
-from swiftspec.engine.corpus import builtin_corpus, check_corpus, load_corpus
-from swiftspec.engine.decode import TargetState
-from swiftspec.engine.drafters import SuffixDrafter
-from swiftspec.engine.loader import load_model
-from swiftspec.engine.loop import generate
-from swiftspec.engine.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir
+from swiftspec.engine.config import SamplingParams
+from swiftspec.engine.host.encode import encode_chat
+from swiftspec.engine.model.loader import load_model
+from swiftspec.engine.model.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir
+from swiftspec.engine.spec.corpus import builtin_corpus, check_corpus, load_corpus
+from swiftspec.engine.spec.decode import TargetState
+from swiftspec.engine.spec.drafters import SuffixDrafter
+from swiftspec.engine.spec.loop import generate
 
 
 def hit_rates(drafter: SuffixDrafter, prompt: list[int], answer: list[int]) -> tuple[int, int]:

@@ -24,17 +24,19 @@ import numpy as np
 from history_calibration import Fixed  # this folder: a history that is only looked up
 
 from swiftspec.bench.prompts import builtin_prompts, turns_of
-from swiftspec.config import EngineConfig, SamplingParams, TreeParams
-from swiftspec.engine.client import Engine, encode_chat
-from swiftspec.engine.corpus import builtin_corpus, load_corpus
-from swiftspec.engine.decode import DraftState
-from swiftspec.engine.drafters import SuffixDrafter
-from swiftspec.engine.embedded import embedded_gguf_path, ensure_converted
-from swiftspec.engine.history_corpus import HistoryIndex
-from swiftspec.engine.loop import Request, lead_draft
-from swiftspec.engine.messages import Start, Subtree, Verdict
-from swiftspec.engine.model_dir import read_args
-from swiftspec.engine.verify import walk
+from swiftspec.engine.config import EngineConfig, SamplingParams, TreeParams
+from swiftspec.engine.host.client import Engine
+from swiftspec.engine.host.encode import encode_chat
+from swiftspec.engine.model.embedded import embedded_gguf_path
+from swiftspec.engine.model.gguf_io import ensure_converted
+from swiftspec.engine.model.model_dir import read_args
+from swiftspec.engine.spec.corpus import builtin_corpus, load_corpus
+from swiftspec.engine.spec.decode import DraftState
+from swiftspec.engine.spec.drafters import SuffixDrafter
+from swiftspec.engine.spec.history_corpus import HistoryIndex
+from swiftspec.engine.spec.loop import Request, lead_draft
+from swiftspec.engine.spec.messages import Start, Subtree, Verdict
+from swiftspec.engine.spec.verify import walk
 
 
 def collect(sets: list[str], max_new_tokens: int) -> list[dict]:
@@ -59,7 +61,7 @@ def collect(sets: list[str], max_new_tokens: int) -> list[dict]:
 class AnswerTarget:
     """A Link standing in for the target leader of one known greedy answer: the shipped draft loop
     (``lead_draft``) sends it subtrees, and it answers each with the verdict the target would give, the
-    walk of the subtree along the answer (``engine/verify.py``'s own). It counts each round's tokens and
+    walk of the subtree along the answer (``engine/spec/verify.py``'s own). It counts each round's tokens and
     verify cost into ``cell``."""
 
     def __init__(self, answer: list[int], cost: list[float], cell: list):

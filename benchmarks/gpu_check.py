@@ -14,7 +14,7 @@ Steps, in order, each skipped when the budget left is below its estimate (the re
              all of it with the batch-invariant kernels and with cuBLAS (their cost).
 4. attention — Triton tree attention (plain and batch-invariant) vs torch SDPA at 1k and 8k prefixes.
 5. rounds  — the 1B-shaped target as the engine runs it (batch-invariant, graphed): the host<->device
-             transfers each verification round makes (engine/transfers.py's counter; greedy, penalised
+             transfers each verification round makes (engine/spec/transfers.py's counter; greedy, penalised
              and sampled), the kernels a decode step launches per layer (six a layer's own in the
              batch-invariant mode, plus the forward's embedding, mask, final norm and lm_head spread over
              the layers), the graphed step's rate, and the engine's ``ar`` tokens/s (from the engine
@@ -127,8 +127,8 @@ def save_random_model(cfg: dict, path: Path, tokenizer) -> Path:
 def step_engine(dry: bool, workdir: Path, new_tokens: int) -> dict:
     from tiny_models import make_tokenizer
 
-    from swiftspec.config import EngineConfig, SamplingParams
-    from swiftspec.engine.client import Engine
+    from swiftspec.engine.config import EngineConfig, SamplingParams
+    from swiftspec.engine.host.client import Engine
 
     target_cfg = scaled(CONFIGS["llama-3.2-1b"], dry)
     tokenizer = make_tokenizer(target_cfg["vocab_size"])
@@ -168,9 +168,9 @@ def step_engine(dry: bool, workdir: Path, new_tokens: int) -> dict:
 
 def random_transformer(cfg: dict, device: str, invariant: bool, slots: int):
     """Our Transformer (CUDA graphs on a GPU) with random bf16 weights drawn on the device."""
-    from swiftspec.engine.cuda_graphs import GraphedModel
-    from swiftspec.engine.model import Transformer
-    from swiftspec.engine.model_args import ModelArgs
+    from swiftspec.engine.model.cuda_graphs import GraphedModel
+    from swiftspec.engine.model.model_args import ModelArgs
+    from swiftspec.engine.model.transformer import Transformer
 
     args = ModelArgs.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]})
     with torch.device("meta"):
@@ -215,7 +215,7 @@ def timed(fn: Callable[[], object], iters: int, cuda: bool) -> float:
 
 def chain(n: int, prefix: int, device: str) -> tuple[torch.Tensor, ...]:
     """Inputs of an n-node verification (a chain, which is a tree) behind ``prefix`` cached tokens."""
-    from swiftspec.engine.tree import target_inputs
+    from swiftspec.engine.spec.tree import target_inputs
 
     positions, slots, mask = target_inputs(list(range(-1, n - 1)), prefix)
     tokens = torch.randint(0, 1000, (n,))
@@ -225,7 +225,7 @@ def chain(n: int, prefix: int, device: str) -> tuple[torch.Tensor, ...]:
 def step_decode(dry: bool, prefix: int, iters: int, peak_bw: float) -> dict:
     """The 8B-shaped target: step time, HBM share, verification cost by n, graphs on/off; with the
     batch-invariant kernels and with the plain ones (cuBLAS linears, the split attention)."""
-    from swiftspec.engine.tree_cache import prefill_forward
+    from swiftspec.engine.spec.tree_cache import prefill_forward
 
     cfg = scaled(CONFIGS["llama-3.1-8b"], dry)
     device = "cpu" if dry else "cuda"
@@ -285,10 +285,10 @@ def step_attention(dry: bool, iters: int) -> dict:
 def step_rounds(dry: bool, prefix: int, iters: int, engine: dict) -> dict:
     """Transfers per verification round (a 4-node tree, TargetState.verify as the engine calls it),
     launches per layer of a one-token step, the graphed step's rate and the engine's ar rate beside it."""
-    from swiftspec.config import SamplingParams
-    from swiftspec.engine.decode import TargetState
-    from swiftspec.engine.sampling import Sampler
-    from swiftspec.engine.transfers import TransferCounter
+    from swiftspec.engine.config import SamplingParams
+    from swiftspec.engine.spec.decode import TargetState
+    from swiftspec.engine.spec.sampling import Sampler
+    from swiftspec.engine.spec.transfers import TransferCounter
 
     cfg = scaled(CONFIGS["llama-3.2-1b"], dry)
     device = "cpu" if dry else "cuda"

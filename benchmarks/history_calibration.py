@@ -16,9 +16,9 @@ from collections import defaultdict
 import numpy as np
 from safetensors.numpy import load_file
 
-from swiftspec.engine.corpus import builtin_corpus
-from swiftspec.engine.drafters import SuffixDrafter
-from swiftspec.engine.history_corpus import HistoryIndex
+from swiftspec.engine.spec.corpus import builtin_corpus
+from swiftspec.engine.spec.drafters import SuffixDrafter
+from swiftspec.engine.spec.history_corpus import HistoryIndex
 
 
 def answers() -> list[list[int]]:

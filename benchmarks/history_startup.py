@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from swiftspec.engine.corpus import builtin_corpus
-from swiftspec.engine.history_corpus import AnswerReader, StoredHistory, tokenizer_fingerprint
-from swiftspec.engine.model_dir import resolve_model_dir
+from swiftspec.engine.model.model_dir import resolve_model_dir
+from swiftspec.engine.spec.corpus import builtin_corpus
+from swiftspec.engine.spec.history_corpus import AnswerReader, StoredHistory, tokenizer_fingerprint
 from swiftspec.history import HistoryStore
 
 

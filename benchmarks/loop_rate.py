@@ -1,5 +1,5 @@
 """How often chat answers loop under a few sampling settings, and how fast they come, on the embedded model
-in this process: the figures behind swiftspec.config.CHAT_DEFAULTS.
+in this process: the figures behind swiftspec.settings.CHAT_DEFAULTS.
 
 An answer *loops* when it hits the token limit with an 8-gram repeated three or more times in it, or when
 the loop guard stopped it (finish reason "repetition"). Every setting answers the same prompts, each with
@@ -25,14 +25,16 @@ from pathlib import Path
 
 import torch
 
-from swiftspec.config import CHAT_DEFAULTS, SamplingParams, TreeParams
-from swiftspec.engine.corpus import builtin_corpus
-from swiftspec.engine.decode import DraftState, TargetState, profile_verify_cost
-from swiftspec.engine.drafters import make_drafter
-from swiftspec.engine.loader import load_model
-from swiftspec.engine.loop import generate
-from swiftspec.engine.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir
-from swiftspec.engine.sampling import Sampler
+from swiftspec.engine.config import DraftKind, SamplingParams, TreeParams
+from swiftspec.engine.model.loader import load_model
+from swiftspec.engine.model.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir
+from swiftspec.engine.spec.corpus import builtin_corpus
+from swiftspec.engine.spec.decode import DraftState, TargetState, profile_verify_cost
+from swiftspec.engine.spec.draft_spec import DraftSpec
+from swiftspec.engine.spec.drafters import make_drafter
+from swiftspec.engine.spec.loop import generate
+from swiftspec.engine.spec.sampling import Sampler
+from swiftspec.settings import CHAT_DEFAULTS
 
 SETTINGS = {
     "greedy": SamplingParams(),
@@ -110,7 +112,7 @@ def main() -> None:
 
     def answer(prompt: list[int], params: SamplingParams, mode: str) -> tuple[list[int], str | None, float]:
         draft = None if mode == "ar" else DraftState(make_drafter(
-            "suffix", model_dir, False, False, None, corpus=builtin_corpus()), TreeParams(), cost, step_ms)
+            DraftSpec(DraftKind.SUFFIX), model_dir, False, False, None, corpus=builtin_corpus()), TreeParams(), cost, step_ms)
         t0 = time.perf_counter()
         steps = generate(target, draft, prompt, replace(params, mode=mode), args.d, eos=eos)
         elapsed = time.perf_counter() - t0 - steps[0].target_ms / 1e3  # the prefill left out

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_m
 
 from tiny_models import tiny_model_dir  # noqa: E402
 
-from swiftspec.config import EngineConfig, SamplingParams, TreeParams  # noqa: E402
-from swiftspec.engine.client import Engine  # noqa: E402
+from swiftspec.engine.config import EngineConfig, SamplingParams, TreeParams  # noqa: E402
+from swiftspec.engine.host.client import Engine  # noqa: E402
 
 MODES = ("sync", "async")
 

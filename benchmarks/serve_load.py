@@ -25,8 +25,8 @@ import httpx
 
 from swiftspec.bench.prompts import select_prompts
 from swiftspec.cli.options import chat_defaults
-from swiftspec.config import EngineConfig
-from swiftspec.engine.client import Engine
+from swiftspec.engine.config import EngineConfig
+from swiftspec.engine.host.client import Engine
 
 KEY = "bench"
 

@@ -20,14 +20,15 @@ from pathlib import Path
 
 import torch
 
-from swiftspec.config import SamplingParams, TreeParams
-from swiftspec.engine.decode import DraftState, TargetState, profile_verify_cost
-from swiftspec.engine.drafters import make_drafter
-from swiftspec.engine.loader import load_model
-from swiftspec.engine.loop import generate
-from swiftspec.engine.model_dir import load_tokenizer, resolve_model_dir
-from swiftspec.engine.sampling import Sampler
-from swiftspec.engine.tree import target_inputs
+from swiftspec.engine.config import SamplingParams, TreeParams
+from swiftspec.engine.model.loader import load_model
+from swiftspec.engine.model.model_dir import load_tokenizer, resolve_model_dir
+from swiftspec.engine.spec.decode import DraftState, TargetState, profile_verify_cost
+from swiftspec.engine.spec.draft_spec import DraftSpec
+from swiftspec.engine.spec.drafters import make_drafter
+from swiftspec.engine.spec.loop import generate
+from swiftspec.engine.spec.sampling import Sampler
+from swiftspec.engine.spec.tree import target_inputs
 
 CATEGORIES = ["chat", "code", "math", "qa", "summarisation", "extraction"]
 
@@ -79,7 +80,7 @@ def main() -> None:
     tokenizer = load_tokenizer(model_dir)
 
     def drafter():
-        return make_drafter(args.draft, model_dir, False, False, None, max_slots=4096)
+        return make_drafter(DraftSpec.of(args.draft), model_dir, False, False, None, max_slots=4096)
 
     ratios = verify_ratios(model, 300, [1, 2, 4, 8, 16], args.reps)
     for clock in ("wall", "cpu"):

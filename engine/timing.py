@@ -4,8 +4,8 @@ What a first start measures (engine/worker/profiling.py: the verify cost, the st
 threads, --dtype auto's backend) is kept for every later start, so one figure taken while the machine
 was busy would mis-size every later answer's trees. Two signs of it are read: the threads that did the
 call's work waited for a core (their run-queue delay in /proc's schedstat, summed; the threads that worked
-are those that ran for a quarter of the call or more, so a background thread that woke and waited
-meanwhile does not count; in a quiet worker on 2 cores a forward's threads wait up to ~20 % of its wall
+are the calling thread and those that ran for a quarter of the call or more, so a background thread that
+woke and waited meanwhile does not count, and a caller squeezed to a fifth of a core still does; in a quiet worker on 2 cores a forward's threads wait up to ~20 % of its wall
 time behind the process's own communication threads, beside one busy process 46-99 %; where schedstat is
 missing, the timing thread's CPU time falling short of its wall time), and the hypervisor took the
 machine's cores away (steal time in /proc/stat). A disturbed call is timed again after a pause; a timer
@@ -16,6 +16,7 @@ being cached.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,11 +56,13 @@ def thread_schedstats() -> dict[str, tuple[int, int]] | None:
     return out or None
 
 
-def waited_for_a_core(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], wall: float) -> bool:
-    """Whether the threads that worked through a call of ``wall`` seconds waited too long for a core."""
+def waited_for_a_core(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], wall: float,
+                      caller: str | None = None) -> bool:
+    """Whether the threads that worked through a call of ``wall`` seconds (``caller``, the thread that
+    made it, among them) waited too long for a core."""
     ns = wall * 1e9
     return sum(after[t][1] - waited for t, (ran, waited) in before.items()
-               if t in after and after[t][0] - ran >= WORKED * ns) > MAX_RUN_DELAY * ns
+               if t in after and (t == caller or after[t][0] - ran >= WORKED * ns)) > MAX_RUN_DELAY * ns
 
 
 class CleanTimer:
@@ -83,7 +86,7 @@ class CleanTimer:
             fn()
             wall = time.perf_counter() - start
             if stats is not None:
-                ok = not waited_for_a_core(stats, thread_schedstats() or {}, wall)
+                ok = not waited_for_a_core(stats, thread_schedstats() or {}, wall, str(threading.get_native_id()))
             else:
                 ok = not self.cpu_bound or time.thread_time() - cpu >= MIN_CPU_SHARE * wall
             if ok:

@@ -18,8 +18,8 @@ ATTN_BLOCK_N = 64
 INVARIANT_KEYS_PER_SPLIT = 512  # the batch-invariant attention's fixed key-axis split
 PROGRAMS_PER_SM = 2  # enough resident programs to keep loads in flight on every SM
 MAX_COUNTERS = 1 << 16
-FP_FUSION = True  # multiply-adds fused, as every launch so far compiled: pinned, since Triton 3.10 turns
-# its default off, which would change every kernel's rounding (the same for each row either way)
+FP_FUSION = True  # multiply-adds fused, pinned: Triton 3.10 turns its default off, which would change
+# every kernel's rounding (the same for each row either way)
 _counters: dict[torch.device, Tensor] = {}
 
 

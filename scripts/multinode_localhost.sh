@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-TARGET=${TARGET:-$($PY -c 'from swiftspec.engine.loader import resolve_model_dir; print(resolve_model_dir(None))')}
+TARGET=${TARGET:-$($PY -c 'from swiftspec.engine.model.loader import resolve_model_dir; print(resolve_model_dir(None))')}
 DRAFT=${DRAFT:-suffix}
 PORT=${PORT:-$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 PROMPT=${PROMPT:-"Write a Python function that returns the n-th Fibonacci number, with a docstring."}

@@ -3,7 +3,8 @@
 The public API is imported lazily so that ``swiftspec --help`` does not pay for importing torch.
 """
 
-from swiftspec.config import EngineConfig, SamplingParams, StepEvent, StepStats, TreeParams
+from swiftspec.engine.config import EngineConfig, SamplingParams, TreeParams
+from swiftspec.engine.events import StepEvent, StepStats
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "SamplingParams", "StepEvent", "StepStats", "TreeParams"]
 __version__ = "0.1.0"
@@ -11,7 +12,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name in ("Engine", "EngineError"):
-        from swiftspec.engine import client
+        from swiftspec.engine.host import client
 
         return getattr(client, name)
     raise AttributeError(name)

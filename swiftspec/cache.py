@@ -10,7 +10,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from swiftspec.engine.embedded import CONVERSION_FORMAT, FORMAT_METADATA, GGUF_METADATA, cache_dir
+from swiftspec.engine.model.gguf_io import CONVERSION_FORMAT, FORMAT_METADATA, GGUF_METADATA
+from swiftspec.engine.paths import cache_dir
 
 
 class CacheError(ValueError):

@@ -20,15 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from swiftspec import window
-from swiftspec.config import ConfigError, SamplingParams, StepEvent
-from swiftspec.engine.answer import AnswerSummary
-from swiftspec.engine.protocol import EngineAPI
+from swiftspec.engine.config import ConfigError, SamplingParams
+from swiftspec.engine.events import CUT_SHORT, StepEvent
+from swiftspec.engine.host.answer import AnswerSummary
+from swiftspec.engine.host.protocol import EngineAPI
 from swiftspec.history import HistoryError, HistoryStore, title_from, to_markdown
 from swiftspec.history import Message as StoredMessage
 
-# Finish reasons after which the answer can go on (/continue): cut by the token limit or the context,
-# stopped (Esc, Ctrl+C, quitting), still streaming when the program ended, or broken off by the engine.
-CUT_SHORT = ("length", "context", "repetition", "cancelled", "partial", "error")
 SAVE_EVERY_S = 1.0  # how often a streaming answer is written to the store
 SETTABLE = tuple(f.name for f in dataclasses.fields(SamplingParams))  # per conversation, like the system prompt
 
@@ -79,6 +77,7 @@ class Reply:
     last: StepEvent | None = None  # the answer's latest event: its figures so far
     answer: Message | None = None
     tokens: list[int] = field(default_factory=list)  # the answer's (this run's part), for the drafter's history
+    generated_before: int = 0  # a continued answer's tokens before this run: its figures count the whole
     vocab: str = ""  # the tokenizer that wrote them (EngineInfo.vocab; "": not kept)
     error: str | None = None  # why the engine did not answer (or stopped answering)
     fatal: bool = False  # the engine is gone, not just this answer
@@ -275,6 +274,7 @@ class Conversation:
             self._store_settings()
             if reply.kind == "continue":
                 reply.answer = self.messages[-1]
+                reply.generated_before = (reply.answer.stats or {}).get("generated", 0)
                 reply.answer.stats = {**(reply.answer.stats or {}), "finish_reason": "partial"}
                 self._store_update(reply.answer)
                 return
@@ -303,9 +303,23 @@ class Conversation:
             reply.tokens += event.token_ids
             reply.answer.content += event.text
             if time.monotonic() - reply.saved_at >= SAVE_EVERY_S:
-                reply.answer.stats = {**AnswerSummary.of(reply.params.mode, event).to_dict(), "finish_reason": "partial"}
+                reply.answer.stats = {**self._figures(reply, self._summary(reply, event)), "finish_reason": "partial"}
                 self._store_update(reply.answer)
                 reply.saved_at = time.monotonic()
+
+    @staticmethod
+    def _summary(reply: Reply, event: StepEvent | None) -> AnswerSummary:
+        """The answer's figures at ``event``: the last step's, with the tokens of the whole message (a
+        continued answer's earlier part too)."""
+        summary = AnswerSummary.of(reply.params.mode, event)
+        summary.stats = dataclasses.replace(summary.stats, generated=summary.stats.generated + reply.generated_before)
+        return summary
+
+    @staticmethod
+    def _figures(reply: Reply, summary: AnswerSummary) -> dict[str, Any]:
+        """The figures saved with an answer: its summary, and the temperature it was sampled at (what
+        /retry's notice says of the answer it replaces)."""
+        return {**summary.to_dict(), "temperature": reply.params.temperature}
 
     def finish(self, reply: Reply, reason: str | None = None) -> None:
         """Ends the answer (once): its text and figures are saved. ``reason`` names why it ended where the
@@ -316,9 +330,9 @@ class Conversation:
             reply.done = True
             if reply.answer is None:
                 return
-            summary = AnswerSummary.of(reply.params.mode, reply.last)
+            summary = self._summary(reply, reply.last)
             summary.finish_reason = summary.finish_reason or reason or "cancelled"
-            reply.answer.stats = summary.to_dict()
+            reply.answer.stats = self._figures(reply, summary)
             self._store_update(reply.answer)
             if reply.vocab and reply.tokens and reply.answer.id is not None and self.store is not None:
                 self.store.append_tokens(reply.answer.id, reply.vocab, reply.tokens)

@@ -16,7 +16,7 @@ from typing import Any
 
 import platformdirs
 
-from swiftspec.engine.answer import AnswerSummary
+from swiftspec.engine.host.answer import AnswerSummary
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -42,7 +42,7 @@ CREATE TABLE IF NOT EXISTS answer_tokens (
     n INTEGER NOT NULL,
     tokens BLOB NOT NULL
 );
-"""  # answer_tokens: the suffix drafter's corpus (engine/history_corpus.py), gone with its message
+"""  # answer_tokens: the suffix drafter's corpus (engine/spec/history_corpus.py), gone with its message
 
 
 def data_dir() -> Path:
@@ -263,7 +263,7 @@ class HistoryStore:
     def append_tokens(self, message_id: int, vocab: str, tokens: list[int]) -> None:
         """Adds a finished answer's token ids to what the suffix drafter learns from (after those it
         already has, for a continued answer, when the same tokenizer wrote them)."""
-        from swiftspec.engine.history_corpus import TABLE, decode_tokens, encode_tokens
+        from swiftspec.engine.spec.history_corpus import TABLE, decode_tokens, encode_tokens
 
         with self._lock:
             rows = self._rows(f"SELECT vocab, tokens FROM {TABLE} WHERE message_id = ?", (message_id,))

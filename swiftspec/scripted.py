@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from swiftspec import window
-from swiftspec.config import StepEvent
 from swiftspec.conversation import Conversation
-from swiftspec.engine.answer import AnswerSummary
-from swiftspec.engine.protocol import EngineAPI
+from swiftspec.engine.events import StepEvent
+from swiftspec.engine.host.answer import AnswerSummary
+from swiftspec.engine.host.protocol import EngineAPI
 
 EXIT_OK, EXIT_ENGINE, EXIT_USAGE = 0, 1, 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a reader that went away
@@ -59,7 +59,8 @@ def run(engine: EngineAPI, prompts: Sequence[str], conversation: Conversation, *
     fit, as in the chat) and returns the exit code. A conversation that is saved (--save, --resume) takes
     the prompts as its next turns, saved as they stream; otherwise each prompt is answered on its own.
     A prompt the engine refuses is reported and the others are still answered while the engine lives; a
-    reader that closes stdout ends the run quietly (exit 141, as for SIGPIPE)."""
+    reader that closes stdout ends the run quietly (exit 141, as for SIGPIPE). Ctrl-C ends the answer's
+    line and prints its figures so far, marked interrupted, then is raised again (exit 130 for the caller)."""
     try:
         return _answer_each(engine, prompts, conversation, jsonl, quiet, out, err)
     except BrokenPipeError:
@@ -87,7 +88,11 @@ def _answer_each(engine: EngineAPI, prompts: Sequence[str], conversation: Conver
                       "earlier turns")
         if index and not jsonl:
             out.write("\n")  # a blank line between answers
-        conversation.run(reply, engine, on_event=lambda ev, i=index: _emit_token(ev, i, eos, jsonl, out))
+        try:
+            conversation.run(reply, engine, on_event=lambda ev, i=index: _emit_token(ev, i, eos, jsonl, out))
+        except KeyboardInterrupt:
+            _interrupted(reply.answer.stats if reply.answer else None, index, jsonl, quiet, out, err)
+            raise
         for warning in conversation.take_warnings():
             _say(err, warning)
         if reply.error is not None:  # the engine cannot answer this prompt: report, exit 1 in the end
@@ -109,6 +114,21 @@ def _answer_each(engine: EngineAPI, prompts: Sequence[str], conversation: Conver
             err.write(f"[{AnswerSummary.from_dict(summary).line()}]\n")
             err.flush()
     return EXIT_ENGINE if failed else EXIT_OK
+
+
+def _interrupted(stats: dict | None, index: int, jsonl: bool, quiet: bool, out: TextIO, err: TextIO) -> None:
+    """Ctrl-C mid-answer: the answer's line ended (or its done event, finish reason "cancelled"), and on
+    stderr its figures so far, marked interrupted."""
+    summary = AnswerSummary.from_dict(stats or {})
+    if jsonl:
+        _write_json(out, {"event": "done", "index": index, "stats": stats or {}, "finish_reason": "cancelled"})
+    elif summary.stats.generated:
+        out.write("\n")
+        out.flush()
+    if not quiet:
+        summary.finish_reason = "interrupted"
+        err.write(f"[{summary.line()}]\n")
+        err.flush()
 
 
 def _say(err: TextIO, line: str) -> None:

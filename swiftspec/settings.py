@@ -16,7 +16,12 @@ from typing import Any
 
 import platformdirs
 
-from swiftspec.config import ConfigError
+from swiftspec.engine.config import ConfigError, SamplingParams
+
+# The chat's sampling defaults (TUI and chat -p) for the embedded model and GGUF files; a model directory's
+# generation_config.json replaces the sampling ones. Chosen by benchmarks/loop_rate.py (loop rate and speed
+# on the fresh set and its dev questions; docs/ARCHITECTURE.md has the figures). bench stays greedy.
+CHAT_DEFAULTS = SamplingParams(temperature=0.7, min_p=0.05, repeat_penalty=1.1, loop_guard=64)
 
 ENV_PREFIX = "SWIFTSPEC_"
 # Flags that name what one run does rather than how it runs: no environment variable, no config key.
@@ -67,7 +72,7 @@ def _check(command, name: str, key: str, value: Any, path: Path) -> None:
     try:
         param.process_value(None, value)
     except Exception as e:  # click's BadParameter, from typer's own copy of click
-        why = e.format_message() if hasattr(e, "format_message") else str(e)
+        why = getattr(e, "message", None) or str(e)  # a parser's refusal, without click's "Invalid value"
         raise ConfigError(f"{path}: {key} = {value!r}: {why}") from None
 
 

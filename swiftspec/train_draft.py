@@ -7,7 +7,7 @@
 2. Sub-vocabulary: the ``--draft-vocab`` tokens the target chose most often in the training answers (plus
    its EOS ids); ``d2t`` in the checkpoint maps them back.
    Before it, the answers are also written as ``OUT/corpus.safetensors``: a corpus for the suffix drafter
-   (``--draft suffix --draft-corpus``, engine/corpus.py), all that ``--corpus-only`` makes.
+   (``--draft suffix --draft-corpus``, engine/spec/corpus.py), all that ``--corpus-only`` makes.
 3. Training: the head is unrolled ``--steps`` deep over whole sequences (``unroll``: step s
    predicts as a tree node at depth s - 1 does), with a cross-entropy on the target's greedy token and a
    smooth-L1 regression on the target's feature (weighted 0.1: SmolLM2's features have outlier dimensions
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from swiftspec import kernels
-from swiftspec.engine.corpus import save_corpus
-from swiftspec.engine.draft_head import DraftHead, HeadArgs, save_head
+from swiftspec.engine.spec.corpus import save_corpus
+from swiftspec.engine.spec.draft_head import DraftHead, HeadArgs, save_head
 
 DATA_FORMAT = 1
 CORPUS_FILE = "corpus.safetensors"
@@ -66,8 +66,8 @@ def _hf_model(target_dir: Path, device: torch.device):
     """transformers' model of the target: its batched ``generate`` answers many prompts at once. On the CPU
     its linears take fp16 weights (FBGEMM, fp32 math, as ``--dtype float16`` runs the target): SmolLM2
     answers 32 prompts at ~190 instead of ~150 tokens/s, and the features move by fp16 rounding only."""
-    from swiftspec.engine.loader import load_hf_model
-    from swiftspec.engine.model import fbgemm_available, pack_fp16_linears
+    from swiftspec.engine.model.fp16_linear import fbgemm_available, pack_fp16_linears
+    from swiftspec.engine.model.loader import load_hf_model
 
     model = load_hf_model(target_dir, torch.float32).to(device).eval()
     if device.type == "cpu" and fbgemm_available():
@@ -139,7 +139,7 @@ def make_data(target_dir: Path, tok, eos: list[int], prompts: list[str], out: Pa
               device: torch.device, progress) -> list[Sequence]:
     """The self-distillation data, generated once into ``out/data`` (shards; reruns skip existing ones);
     ``tok`` and ``eos``: the target's tokenizer and EOS ids."""
-    from swiftspec.engine.client import encode_chat
+    from swiftspec.engine.host.encode import encode_chat
 
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
@@ -351,8 +351,8 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, prompts: list[str], dev
     agreement curve (none with ``corpus_only``: the data and the corpus only)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from swiftspec.engine.loader import load_model
-    from swiftspec.engine.model_dir import eos_token_ids, load_tokenizer
+    from swiftspec.engine.model.loader import load_model
+    from swiftspec.engine.model.model_dir import eos_token_ids, load_tokenizer
 
     torch.manual_seed(cfg.seed)
     tok = load_tokenizer(target_dir)
@@ -384,7 +384,7 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, prompts: list[str], dev
     if state_path.is_file():
         from safetensors.torch import load_file
 
-        from swiftspec.engine.draft_head import load_head
+        from swiftspec.engine.spec.draft_head import load_head
 
         st = json.loads(state_path.read_text())
         if {**st["config"], "epochs": cfg.epochs} != asdict(cfg):  # more epochs may be asked for

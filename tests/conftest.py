@@ -42,14 +42,14 @@ def no_user_settings(monkeypatch):
 @pytest.fixture(scope="session")
 def embedded_dir():
     """The embedded SmolLM2 as a Hugging Face directory (converted once per session, into its cache)."""
-    from swiftspec.engine.model_dir import resolve_model_dir
+    from swiftspec.engine.model.model_dir import resolve_model_dir
 
     return resolve_model_dir(None)
 
 
 @pytest.fixture(scope="session")
 def embedded_tokenizer(embedded_dir):
-    from swiftspec.engine.model_dir import load_tokenizer
+    from swiftspec.engine.model.model_dir import load_tokenizer
 
     return load_tokenizer(embedded_dir)
 
@@ -60,6 +60,16 @@ def target_dir():
     from tiny_models import tiny_model_dir
 
     return tiny_model_dir(seed=0, layers=2)
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A history store of the test's own, closed after it."""
+    from swiftspec.history import HistoryStore
+
+    s = HistoryStore(tmp_path / "history.sqlite3")
+    yield s
+    s.close()
 
 
 @pytest.fixture
@@ -92,3 +102,22 @@ def tiny():
     from tiny_models import tiny_model_dir
 
     return tiny_model_dir()
+
+
+@pytest.fixture
+def tokenizer(target_dir):
+    """The tiny target's tokenizer."""
+    from swiftspec.engine.model.model_dir import load_tokenizer
+
+    return load_tokenizer(target_dir)
+
+
+@pytest.fixture
+def served(tokenizer, request):
+    """A server on a GatedEngine (tests/helpers/gated.py): its host, its engines, its base URL. A test's
+    ``settings`` mark gives more ServerSettings."""
+    from helpers.gated import gated_server
+
+    mark = request.node.get_closest_marker("settings")
+    with gated_server(tokenizer, **(mark.kwargs if mark else {})) as server:
+        yield server

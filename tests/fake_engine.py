@@ -12,9 +12,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-from swiftspec.config import EngineConfig, SamplingParams, StepEvent, StepStats
-from swiftspec.engine.client import EngineError
-from swiftspec.engine.protocol import EngineInfo, RankInfo
+from swiftspec.engine.config import EngineConfig, SamplingParams
+from swiftspec.engine.events import StepEvent, StepStats
+from swiftspec.engine.host.client import EngineError
+from swiftspec.engine.host.protocol import EngineInfo, RankInfo
 
 ANSWER = (
     "Here is a function:\n\n"
@@ -26,11 +27,11 @@ ANSWER = (
 )
 
 INFO = EngineInfo(
-    target="fake-target", draft="suffix",
+    target="fake-target · gguf (Q4_1 blocks) · int16 activations · AVX2", draft="suffix",  # as the workers say
     ranks=[RankInfo(rank=0, role="target", device="cpu", tp_rank=0, tp_world=1, threads=1, host="local", pid=1),
            RankInfo(rank=1, role="draft", device="cpu", tp_rank=0, tp_world=1, threads=1, host="local", pid=2)],
     context_length=4096, backend="gloo", bs=8, w=8, d=4, d_auto=True, t_verify_ms=40.0, t_expand_ms=3.0,
-    eos_token_ids=[999], max_context=8192,
+    eos_token_ids=[999], max_context=8192, kernel_threads={"ar": 2, "sync": 2, "async": 1},
 )
 EOS = INFO.eos_token_ids[0]
 
@@ -66,6 +67,7 @@ class FakeEngine:
         self.die_after = die_after
         self.refuse = refuse
         self.dead = False
+        self._when_dead: list[Callable[[], None]] = []
         self.info = replace(INFO, context_length=context_length, draft=draft)
         self.calls: list[tuple[list[dict], SamplingParams]] = []
         self.closed = False
@@ -128,6 +130,8 @@ class FakeEngine:
                 return
             if self.die_after is not None and steps >= self.die_after:
                 self.dead = True
+                for callback in self._when_dead:
+                    callback()
                 raise EngineError("worker rank 0 exited with signal 9\n[stderr tail] Killed")
             accepted = self.ACCEPT_CYCLE[steps % len(self.ACCEPT_CYCLE)]
             n = min(accepted + 1, len(pieces) - i)
@@ -165,6 +169,10 @@ class FakeEngine:
     @property
     def alive(self) -> bool:
         return not (self.closed or self.dead)
+
+    def when_dead(self, callback: Callable[[], None]) -> None:
+        """As Engine.when_dead: ``callback`` runs when the (pretend) workers die."""
+        self._when_dead.append(callback)
 
     def cancel(self) -> None:
         self._cancel.set()

@@ -281,8 +281,8 @@ def test_rms_norm_linear_rows_are_invariant(dtype, swiglu):
 def invariant_transformer(fuse_norms: bool):
     """A 2-layer random fp32 Transformer with the CUDA batch-invariant mode's modules, on the CPU: the
     whole forward (attention_ops = reference, not the CPU's one-row fallback), attention in torch."""
-    from swiftspec.engine.model import Transformer
-    from swiftspec.engine.model_args import ModelArgs
+    from swiftspec.engine.model.model_args import ModelArgs
+    from swiftspec.engine.model.transformer import Transformer
 
     args = ModelArgs(vocab_size=32, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, intermediate_size=48,
                      qkv_bias=True)
@@ -302,8 +302,8 @@ def test_fused_norms_forward_equals_unfused(monkeypatch):
     """The model with both layer norms in the projections' prologues against the same weights unfused
     (add_rms_norm, then InvariantQKV / InvariantGateUp): a 4-token prefill, then a one-token step; and the
     fused forward's launches: per layer two norm + projection kernels and no norm of its own, one final norm."""
-    from swiftspec.engine.model import NormedGateUp, NormedQKV, PrologueNorm
-    from swiftspec.engine.tree_cache import causal_mask
+    from swiftspec.engine.model.transformer import NormedGateUp, NormedQKV, PrologueNorm
+    from swiftspec.engine.spec.tree_cache import causal_mask
 
     fused, plain = invariant_transformer(True), invariant_transformer(False)
     layer = fused.layers[0]

@@ -9,9 +9,10 @@ import pytest
 from helpers.engines import PROMPTS
 from tiny_models import tiny_model_dir
 
-from swiftspec.engine.answer import Answer, AnswerSummary, StopMatcher
-from swiftspec.engine.client import EngineError, encode_chat
-from swiftspec.engine.protocol import Step
+from swiftspec.engine.events import Step
+from swiftspec.engine.host.answer import Answer, AnswerSummary, StopMatcher
+from swiftspec.engine.host.client import EngineError
+from swiftspec.engine.host.encode import ChatEncoder, encode_chat
 
 
 def test_stop_matcher_holds_back_partial_stops():
@@ -28,7 +29,7 @@ def test_stop_matcher_holds_back_partial_stops():
 
 
 def test_encode_chat_uses_the_template():
-    from swiftspec.engine.model_dir import load_tokenizer
+    from swiftspec.engine.model.model_dir import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir())
     ids = encode_chat(tok, PROMPTS[0])
@@ -39,7 +40,7 @@ def test_encode_chat_uses_the_template():
 
 def test_encode_chat_continues_a_final_answer():
     """/continue: a last assistant message is left open, so the answer goes on where it stopped."""
-    from swiftspec.engine.model_dir import load_tokenizer
+    from swiftspec.engine.model.model_dir import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir())
     question = encode_chat(tok, PROMPTS[0])
@@ -49,8 +50,8 @@ def test_encode_chat_continues_a_final_answer():
 
 
 def test_the_answers_median_latency_is_per_token_and_its_summary_round_trips(monkeypatch):
-    from swiftspec.engine import answer as answer_module
-    from swiftspec.engine.model_dir import load_tokenizer
+    from swiftspec.engine.host import answer as answer_module
+    from swiftspec.engine.model.model_dir import load_tokenizer
 
     clock = iter([0.0, 0.030, 0.070])  # the Answer's start, then each step's arrival
     monkeypatch.setattr(answer_module.time, "perf_counter", lambda: next(clock))
@@ -65,3 +66,19 @@ def test_the_answers_median_latency_is_per_token_and_its_summary_round_trips(mon
         summary, stats=dataclasses.replace(summary.stats, accepted=0))
     old = AnswerSummary.from_dict({"mode": "ar", "generated": 3, "finish_reason": "length"})  # a row of fewer fields
     assert old.line() == "ar · 3 tok · 0.0 tok/s · p50 0.0 ms/tok · length"
+
+
+def test_a_conversation_is_templated_once_for_counting_and_sending():
+    """The chat counts a turn's tokens (its window), then sends the same messages: one template pass."""
+    from swiftspec.engine.model.model_dir import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir())
+    calls = []
+    template = tok.apply_chat_template
+    tok.apply_chat_template = lambda *a, **k: (calls.append(1), template(*a, **k))[1]
+    encode = ChatEncoder(tok)
+    messages = [dict(m) for m in PROMPTS[0]]
+    first = encode(messages)
+    assert encode(messages) == first == encode_chat(tok, PROMPTS[0]) and len(calls) == 2  # 2: encode_chat's own
+    messages[-1]["content"] += " More."  # changed in place: encoded again
+    assert encode(messages) != first and len(calls) == 3

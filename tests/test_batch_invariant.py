@@ -9,12 +9,12 @@ import torch
 from tiny_models import single_thread, tiny_model_dir
 from tree_steps import tree_and_steps as verified_and_stepped
 
-from swiftspec.config import EngineConfig, SamplingParams, TreeParams
-from swiftspec.engine.decode import DraftState, TargetState
-from swiftspec.engine.drafters import ModelDrafter
-from swiftspec.engine.loader import load_model
-from swiftspec.engine.loop import generate
-from swiftspec.engine.tree import target_inputs
+from swiftspec.engine.config import EngineConfig, SamplingParams, TreeParams
+from swiftspec.engine.model.loader import load_model
+from swiftspec.engine.spec.decode import DraftState, TargetState
+from swiftspec.engine.spec.drafters import ModelDrafter
+from swiftspec.engine.spec.loop import generate
+from swiftspec.engine.spec.tree import target_inputs
 from swiftspec.kernels import reference
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -32,7 +32,7 @@ from swiftspec.bench.report import (
     write_plot,
 )
 from swiftspec.bench.runners import FORGET, EngineRunner, HFRunner, Sample, run_interleaved, strip_eos
-from swiftspec.config import ConfigError, EngineConfig, SamplingParams
+from swiftspec.engine.config import ConfigError, EngineConfig, SamplingParams
 
 RESULT_KEYS = {"mode", "tokens_per_s", "ms_per_token_p50", "ms_per_token_p95", "mean_accepted", "acceptance_rate",
                "identical_to_target"}
@@ -236,7 +236,7 @@ def test_bad_options_fail_before_any_model_loads(tmp_path, monkeypatch):
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the options were checked")
 
-    monkeypatch.setattr("swiftspec.engine.model_dir.resolve_model_dir", no_load)
+    monkeypatch.setattr("swiftspec.engine.model.model_dir.resolve_model_dir", no_load)
     with pytest.raises(BenchError, match="unknown mode"):
         bench_command(EngineConfig(), modes="hf,warp")
     with pytest.raises(ConfigError, match="max-new-tokens"):
@@ -255,7 +255,7 @@ class ScriptedEngine:
         self.calls = []
 
     def generate(self, messages, params):
-        from swiftspec.config import StepEvent, StepStats
+        from swiftspec.engine.events import StepEvent, StepStats
 
         if not self.system_ok and messages[0]["role"] == "system":
             raise ValueError("this template has no system turn")
@@ -457,11 +457,11 @@ def test_hf_modes_penalise_as_the_engine_does(tiny):
     they give our penalised target's tokens, as the Engine's modes do."""
     from transformers import AutoModelForCausalLM
 
-    from swiftspec.engine.client import encode_chat
-    from swiftspec.engine.decode import TargetState
-    from swiftspec.engine.loader import load_model
-    from swiftspec.engine.loop import generate
-    from swiftspec.engine.model_dir import load_tokenizer
+    from swiftspec.engine.host.encode import encode_chat
+    from swiftspec.engine.model.loader import load_model
+    from swiftspec.engine.model.model_dir import load_tokenizer
+    from swiftspec.engine.spec.decode import TargetState
+    from swiftspec.engine.spec.loop import generate
 
     tokenizer = load_tokenizer(Path(tiny))
     model = AutoModelForCausalLM.from_pretrained(tiny).eval()

@@ -16,7 +16,7 @@ from swiftspec.bench.llamacpp import LlamaCppRunner
 from swiftspec.bench.prompts import BenchError, Prompt
 from swiftspec.bench.report import render_table, report_config, summarise
 from swiftspec.bench.runners import PeerCrashed, Sample, run_interleaved
-from swiftspec.config import EngineConfig, SamplingParams
+from swiftspec.engine.config import EngineConfig, SamplingParams
 
 
 def dying_peer(code: str) -> LlamaCppRunner:

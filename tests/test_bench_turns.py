@@ -21,7 +21,7 @@ from swiftspec.bench.prompts import (
 )
 from swiftspec.bench.report import render_turns, summarise
 from swiftspec.bench.runners import Sample, run_interleaved
-from swiftspec.config import EngineConfig, SamplingParams
+from swiftspec.engine.config import EngineConfig, SamplingParams
 
 
 def test_the_multiturn_set_is_conversations_of_our_own():

@@ -76,7 +76,7 @@ def test_the_suite_writes_nothing_into_the_users_directories():
     import tempfile
     from pathlib import Path
 
-    from swiftspec.engine.embedded import cache_dir
+    from swiftspec.engine.paths import cache_dir
     from swiftspec.history import data_dir
     from swiftspec.settings import config_path
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -15,87 +14,21 @@ from helpers.cli import invoke
 
 from swiftspec import cli
 from swiftspec.cli import chat as cli_chat
-from swiftspec.config import CHAT_DEFAULTS, EngineConfig, SamplingParams
+from swiftspec.engine.config import EngineConfig, SamplingParams
 from swiftspec.history import HistoryStore
+from swiftspec.settings import CHAT_DEFAULTS
 
 
-def test_help_lists_every_flag():
-    out = invoke(["chat", "--help"], b"").output
-    for flag in ("-m", "--model", "--target", "--draft", "--target-devices", "--draft-devices", "--gpus", "--target-procs",
-                 "--draft-procs", "--mode", "--temperature", "--top-p", "--top-k", "--seed", "--max-new-tokens",
-                 "--system", "--bs", "--w", "--d", "--max-seq-len", "--trust-remote-code", "--prompt", "--each-line",
-                 "--jsonl", "--resume", "--threads", "--stop", "--device", "--dtype"):
-        assert flag in out, flag
-    bench = invoke(["bench", "--help"]).output
-    for flag in ("--modes", "--prompts", "--set", "--limit", "--max-new-tokens", "--json", "--plot", "--target",
-                 "--draft-devices", "--temperature", "--top-p", "--top-k", "--seed", "--system", "--bs", "--w", "--d"):
-        assert flag in bench, flag
-    assert "--install-completion" in invoke(["--help"]).output
-    root = invoke(["--help"]).output
-    assert re.search(r"--version\s+-V\s", root), root  # typer's columns: long name, short name
-    # where values come from, and in which order, is said in the help itself
-    assert "the flag, the environment variable, the config file, the default" in " ".join(out.split())
-    assert "SWIFTSPEC_MAX_NEW_TOKENS" in out
-
-
-def test_one_metavar_style():
-    """Every option that takes a value names it with one upper-case word; flags name nothing."""
-    import typer
-
-    group = typer.main.get_command(cli.app)
-    checked = 0
-    for name, command in group.commands.items():
-        for param in command.params:
-            if param.param_type_name == "option" and param.name != "help":
-                checked += 1
-                if param.is_flag:
-                    assert not param.metavar, (name, param.name)
-                else:
-                    assert param.metavar and param.metavar.isupper() and param.metavar.isalpha(), (name, param.name)
-    assert checked > 40
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--mode", "turbo"], "turbo"),
-    (["--top-p", "0"], "top-p"),
-    (["--target-devices", "0,x", "--draft-devices", "1"], "0,x"),
-    (["--target-devices", "0,1"], "go together"),
-    (["--gpus", "4", "--target-devices", "0", "--draft-devices", "1"], "--gpus"),
-    (["--bs", "0"], "bs (nodes verified per target forward) must be in 1..64"),
-    (["--resume", "abc"], "conversation id"),
-    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
-    (["--max-new-tokens", "0"], "max-new-tokens must be an integer >= 1"),
-    (["--top-k", "-3"], "top-k must be an integer >= 0"),
-    (["--gpus", "1"], "gpus must be >= 2"),
-    (["--threads", "0"], "threads must be >= 1"),
-    (["--target-procs", "0"], "at least one process"),
-    (["--max-seq-len", "8"], "max-seq-len must be >= 16"),
-    (["--min-p", "1.5"], "min-p must be in [0, 1]"),
-    (["--repeat-penalty", "0"], "repeat-penalty must be a finite number > 0"),
-    (["--repeat-last-n", "0"], "repeat-last-n must be an integer >= 1"),
-    (["--presence-penalty", "3"], "presence-penalty must be in [-2, 2]"),
-    (["--frequency-penalty", "nan"], "frequency-penalty must be in [-2, 2]"),
-    (["--loop-repeats", "1"], "loop-repeats must be an integer >= 2"),
-])
-def test_usage_errors_exit_2(args, message, fake, data_dir):
-    """Out-of-range values are worded for people (what the value means), not as a validator's range."""
-    result = invoke(["chat", "-p", "hi", *args])
-    assert result.exit_code == 2
-    assert message in result.output
-    assert "Invalid value" not in result.output and "range" not in result.output
-    assert not fake  # refused before any engine starts
-
-
-def test_model_flag_names_and_positional_prompt(fake, data_dir, monkeypatch):
+def test_model_flag_names_and_positional_prompt(fake, data_dir, monkeypatch, tmp_path):
     seen = []
     generate = FakeEngine.generate
     monkeypatch.setattr(FakeEngine, "generate", lambda self, m, p: seen.append(m) or generate(self, m, p))
     for flag in ("-m", "--model", "--target"):
-        assert invoke(["chat", flag, "/models/big", "Why is the sky blue?"]).exit_code == 0
-    assert [c.target for c in fake] == ["/models/big"] * 3
+        assert invoke(["chat", flag, str(tmp_path), "Why is the sky blue?"]).exit_code == 0
+    assert [c.target for c in fake] == [str(tmp_path)] * 3
     assert [m[-1]["content"] for m in seen] == ["Why is the sky blue?"] * 3
     both = invoke(["chat", "one", "-p", "two"])
-    assert both.exit_code == 2 and "either as an argument or with -p" in both.stderr
+    assert both.exit_code == 2 and both.stderr.startswith("swiftspec: -p: given with a PROMPT argument too; ")
 
 
 def test_version_short_and_long():
@@ -104,56 +37,12 @@ def test_version_short_and_long():
         assert result.exit_code == 0 and result.stdout.startswith("swiftspec 0.")
 
 
-def test_env_and_config_file_precedence(fake, data_dir, monkeypatch, tmp_path):
-    """flag > SWIFTSPEC_<FLAG> > config file ([chat] over top level) > default, per setting."""
-    config = tmp_path / "config.toml"
-    config.write_text('max-new-tokens = 7\nbs = 3\nw = 5\ndraft = "int8"\n'
-                      '[chat]\nw = 6\nstop = ["END"]\n[bench]\nlimit = 2\n')
-    monkeypatch.setenv("SWIFTSPEC_CONFIG", str(config))
-    monkeypatch.setenv("SWIFTSPEC_BS", "4")
-    monkeypatch.setenv("SWIFTSPEC_MAX_NEW_TOKENS", "9")
-    seen = []
-    generate = FakeEngine.generate
-    monkeypatch.setattr(FakeEngine, "generate", lambda self, m, p: seen.append(p) or generate(self, m, p))
-    result = invoke(["chat", "hi", "--max-new-tokens", "11"])
-    assert result.exit_code == 0, result.output
-    config_seen = fake[0]
-    assert seen[0].max_new_tokens == 11  # flag over env and file
-    assert config_seen.tree.bs == 4  # env over file
-    assert config_seen.tree.w == 6 and seen[0].stop == ["END"]  # [chat] over the top level
-    assert config_seen.draft == "int8"  # file over default
-    assert config_seen.tree.d is None and seen[0].temperature == CHAT_DEFAULTS.temperature  # default
-    assert "[default: int8]" in invoke(["chat", "--help"]).output  # the help shows the file's values
-
-
-@pytest.mark.parametrize("text, message", [
-    ("max_new_tokens = \n", "is not valid TOML"),
-    ("colour = 'red'\n", "unknown setting 'colour'"),
-    ("prompt = 'hi'\n", "unknown setting 'prompt'"),
-    ("[chat]\nmodes = 'ar'\n", "[chat] has no setting 'modes'"),
-    ("temperature = -2\n", "temperature must be a finite number >= 0"),
-])
-def test_bad_config_file_is_a_usage_error(text, message, fake, data_dir, monkeypatch, tmp_path):
-    config = tmp_path / "config.toml"
-    config.write_text(text)
-    monkeypatch.setenv("SWIFTSPEC_CONFIG", str(config))
-    result = invoke(["chat", "-p", "hi"])
-    assert result.exit_code == 2 and message in result.stderr, result.output
-    assert "Traceback" not in result.output and not fake
-
-
-def test_bad_env_value_names_the_variable(fake, data_dir, monkeypatch):
-    monkeypatch.setenv("SWIFTSPEC_MAX_NEW_TOKENS", "lots")
-    result = invoke(["chat", "-p", "hi"])
-    assert result.exit_code == 2 and "lots" in result.output and not fake
-
-
-def test_layout_flags_reach_the_engine_config(fake, data_dir):
+def test_layout_flags_reach_the_engine_config(fake, data_dir, tmp_path):
     result = invoke(["chat", "-p", "hi", "--target-devices", "0,1", "--draft-devices", "2", "--bs", "16",
-                     "--w", "4", "--d", "3", "--max-seq-len", "2048", "--draft", "/models/small", "--threads", "2"])
+                     "--w", "4", "--d", "3", "--max-seq-len", "2048", "--draft", str(tmp_path), "--threads", "2"])
     assert result.exit_code == 0, result.output
     config = fake[0]
-    assert (config.target_devices, config.draft_devices, config.draft) == ([0, 1], [2], "/models/small")
+    assert (config.target_devices, config.draft_devices, config.draft) == ([0, 1], [2], str(tmp_path))
     assert (config.tree.bs, config.tree.w, config.tree.d, config.max_seq_len, config.threads) == (16, 4, 3, 2048, 2)
     assert config.verify_cost  # EngineConfig's default
     assert invoke(["chat", "-p", "hi", "--no-verify-cost"]).exit_code == 0 and not fake[-1].verify_cost
@@ -195,6 +84,7 @@ def test_chat_sampling_defaults_come_from_the_model(fake, data_dir, monkeypatch,
     generate = FakeEngine.generate
     monkeypatch.setattr(FakeEngine, "generate", lambda self, m, p: seen.append(p) or generate(self, m, p))
     assert invoke(["chat", "-p", "hi"]).exit_code == 0
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
     assert invoke(["chat", "-p", "hi", "-m", str(tmp_path / "x.gguf")]).exit_code == 0
     defaults = {f: getattr(CHAT_DEFAULTS, f) for f in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
                                                        "repeat_last_n", "loop_guard", "loop_repeats")}
@@ -243,7 +133,7 @@ def test_bad_input_exit_2(stdin, message, fake, data_dir):
 
 
 def test_engine_start_failure_exit_1(monkeypatch, data_dir):
-    from swiftspec.engine.client import EngineError
+    from swiftspec.engine.host.client import EngineError
 
     def start(config, progress):
         raise EngineError("the workers exited (torchrun exit code 1)")
@@ -349,12 +239,15 @@ def test_terminal_runs_the_tui(monkeypatch, data_dir, tmp_path):
             conversation.id) == ("sync", 0.5, "Be kind.", old)
 
 
-def test_missing_model_is_a_usage_error_before_the_tui(monkeypatch, data_dir, tmp_path):
+def test_missing_model_is_a_usage_error_before_the_tui(monkeypatch, data_dir, tmp_path, target_dir):
     monkeypatch.setattr(cli_chat, "_interactive", lambda: True)
     result = invoke(["chat", "--target", str(tmp_path / "missing")])
-    assert result.exit_code == 2 and "does not exist" in result.stderr
+    assert result.exit_code == 2 and result.stderr.startswith("swiftspec: --target: no model at ")
     result = invoke(["chat", "--draft", str(tmp_path / "missing-draft.gguf")])
-    assert result.exit_code == 2 and "missing-draft" in result.stderr
+    assert result.exit_code == 2 and result.stderr.startswith("swiftspec: --draft: no draft at ")
+    (tmp_path / "notes.txt").write_text("not a model")  # found only when the models are resolved: named too
+    result = invoke(["chat", "--target", str(target_dir), "--draft", str(tmp_path / "notes.txt")])
+    assert result.exit_code == 2 and f"draft '{tmp_path / 'notes.txt'}' is a file but not a .gguf" in result.stderr
 
 
 def test_bench_passes_its_options_through(monkeypatch, tmp_path):
@@ -399,8 +292,8 @@ def test_a_head_for_another_target_is_a_usage_error(monkeypatch, tmp_path):
     """--draft HEAD whose hidden size is not the target's: exit 2 before the TUI, naming both sizes."""
     from tiny_models import tiny_model_dir
 
-    from swiftspec.engine.draft_head import DraftHead, HeadArgs, save_head
-    from swiftspec.engine.model_dir import read_args
+    from swiftspec.engine.model.model_dir import read_args
+    from swiftspec.engine.spec.draft_head import DraftHead, HeadArgs, save_head
 
     target = tiny_model_dir(seed=1)
     args = HeadArgs.for_target(read_args(target))
@@ -415,19 +308,6 @@ def test_a_head_for_another_target_is_a_usage_error(monkeypatch, tmp_path):
 def test_train_draft_checks_its_values():
     result = invoke(["train-draft", "--out", "x", "--steps", "0"])
     assert result.exit_code == 2 and "steps" in result.stderr
-
-
-@pytest.mark.parametrize("text, message", [
-    ('max-new-tokens = "abc"\n', "max-new-tokens = 'abc': Invalid value: expected a whole number"),
-    ("temperature = -2\n", "temperature = -2.0: temperature must be a finite number >= 0"),
-    ("[chat]\nbs = 100\n", "bs = 100: bs (nodes verified per target forward) must be in 1..64"),
-])
-def test_a_bad_value_in_the_config_file_names_the_file(text, message, fake, data_dir, monkeypatch, tmp_path):
-    config = tmp_path / "config.toml"
-    config.write_text(text)
-    monkeypatch.setenv("SWIFTSPEC_CONFIG", str(config))
-    result = invoke(["chat", "-p", "hi"])
-    assert result.exit_code == 2 and f"{config}: {message}" in result.stderr, result.stderr
 
 
 def test_save_from_the_environment_and_the_id_it_prints(fake, data_dir, monkeypatch):
@@ -446,7 +326,7 @@ def test_quiet_leaves_stderr_empty(fake, data_dir):
 
 def test_a_prompt_that_cannot_fit_is_refused_before_the_engine_starts(fake, data_dir, monkeypatch):
     from swiftspec import window
-    from swiftspec.engine.client import Engine
+    from swiftspec.engine.host.client import Engine
 
     monkeypatch.setattr(Engine, "context", staticmethod(
         lambda config, progress=None: window.Context(FakeEngine.count_tokens, 1024, 1024)))
@@ -460,3 +340,69 @@ def test_a_prompt_that_cannot_fit_is_refused_before_the_engine_starts(fake, data
 def test_help_names_every_exit_code():
     out = " ".join(invoke(["chat", "--help"]).output.split())
     assert all(code in out for code in ("0 ok", "1 engine error", "2 usage error", "130 interrupted"))
+
+
+def test_serve_binds_its_port_before_any_worker_starts_and_hands_it_to_uvicorn(monkeypatch, data_dir):
+    """A taken port is refused before the engine starts (was: after loading it, seconds to minutes);
+    otherwise the socket bound first is the one uvicorn serves on."""
+    import socket
+
+    import uvicorn
+
+    from swiftspec.engine.host.client import Engine
+
+    started, served = [], []
+
+    def start(config, progress=None):  # the port is already ours when the workers would start
+        with pytest.raises(OSError):
+            socket.create_server(("127.0.0.1", port))
+        started.append(config)
+        return FakeEngine.start(config, progress)
+
+    monkeypatch.setattr(Engine, "start", staticmethod(start))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: served.extend(s.getsockname() for s in sockets))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = invoke(["serve", "--port", str(port)])
+        assert result.exit_code == 2 and not started
+        assert result.stderr == (f"swiftspec: --port: cannot listen on 127.0.0.1:{port} (Address already in use); "
+                                 "a free port, or 0 for any\n")
+    result = invoke(["serve", "--port", str(port)])
+    assert result.exit_code == 0, result.output
+    assert len(started) == 1 and served == [("127.0.0.1", port)]
+
+
+def test_grammar_flags_reach_the_engine_and_bad_files_are_usage_errors(fake, data_dir, monkeypatch, tmp_path):
+    from swiftspec.engine.config import Grammar, GrammarKind
+
+    seen = []
+    generate = FakeEngine.generate
+    monkeypatch.setattr(FakeEngine, "generate", lambda self, m, p: seen.append(p) or generate(self, m, p))
+    schema, lark, gbnf = tmp_path / "s.json", tmp_path / "g.lark", tmp_path / "g.gbnf"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    lark.write_text('start: "yes" | "no"')
+    gbnf.write_text('root ::= "yes" | "no"')
+    for flags, grammar in ((["--json"], Grammar(GrammarKind.JSON)),
+                           (["--json-schema", str(schema)], Grammar(GrammarKind.JSON_SCHEMA, schema.read_text())),
+                           (["--grammar", str(lark)], Grammar(GrammarKind.LARK, lark.read_text())),
+                           (["--grammar", str(gbnf)], Grammar(GrammarKind.LARK, gbnf.read_text()))):
+        result = invoke(["chat", "-p", "hi", *flags])
+        assert result.exit_code == 0, result.output
+        assert seen[-1].grammar == grammar
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "objectx"}')
+    for flags, words in ((["--json-schema", str(bad)], "objectx"), (["--grammar", str(tmp_path / "none")], "cannot be read"),
+                         (["--json", "--grammar", str(lark)], "one grammar")):
+        result = invoke(["chat", "-p", "hi", *flags])
+        assert result.exit_code == 2 and words in result.output, result.output
+
+
+@pytest.mark.slow
+def test_real_engine_answers_in_json(tiny_target, tmp_path):
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, '
+                      '"required": ["n"], "additionalProperties": false}')
+    result = swiftspec(["--target", tiny_target, "--max-seq-len", "256", "--max-new-tokens", "40", "--json-schema",
+                        str(schema), "-p", "a number", "--mode", "sync"], b"", tmp_path)
+    assert result.returncode == 0, result.stderr.decode()
+    assert 0 <= json.loads(result.stdout.decode())["n"] <= 99

@@ -125,5 +125,14 @@ def test_resume_on_a_locked_history_is_a_clear_usage_error(fake, data_dir, monke
 @pytest.mark.parametrize("command", ["show", "export", "delete"])
 def test_an_id_that_is_not_a_number_is_one_line(saved, command):  # noqa: F811
     result = invoke(["history", command, "abc"])
-    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "not 'abc'" in result.stderr
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "ID: 'abc' is not a whole number" in result.stderr
     assert "╭" not in result.output  # was: a Typer box
+
+
+def test_end_of_input_at_the_confirmation_is_a_no(saved):  # noqa: F811
+    """`swiftspec history delete ID </dev/null`: kept, exit 0, as a typed "n" (was: "Aborted.", exit 1)."""
+    first, _ = saved
+    result = invoke(["history", "delete", str(first)], stdin=b"")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.endswith(f"[y/N]: \nKept #{first}: How do I sort a list?\n"), result.stderr
+    assert "Aborted" not in result.output and first in [c.id for c in HistoryStore().list()]

@@ -7,8 +7,8 @@ import pytest
 from fake_engine import ANSWER, FakeEngine
 
 from swiftspec import window
-from swiftspec.config import SamplingParams
 from swiftspec.conversation import CannotAnswer, Conversation, Settings
+from swiftspec.engine.config import SamplingParams
 from swiftspec.history import HistoryStore
 
 

@@ -17,17 +17,17 @@ from safetensors.torch import save_file
 from tiny_models import make_tiny_gguf, q4_k_blocks
 
 from swiftspec import cache
-from swiftspec.engine import embedded
-from swiftspec.engine.loader import (
-    GGUF_BLOCKS,
+from swiftspec.engine.model import gguf_io
+from swiftspec.engine.model.gguf_io import GGUF_BLOCKS
+from swiftspec.engine.model.gguf_io import dequantize as our_dequantize
+from swiftspec.engine.model.loader import (
     convert_hf_state_dict,
     load_hf_model,
     load_model,
     read_hf_state_dict,
     read_weights,
 )
-from swiftspec.engine.loader import dequantize as our_dequantize
-from swiftspec.engine.model_dir import read_args
+from swiftspec.engine.model.model_dir import read_args
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def converted(tmp_path_factory):
     gguf = make_tiny_gguf(root / "tiny.Q4_1.gguf")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SWIFTSPEC_CACHE", str(root / "cache"))
-        out = embedded.ensure_converted(gguf)
+        out = gguf_io.ensure_converted(gguf)
     reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     return gguf, out, reference.state_dict()
 
@@ -79,7 +79,7 @@ def test_blocks_are_kept_and_the_rest_is_stored_exactly(converted):
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         meta = f.metadata()
         stored = {k: f.get_slice(k).get_dtype() for k in f.keys()}
-    blocks = json.loads(meta[embedded.GGUF_METADATA])
+    blocks = json.loads(meta[gguf_io.GGUF_METADATA])
     layer = "model.layers.0."
     assert {k: blocks.get(layer + k) for k in ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                                 "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -90,16 +90,16 @@ def test_blocks_are_kept_and_the_rest_is_stored_exactly(converted):
     assert all(stored[k] == "U8" for k in blocks)
     assert stored[layer + "mlp.up_proj.weight"] == "F16"
     assert stored[layer + "mlp.gate_proj.weight"] == stored[layer + "input_layernorm.weight"] == "F32"
-    assert meta[embedded.FORMAT_METADATA] == str(embedded.CONVERSION_FORMAT)
+    assert meta[gguf_io.FORMAT_METADATA] == str(gguf_io.CONVERSION_FORMAT)
     weights = (out / "model.safetensors").stat().st_size
     assert weights < 1.6 * gguf.stat().st_size  # the Q5_0 tensors, dequantised, are the excess
 
 
 def test_title_names_the_precision_and_the_source(converted, tmp_path):
     _, out, _ = converted
-    assert embedded.precision_label(out, "float32") == "fp32 (from Q8_0 GGUF)"  # most of the tiny GGUF's values
-    assert embedded.precision_label(out, "bfloat16") == "bf16 (from Q8_0 GGUF)"
-    assert embedded.precision_label(tmp_path, "float16") == "fp16"  # a plain model directory
+    assert gguf_io.precision_label(out, "float32") == "fp32 (from Q8_0 GGUF)"  # most of the tiny GGUF's values
+    assert gguf_io.precision_label(out, "bfloat16") == "bf16 (from Q8_0 GGUF)"
+    assert gguf_io.precision_label(tmp_path, "float16") == "fp16"  # a plain model directory
 
 
 def test_cache_list_shows_true_sizes(converted):
@@ -115,7 +115,7 @@ def test_older_formats_are_converted_again_and_removed(tmp_path, monkeypatch):
     monkeypatch.setenv("SWIFTSPEC_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + bytes(4092))
-    old = [embedded.converted_dir(gguf, f) for f in range(1, embedded.CONVERSION_FORMAT)]
+    old = [gguf_io.converted_dir(gguf, f) for f in range(1, gguf_io.CONVERSION_FORMAT)]
     for d in old:
         d.mkdir(parents=True)
         save_file({"w": torch.ones(8)}, str(d / "model.safetensors"))  # no swiftspec metadata, as then
@@ -128,8 +128,8 @@ def test_older_formats_are_converted_again_and_removed(tmp_path, monkeypatch):
         (out / "config.json").write_text("{}")
         (out / "model.safetensors").write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")
 
-    monkeypatch.setattr(embedded, "_convert", fake)
-    out = embedded.ensure_converted(gguf)
+    monkeypatch.setattr(gguf_io, "_convert", fake)
+    out = gguf_io.ensure_converted(gguf)
     assert len(calls) == 1 and out not in old and out.is_dir()
     assert not any(d.exists() for d in old)
 
@@ -139,7 +139,7 @@ def test_a_cold_conversion_draws_no_progress_bar(tmp_path, monkeypatch, capfd):
     onto stderr around them."""
     monkeypatch.setenv("SWIFTSPEC_CACHE", str(tmp_path / "cache"))
     lines = []
-    embedded.ensure_converted(make_tiny_gguf(tmp_path / "tiny.Q4_1.gguf"), lines.append)
+    gguf_io.ensure_converted(make_tiny_gguf(tmp_path / "tiny.Q4_1.gguf"), lines.append)
     assert capfd.readouterr().err == "" and len(lines) >= 4
 
 
@@ -165,13 +165,11 @@ def test_conversion_killed_half_way_is_cleaned_up_by_the_next_start(fake_gguf, m
     import subprocess
     import sys
 
-    from swiftspec.engine import embedded
-
-    converted = embedded.converted_dir(fake_gguf).parent
-    hang = ("import sys, time\nfrom swiftspec.engine import embedded\n"
+    converted = gguf_io.converted_dir(fake_gguf).parent
+    hang = ("import sys, time\nfrom swiftspec.engine.model import gguf_io\n"
             "def hang(gguf, out, console):\n    (out / 'model.safetensors').write_bytes(b'x' * 4096)\n"
             "    time.sleep(60)\n"
-            "embedded._convert = hang\nembedded.ensure_converted(embedded.Path(sys.argv[1]))\n")
+            "gguf_io._convert = hang\ngguf_io.ensure_converted(gguf_io.Path(sys.argv[1]))\n")
     proc = subprocess.Popen([sys.executable, "-c", hang, str(fake_gguf)])
     try:
         deadline = time.monotonic() + 30
@@ -179,15 +177,15 @@ def test_conversion_killed_half_way_is_cleaned_up_by_the_next_start(fake_gguf, m
             time.sleep(0.05)
         running = list(converted.glob(".tmp-*"))
         assert len(running) == 1
-        embedded._remove_stale_temp_dirs(converted)  # a conversion still running is left alone
+        gguf_io._remove_stale_temp_dirs(converted)  # a conversion still running is left alone
         assert running[0].is_dir()
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert running[0].is_dir()  # what a SIGKILL leaves behind
-    monkeypatch.setattr(embedded, "_convert", _fake_convert)
-    out = embedded.ensure_converted(fake_gguf)
-    assert embedded.damage(out) is None
+    monkeypatch.setattr(gguf_io, "_convert", _fake_convert)
+    out = gguf_io.ensure_converted(fake_gguf)
+    assert gguf_io.damage(out) is None
     assert sorted(p.name for p in converted.iterdir()) == [out.name]
 
 
@@ -197,15 +195,13 @@ def test_conversion_killed_half_way_is_cleaned_up_by_the_next_start(fake_gguf, m
     (lambda out: (out / "model.safetensors").write_bytes(b"\xff" * 16), "no readable header"),
 ])
 def test_damaged_conversion_is_detected_and_converted_again(harm, why, fake_gguf, monkeypatch):
-    from swiftspec.engine import embedded
-
     calls = []
-    monkeypatch.setattr(embedded, "_convert", lambda *a: (calls.append(1), _fake_convert(*a)))
-    out = embedded.ensure_converted(fake_gguf)
-    assert embedded.ensure_converted(fake_gguf) == out and len(calls) == 1  # intact: used as it is
+    monkeypatch.setattr(gguf_io, "_convert", lambda *a: (calls.append(1), _fake_convert(*a)))
+    out = gguf_io.ensure_converted(fake_gguf)
+    assert gguf_io.ensure_converted(fake_gguf) == out and len(calls) == 1  # intact: used as it is
     harm(out)
-    assert why in embedded.damage(out)
+    assert why in gguf_io.damage(out)
     said = []
-    assert embedded.ensure_converted(fake_gguf, said.append) == out and len(calls) == 2
-    assert embedded.damage(out) is None
+    assert gguf_io.ensure_converted(fake_gguf, said.append) == out and len(calls) == 2
+    assert gguf_io.damage(out) is None
     assert any("damaged" in line for line in said)  # through the caller's progress callback

@@ -1,4 +1,4 @@
-"""The CPU backends (engine/cpu_backends.py over kernels/cpu/): each row of a multi-row forward
+"""The CPU backends (engine/model/cpu_backends.py over kernels/cpu/): each row of a multi-row forward
 equals a one-row forward bit for bit, for every backend, row count and tree shape, so every decoding mode's
 greedy output is the target's by construction; the kernels compute what their formats stand for; the
 gguf backend stays close to the fp32 dequantised model; --dtype auto chooses by measurement."""
@@ -11,14 +11,15 @@ import torch
 from tiny_models import make_tiny_gguf, q4_k_blocks, single_thread, tiny_model_dir
 from tree_steps import tree_and_steps as verified_and_stepped
 
-from swiftspec.config import SamplingParams, TreeParams
-from swiftspec.engine import cpu_backends, embedded, loader
-from swiftspec.engine.cpu_backends import Blocks, PackedLinear
-from swiftspec.engine.decode import DraftState, TargetState
-from swiftspec.engine.drafters import ModelDrafter
-from swiftspec.engine.loader import load_model, read_hf_state_dict
-from swiftspec.engine.loop import generate
-from swiftspec.engine.tree import target_inputs
+from swiftspec.engine.config import SamplingParams, TreeParams
+from swiftspec.engine.model import cpu_backends, cpu_blocks, gguf_io
+from swiftspec.engine.model.cpu_backends import PackedLinear
+from swiftspec.engine.model.cpu_blocks import Blocks
+from swiftspec.engine.model.loader import load_model, read_hf_state_dict
+from swiftspec.engine.spec.decode import DraftState, TargetState
+from swiftspec.engine.spec.drafters import ModelDrafter
+from swiftspec.engine.spec.loop import generate
+from swiftspec.engine.spec.tree import target_inputs
 from swiftspec.kernels import cpu_linear, reference
 from swiftspec.kernels.cpu_linear import Format
 
@@ -43,7 +44,7 @@ def gguf_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SWIFTSPEC_CACHE", str(root / "cache"))
-        return embedded.ensure_converted(make_tiny_gguf(root / "tiny.gguf", layers=3, hidden=128))
+        return gguf_io.ensure_converted(make_tiny_gguf(root / "tiny.gguf", layers=3, hidden=128))
 
 
 def float_dir():
@@ -93,7 +94,7 @@ def test_the_gguf_backend_runs_the_files_own_blocks(gguf_dir):
     emb = model.tok_embeddings(torch.arange(10))
     assert torch.equal(emb, hf["model.embed_tokens.weight"][:10])
     assert fmts["layers.2.feed_forward.w2"] == Format.Q4  # Q4_K
-    assert model.precision.startswith("int4 (Q4_0/Q4_1/Q4_K blocks) · int16 activations")
+    assert model.precision.startswith("gguf (Q4_0/Q4_1/Q4_K blocks) · int16 activations")
 
 
 def test_gguf_logits_stay_close_to_the_fp32_dequantised_model(gguf_dir):
@@ -132,12 +133,19 @@ def test_kernel_rows_are_independent_and_compute_the_format(fmt, threads):
 
 
 @pytest.mark.parametrize("fmt", [Format.Q4, Format.Q8])
-def test_the_kernel_order_holds_the_same_weights(fmt):
-    blocks = Blocks.quantize(torch.randn(5, 32 * 19), fmt)  # two groups of 8 blocks and three alone
-    ordered = blocks.in_kernel_order()
-    assert ordered.kernel_order and not torch.equal(ordered.qs, blocks.qs)
-    assert torch.equal(cpu_backends.from_kernel_order(ordered.qs), blocks.qs)
-    assert torch.equal(ordered.rows(torch.tensor([3, 1])).dequantize(), blocks.dequantize()[[3, 1]])
+@pytest.mark.parametrize("columns", [5, 16, 37])  # one padded panel, one whole, two and a padded one
+def test_the_panels_hold_the_same_weights(fmt, columns):
+    blocks = Blocks.quantize(torch.randn(columns, 32 * 19), fmt)
+    panels = blocks.in_panels()
+    assert panels.panels and panels.shape == blocks.shape and panels.qs.shape[0] == -(-columns // 16)
+    assert torch.equal(cpu_blocks.from_panels(panels.qs, columns), blocks.qs)
+    assert torch.equal(panels.in_gguf_order().d, blocks.d)
+    assert torch.equal(panels.dequantize(), blocks.dequantize())
+    assert torch.equal(panels.rows(torch.tensor([3, 1, columns - 1])).dequantize(),
+                       blocks.dequantize()[[3, 1, columns - 1]])
+    if columns == 16:  # column c's pair j of block b: 2 bytes at (b, j, c)
+        pairs = panels.qs.view(torch.int16).reshape(1, 19, -1, 16)
+        assert torch.equal(pairs[0, 7, 2, 11], blocks.qs[11, 7].view(torch.int16)[2])
 
 
 def test_q4_blocks_dequantise_as_gguf_does():
@@ -153,7 +161,7 @@ def test_q4_blocks_dequantise_as_gguf_does():
     raw = q4_k_blocks(np.random.default_rng(0), 8, 512)  # Q4_K: gguf-py only dequantises it
     want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K))
     assert torch.equal(Blocks.from_gguf(torch.from_numpy(raw), "Q4_K").dequantize(), want)
-    assert torch.equal(loader.dequantize(torch.from_numpy(raw), "Q4_K"), want)  # as the conversion checks
+    assert torch.equal(gguf_io.dequantize(torch.from_numpy(raw), "Q4_K"), want)  # as the conversion checks
 
 
 def test_attention_rows_are_independent_and_match_the_reference():
@@ -194,7 +202,7 @@ def test_auto_weighs_step_time_against_verification_cost():
 
 
 def test_synthetic_costs_measure_every_row_count():
-    from swiftspec.engine.model_args import ModelArgs
+    from swiftspec.engine.model.model_args import ModelArgs
 
     args = ModelArgs.from_hf_config(json.loads((float_dir() / "config.json").read_text()))
     for backend in ("gguf", "float16"):

@@ -1,6 +1,6 @@
 """The CPU kernels' ISA paths (kernels/cpu/): every path this machine runs computes what the portable path
-computes, bit for bit, on random shapes with loose tail blocks, every format and row count, one thread or
-two; every path, whether it runs here or not, compiles; the library names the path it runs and keeps the
+computes, bit for bit, on random shapes (partial panels, odd block counts), every format and row count,
+one thread or two; every path, whether it runs here or not, compiles; the library names the path it runs and keeps the
 one it measured fastest."""
 
 import json
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from swiftspec.engine import cpu_backends
+from swiftspec.engine.model import cpu_backends, cpu_blocks
 from swiftspec.kernels import cpu_linear
 from swiftspec.kernels.cpu_linear import Format
 
@@ -38,11 +38,16 @@ def on_every_path(dll, fn) -> dict[str, torch.Tensor]:
 
 
 def weights(g: torch.Generator, fmt: Format, n: int, k: int):
-    """Random packed weights: any bytes are valid blocks (Q4: 16 nibble pairs, Q8: 32 int8 a block)."""
+    """Random packed weights, in panels: any bytes are valid blocks (Q4: 16 nibble pairs, Q8: 32 int8 a
+    block), and the padding columns of the last panel hold random values too (the kernels must not store
+    them)."""
     nb = k // 32
     if fmt in (Format.Q4, Format.Q8):
-        qs = torch.randint(-128, 128, (n, nb * (16 if fmt == Format.Q4 else 32)), generator=g, dtype=torch.int8)
-        return qs, torch.rand(n, nb, generator=g) * 0.02, torch.randn(n, nb, generator=g) * 0.02
+        panels = -(-n // cpu_blocks.PANEL)
+        qs = torch.randint(-128, 128, (panels, nb, cpu_blocks.PANEL * (16 if fmt == Format.Q4 else 32)), generator=g,
+                           dtype=torch.int8)
+        scales = (panels, nb, cpu_blocks.PANEL)
+        return qs, torch.rand(*scales, generator=g) * 0.02, torch.randn(*scales, generator=g) * 0.02
     return (torch.randn(n, k, generator=g) * 0.1).to(FLOAT_DTYPES[fmt]), None, None
 
 
@@ -55,11 +60,11 @@ def test_the_portable_path_and_a_vector_one_run_on_x86(dll):
 
 
 @pytest.mark.parametrize("fmt", list(Format))
-@pytest.mark.parametrize("blocks", [1, 7, 8, 9, 15, 18, 31, 48])  # tails of every group size, full groups, both
+@pytest.mark.parametrize("blocks", [1, 7, 8, 9, 15, 18, 31, 48])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_path_computes_the_portable_bits(dll, fmt, blocks, threads):
     g = torch.Generator().manual_seed(blocks * 10 + int(fmt))
-    k, n = 32 * blocks, 41
+    k, n = 32 * blocks, 105  # 7 panels, the last partial: tiles of 4, 2 and 1 panels
     w, d, m = weights(g, fmt, n, k)
     bias = torch.randn(n, generator=g)
     x = torch.randn(11, k, generator=g)
@@ -73,6 +78,22 @@ def test_every_path_computes_the_portable_bits(dll, fmt, blocks, threads):
     for name in outs:
         assert torch.equal(outs[name], outs[PORTABLE]), name
         assert torch.equal(rows[name], outs[PORTABLE]), name  # row invariance on every path
+
+
+@pytest.mark.parametrize("fmt", [Format.Q4, Format.Q8])
+def test_every_row_tile_computes_the_portable_bits(dll, fmt):
+    """Every count of rows a verification sends (each tile size, and counts split into several tiles)."""
+    g = torch.Generator().manual_seed(int(fmt))
+    k, n = 32 * 18, 105
+    w, d, m = weights(g, fmt, n, k)
+    x = torch.randn(17, k, generator=g)
+    alone = on_every_path(dll, lambda: torch.cat([cpu_linear.linear(dll, fmt, x[i:i + 1], n, w, d, m)
+                                                   for i in range(len(x))]))
+    for rows in range(2, len(x) + 1):
+        outs = on_every_path(dll, lambda rows=rows: cpu_linear.linear(dll, fmt, x[:rows], n, w, d, m))
+        for name in outs:
+            assert torch.equal(outs[name], alone[PORTABLE][:rows]), (name, rows)
+            assert torch.equal(alone[name], alone[PORTABLE]), name
 
 
 @pytest.mark.parametrize("fmt", [Format.Q4, Format.Q8])
@@ -91,9 +112,9 @@ def test_half_scales_give_the_bits_of_their_float_values(dll, fmt, blocks):
 
 
 def test_a_gguf_weight_keeps_its_scales_in_half(dll):
-    blocks = cpu_backends.Blocks.quantize(torch.randn(8, 64), Format.Q4)
+    blocks = cpu_blocks.Blocks.quantize(torch.randn(8, 64), Format.Q4)
     assert cpu_backends.PackedLinear(dll, blocks, Format.Q4).d.dtype == torch.float32  # fp32 range / 15
-    half = cpu_backends.Blocks(Format.Q4, "Q4_1", blocks.qs, blocks.d.half().float(), blocks.m.half().float())
+    half = cpu_blocks.Blocks(Format.Q4, "Q4_1", blocks.qs, blocks.d.half().float(), blocks.m.half().float())
     packed = cpu_backends.PackedLinear(dll, half, Format.Q4)
     assert packed.d.dtype == packed.m.dtype == torch.float16
     assert torch.equal(packed.weight, half.dequantize())
@@ -103,8 +124,7 @@ def test_the_paths_compute_the_format(dll):
     """The common answer is the right one: Q4 weights as d q + m against fp32 math, within int16's error."""
     g = torch.Generator().manual_seed(1)
     w, d, m = weights(g, Format.Q4, 64, 32 * 19)
-    qs = w.view(torch.uint8).reshape(64, 19, 16)
-    blocks = cpu_backends.Blocks(Format.Q4, "int4", qs, d, m, kernel_order=True)
+    blocks = cpu_blocks.Blocks(Format.Q4, "int4", w.view(torch.uint8), d, m, panels=True, n=64)
     x = torch.randn(5, 32 * 19, generator=g)
     want = x @ blocks.dequantize().T
     out = cpu_linear.linear(dll, Format.Q4, x, 64, w, d, m)
@@ -112,9 +132,10 @@ def test_the_paths_compute_the_format(dll):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 32, 40, 36])  # the constant-D copies, the general loop, no 8
-def test_every_path_attends_as_the_portable_one(dll, head_dim):
+@pytest.mark.parametrize("h, hkv", [(6, 2), (4, 1), (2, 2)])  # groups of 3 heads (a pair and one), 4, 1
+def test_every_path_attends_as_the_portable_one(dll, head_dim, h, hkv):
     g = torch.Generator().manual_seed(head_dim)
-    t, h, hkv, s, s_max = 6, 6, 2, 77, 90
+    t, s, s_max = 6, 77, 90
     q = torch.randn(t, h, head_dim, generator=g)
     k, v = torch.randn(hkv, s_max, head_dim, generator=g), torch.randn(hkv, s_max, head_dim, generator=g)
     mask = torch.rand(t, s, generator=g) < 0.5

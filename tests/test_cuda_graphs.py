@@ -1,4 +1,4 @@
-"""GraphedModel (engine/cuda_graphs.py) and the TP all-reduce (engine/allreduce.py).
+"""GraphedModel (engine/model/cuda_graphs.py) and the TP all-reduce (engine/model/allreduce.py).
 
 On CPU: the padded forward (``capture=False``, the graph path without capture) gives the plain model's
 logits and K/V, and its scratch slot never touches a real slot. On CUDA (marked gpu): graph replays give
@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from swiftspec.engine.cuda_graphs import GraphedModel
-from swiftspec.engine.loader import load_model
+from swiftspec.engine.model.cuda_graphs import GraphedModel
+from swiftspec.engine.model.loader import load_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 USABLE = 100  # slots the engine may use; the wrapped model has one more (the scratch slot)
@@ -215,7 +215,7 @@ def test_gpu_greedy_decode_graphed_equals_eager(model_dir):
 def _all_reduce_worker(rank: int, world: int, store: str, out: dict) -> None:
     import torch.distributed as dist
 
-    from swiftspec.engine import allreduce
+    from swiftspec.engine.model import allreduce
 
     os.environ["LOCAL_WORLD_SIZE"] = os.environ["WORLD_SIZE"] = str(world)  # one node, as torchrun sets
     torch.cuda.set_device(rank)

@@ -1,6 +1,6 @@
 import pytest
 
-from swiftspec.engine.detok import IncrementalDetokenizer
+from swiftspec.engine.host.detok import IncrementalDetokenizer
 
 TEXTS = [
     "Hello 👋🏽 world 🎉!",

@@ -9,24 +9,17 @@ import torch
 from helpers.stats import chi_square_p
 from tiny_models import single_thread, tiny_model_dir
 
-from swiftspec.config import SamplingParams, TreeParams
-from swiftspec.engine.decode import DraftState, TargetState
-from swiftspec.engine.draft_head import (
-    DraftHead,
-    HeadArgs,
-    HeadDrafter,
-    HeadError,
-    is_head_dir,
-    load_head,
-    save_head,
-)
-from swiftspec.engine.drafters import make_drafter
-from swiftspec.engine.loader import load_model
-from swiftspec.engine.loop import generate
-from swiftspec.engine.model import FP16WeightLinear
-from swiftspec.engine.model_dir import resolve_draft
-from swiftspec.engine.sampling import Sampler
-from swiftspec.engine.tree_cache import causal_mask
+from swiftspec.engine.config import DraftKind, SamplingParams, TreeParams
+from swiftspec.engine.host.startup import resolve_draft
+from swiftspec.engine.model.fp16_linear import FP16WeightLinear
+from swiftspec.engine.model.loader import load_model
+from swiftspec.engine.spec.decode import DraftState, TargetState
+from swiftspec.engine.spec.draft_head import DraftHead, HeadArgs, HeadDrafter, load_head, save_head
+from swiftspec.engine.spec.draft_spec import DraftSpec, HeadError, is_head_dir
+from swiftspec.engine.spec.drafters import make_drafter
+from swiftspec.engine.spec.loop import generate
+from swiftspec.engine.spec.sampling import Sampler
+from swiftspec.engine.spec.tree_cache import causal_mask
 from swiftspec.train_draft import unroll
 
 PROMPTS = [[5, 17, 300, 42, 8, 99], [1, 200, 201, 202, 203, 200, 201]]
@@ -207,7 +200,7 @@ def test_our_format_round_trips(target, target_dir, tmp_path):
     for (k, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
     assert loaded.lm_head_weight.shape[0] == 5
-    assert resolve_draft(str(tmp_path / "head"), target_dir) == str(tmp_path / "head")
+    assert resolve_draft(str(tmp_path / "head"), target_dir) == DraftSpec(DraftKind.HEAD, tmp_path / "head")
 
 
 def test_the_cpu_drafter_packs_the_head_in_fp16(target, target_dir, tmp_path):
@@ -215,7 +208,7 @@ def test_the_cpu_drafter_packs_the_head_in_fp16(target, target_dir, tmp_path):
     its features and logits stay those of the fp32 head to fp16 rounding."""
     head = random_head(target, d2t=torch.arange(0, 320, 3))
     save_head(head, tmp_path / "head")
-    drafter = make_drafter(str(tmp_path / "head"), target_dir, False, False, load=None)
+    drafter = make_drafter(DraftSpec.of(str(tmp_path / "head")), target_dir, False, False, load=None)
     packed = drafter.head
     assert isinstance(packed.lm_head, FP16WeightLinear) and isinstance(packed.feed_forward.w13, FP16WeightLinear)
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())

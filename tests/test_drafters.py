@@ -7,13 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import make_tokenizer, single_thread, tiny_model_dir
 
-from swiftspec.config import TreeParams
-from swiftspec.engine.corpus import CorpusIndex, check_corpus, load_corpus, read_metadata, save_corpus
-from swiftspec.engine.decode import DraftState
-from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter, VocabMismatch, check_vocab_compatible
-from swiftspec.engine.loader import load_model
-from swiftspec.engine.model_dir import LoadError
-from swiftspec.engine.tree_cache import causal_mask
+from swiftspec.engine.config import TreeParams
+from swiftspec.engine.model.loader import load_model
+from swiftspec.engine.model.model_dir import LoadError
+from swiftspec.engine.spec.corpus import CorpusIndex, check_corpus, load_corpus, read_metadata, save_corpus
+from swiftspec.engine.spec.decode import DraftState
+from swiftspec.engine.spec.drafters import ModelDrafter, SuffixDrafter, VocabMismatch, check_vocab_compatible
+from swiftspec.engine.spec.tree_cache import causal_mask
 
 tokens_st = st.lists(st.integers(0, 3), max_size=60)  # a small alphabet makes repeats likely
 

@@ -4,13 +4,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from swiftspec.config import SamplingParams
-from swiftspec.engine import embedded
-from swiftspec.engine.client import encode_chat
-from swiftspec.engine.decode import TargetState
-from swiftspec.engine.loader import load_model
-from swiftspec.engine.loop import generate
-from swiftspec.engine.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir, tokenizer_eos_id
+from swiftspec.engine.config import SamplingParams
+from swiftspec.engine.host.encode import encode_chat
+from swiftspec.engine.model import embedded, gguf_io
+from swiftspec.engine.model.loader import load_model
+from swiftspec.engine.model.model_dir import (
+    eos_token_ids,
+    load_tokenizer,
+    resolve_model_dir,
+    tokenizer_eos_id,
+)
+from swiftspec.engine.spec.decode import TargetState
+from swiftspec.engine.spec.loop import generate
 
 CHATS = [
     "What is the capital of France? Answer in one sentence.",
@@ -59,8 +64,8 @@ def test_conversion_is_keyed_by_content_not_path(tmp_path, monkeypatch):
         path.parent.mkdir()
         path.write_bytes(content)
     c.write_bytes(content[:-1] + b"x")
-    assert embedded.converted_dir(a) == embedded.converted_dir(b) != embedded.converted_dir(c)
-    assert embedded.converted_dir(a).parent == tmp_path / "cache" / "converted"
+    assert gguf_io.converted_dir(a) == gguf_io.converted_dir(b) != gguf_io.converted_dir(c)
+    assert gguf_io.converted_dir(a).parent == tmp_path / "cache" / "converted"
 
 
 def test_interrupted_conversion_leaves_no_cache_entry(tmp_path, monkeypatch):
@@ -72,7 +77,7 @@ def test_interrupted_conversion_leaves_no_cache_entry(tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", killed)
     with pytest.raises(KeyboardInterrupt):
-        embedded.ensure_converted(embedded.embedded_gguf_path())
+        gguf_io.ensure_converted(embedded.embedded_gguf_path())
     assert list((tmp_path / "converted").iterdir()) == []
 
 
@@ -86,7 +91,7 @@ def hf_from_gguf():
 def test_conversion_keeps_the_blocks_and_loads_bit_for_bit(embedded_dir, hf_from_gguf):
     """The converted copy is about the GGUF's size (fp32 was 538 MB), and what loads from it is exactly
     transformers' fp32 dequantisation of the GGUF, through the loader and through load_hf_model alike."""
-    from swiftspec.engine.loader import load_hf_model, read_hf_state_dict
+    from swiftspec.engine.model.loader import load_hf_model, read_hf_state_dict
 
     weights = (embedded_dir / "model.safetensors").stat().st_size
     assert weights < 1.1 * embedded.embedded_gguf_path().stat().st_size
@@ -95,7 +100,7 @@ def test_conversion_keeps_the_blocks_and_loads_bit_for_bit(embedded_dir, hf_from
     assert all(torch.equal(ours[k].float(), reference[k]) for k in ours) and len(ours) == len(reference) - 1
     hf = load_hf_model(embedded_dir).state_dict()
     assert all(torch.equal(hf[k], v) for k, v in reference.items())
-    assert embedded.precision_label(embedded_dir, "float32") == "fp32 (from Q4_1 GGUF)"
+    assert gguf_io.precision_label(embedded_dir, "float32") == "fp32 (from Q4_1 GGUF)"
 
 
 def test_the_eos_read_from_the_files_is_the_tokenizers(embedded_dir, embedded_tokenizer):
@@ -120,11 +125,11 @@ def test_greedy_equals_transformers_generate(embedded_dir, embedded_tokenizer, h
 def test_the_gguf_backend_stays_close_to_the_fp32_dequantised_model(embedded_dir, embedded_tokenizer):
     """int16 activations over 30 layers: the last position's logits within 0.2 % of their range of the
     fp32 model's (measured: 0.02-0.03 %; int8 activations, as llama.cpp's, gave 5-6 %), same top token."""
-    from swiftspec.engine.tree_cache import prefill_forward
+    from swiftspec.engine.spec.tree_cache import prefill_forward
 
     ours = load_model(embedded_dir, dtype="gguf", max_slots=512)
     fp32 = load_model(embedded_dir, dtype="float32", max_slots=512)
-    assert ours.precision.startswith("int4 (Q4_1 blocks)")
+    assert ours.precision.startswith("gguf (Q4_1 blocks)")
     for prompt in CHATS:
         ids = encode_chat(embedded_tokenizer, [{"role": "user", "content": prompt}])
         a, _ = prefill_forward(ours, ids, 0)

@@ -18,15 +18,16 @@ import torch
 from helpers.engines import N_TOKENS, PENALISED, PROMPTS, answer, no_processes_left, reference, start
 from tiny_models import tiny_model_dir
 
-from swiftspec.config import ConfigError, EngineConfig, SamplingParams, TreeParams
-from swiftspec.engine.client import Engine, EngineError, encode_chat
+from swiftspec.engine.config import ConfigError, EngineConfig, SamplingParams, TreeParams
+from swiftspec.engine.host.client import Engine, EngineError
+from swiftspec.engine.host.encode import encode_chat
 from swiftspec.engine.worker.profiling import choose_d
 
 
 def _tp_logits(rank: int, world: int, store_path: str, paths: list, out: dict) -> None:
     import torch.distributed as dist
 
-    from swiftspec.engine.loader import load_model
+    from swiftspec.engine.model.loader import load_model
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -207,6 +208,19 @@ def test_stop_strings_eos_and_multi_turn_reuse(self_engine):
 
 
 @pytest.mark.slow
+def test_a_turn_is_templated_once(self_engine, monkeypatch):
+    """count_tokens (the chat's window) and then generate of the same messages: one template pass."""
+    calls = []
+    template = self_engine.tokenizer.apply_chat_template
+    monkeypatch.setattr(self_engine.tokenizer, "apply_chat_template",
+                        lambda *a, **k: (calls.append(1), template(*a, **k))[1])
+    messages = PROMPTS[2] + [{"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Once?"}]
+    n = self_engine.count_tokens(messages)
+    events = list(self_engine.generate(messages, SamplingParams(mode="ar", max_new_tokens=2)))
+    assert len(calls) == 1 and events[0].stats.prefill_tokens <= n
+
+
+@pytest.mark.slow
 def test_cancel_then_generate_again(self_engine, references):
     gen = self_engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=2000, ignore_eos=True))
     next(gen)
@@ -312,8 +326,8 @@ def test_worker_start_up_failure_carries_the_cause(tmp_path, target_dir):
 
 
 def _corpus(path: Path, model_dir: Path, sequences: list[tuple[list[int], int]] | None = None) -> Path:
-    from swiftspec.engine.corpus import save_corpus
-    from swiftspec.engine.model_dir import load_tokenizer
+    from swiftspec.engine.model.model_dir import load_tokenizer
+    from swiftspec.engine.spec.corpus import save_corpus
 
     save_corpus(path, sequences or [([1, 2, 3, 4], 2)], load_tokenizer(Path(model_dir)))
     return path
@@ -324,7 +338,7 @@ def test_a_corpus_of_the_targets_answers_drafts_them_and_every_mode_stays_exact(
     """The suffix drafter with a corpus of the target's own answers to these prompts (session history off:
     an earlier mode's answer must not be what drafts): the first round of each answer, which has nothing
     of its own to copy yet, is drafted from the corpus and accepted; the tokens are ar's."""
-    from swiftspec.engine.model_dir import load_tokenizer
+    from swiftspec.engine.model.model_dir import load_tokenizer
 
     tok = load_tokenizer(Path(target_dir))
     prompts = [encode_chat(tok, m) for m in PROMPTS]
@@ -343,7 +357,7 @@ def test_a_corpus_of_the_targets_answers_drafts_them_and_every_mode_stays_exact(
 
 
 def test_a_bad_draft_corpus_is_refused_at_start(target_dir, tmp_path):
-    from swiftspec.engine.model_dir import LoadError
+    from swiftspec.engine.model.model_dir import LoadError
 
     with pytest.raises(ConfigError, match="suffix drafter"):
         start(target_dir, "int8", draft_corpus=str(tmp_path / "answers.safetensors"))
@@ -357,7 +371,7 @@ def test_a_bad_draft_corpus_is_refused_at_start(target_dir, tmp_path):
 
 
 def test_draft_with_another_vocabulary_is_refused_at_start(target_dir):
-    from swiftspec.engine.drafters import VocabMismatch
+    from swiftspec.engine.spec.drafters import VocabMismatch
 
     with pytest.raises(VocabMismatch, match="tokenizer"):
         start(target_dir, str(tiny_model_dir(vocab=320)))
@@ -395,8 +409,8 @@ def test_embedded_model_async_equals_ar():
 def test_workers_started_as_programs_answer_as_forked_ones(target_dir, monkeypatch):
     """On GPUs torchrun starts the workers as programs (it never forks there), on the CPU it forks them:
     the program path, run here on the CPU, answers the same, and ends every process."""
-    from swiftspec.engine import launcher
-    from swiftspec.engine.torchrun import WORKER_NAME
+    from swiftspec.engine.host import launcher
+    from swiftspec.engine.worker.torchrun import WORKER_NAME
 
     expected = reference(target_dir, PROMPTS[0], 16)
     build = launcher.build_command

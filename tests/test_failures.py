@@ -14,14 +14,15 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers.engines import PROMPTS, Exited, start
+from helpers.engines import PROMPTS, Exited, in_thread, start
 
-from swiftspec.config import ConfigError, EngineConfig, SamplingParams
-from swiftspec.engine import launcher, protocol
-from swiftspec.engine.client import EngineError, encode_chat
-from swiftspec.engine.failures import WorkerOutput
-from swiftspec.engine.spec import WorkerSpec
-from swiftspec.engine.torchrun import WORKER_NAME
+from swiftspec.engine.config import ConfigError, EngineConfig, SamplingParams
+from swiftspec.engine.host import launcher, protocol
+from swiftspec.engine.host.client import EngineError
+from swiftspec.engine.host.encode import encode_chat
+from swiftspec.engine.host.failures import WorkerOutput
+from swiftspec.engine.host.worker_spec import WorkerSpec
+from swiftspec.engine.worker.torchrun import WORKER_NAME
 
 
 def _children_by_parent() -> dict[int, list[int]]:
@@ -206,8 +207,8 @@ def test_workers_die_with_a_torchrun_killed_before_they_import_torch(target_dir,
 
 DRIVER = r"""
 import sys
-from swiftspec.config import EngineConfig, SamplingParams
-from swiftspec.engine.client import Engine, EngineError
+from swiftspec.engine.config import EngineConfig, SamplingParams
+from swiftspec.engine.host.client import Engine, EngineError
 
 target, stage = sys.argv[1], sys.argv[2]
 say = lambda text: print(text, flush=True)
@@ -322,7 +323,7 @@ def test_ctrl_c_with_a_hung_worker_ends_the_group(target_dir, presses):
     """The target rank stops responding mid-answer (SIGSTOP); Ctrl-C gives up on it after
     CANCEL_TIMEOUT_S, a second Ctrl-C at once; abandoning the answer (presses 0: the iterator is closed)
     returns within CANCEL_TIMEOUT_S and the group's end, as Engine.generate documents."""
-    from swiftspec.engine import client
+    from swiftspec.engine.host import client
 
     eng = start(target_dir, max_seq_len=4096)
     streaming = threading.Event()
@@ -395,7 +396,7 @@ Root Cause (first observed failure):
      "the draft worker (rank 1) exited with code 1\nLoadError: weights do not match the config\n"),
     # torchrun names only the first failure it polls (workers it forked): the rank whose own exception
     # was printed is found too
-    ("[rank1]: swiftspec.engine.model_dir.LoadError: weights do not match the config\n"
+    ("[rank1]: swiftspec.engine.model.model_dir.LoadError: weights do not match the config\n"
      "[rank0]: RuntimeError: gloo Connection closed by peer\nfailed (exitcode: 1) local_rank: 0 (pid: 11) of fn: "
      "forked_worker (start_method: fork)\n", 1,
      "the draft worker (rank 1) exited with code 1\nLoadError: weights do not match the config\n"),
@@ -411,3 +412,21 @@ def test_failure_report_names_the_worker_and_the_log(tmp_path, output, n_target,
     assert message.startswith(said), message
     assert message.endswith(str(tmp_path / "workers.log")) and "exitcode" not in message
     assert (tmp_path / "workers.log").read_text() == output
+
+
+def test_the_watch_tells_which_process_exited_first_from_the_process_itself():
+    import subprocess
+
+    from swiftspec.engine.host.client import _first_exit
+
+    sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    try:
+        watching = in_thread(_first_exit, {p.pid for p in sleepers})
+        time.sleep(0.2)  # the watch waits on the pidfds meanwhile
+        sleepers[1].kill()  # not reaped: a zombie still counts as exited
+        assert watching() == sleepers[1].pid
+        assert _first_exit({sleepers[0].pid, 2 ** 22 + 12345}) == 2 ** 22 + 12345  # gone already
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()

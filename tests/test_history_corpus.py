@@ -19,14 +19,16 @@ from hypothesis import strategies as st
 from tiny_models import tiny_model_dir
 
 from swiftspec import window
-from swiftspec.config import EngineConfig, SamplingParams, TreeParams
 from swiftspec.conversation import Conversation, Settings
-from swiftspec.engine import history_corpus, launcher
-from swiftspec.engine.corpus import CorpusIndex
-from swiftspec.engine.decode import DraftState
-from swiftspec.engine.drafters import SuffixDrafter, make_drafter
-from swiftspec.engine.history_corpus import StoredHistory, summarise, tokenizer_fingerprint
-from swiftspec.engine.spec import WorkerSpec
+from swiftspec.engine.config import DraftKind, EngineConfig, SamplingParams, TreeParams
+from swiftspec.engine.host import launcher
+from swiftspec.engine.host.worker_spec import WorkerSpec
+from swiftspec.engine.spec import history_corpus
+from swiftspec.engine.spec.corpus import CorpusIndex
+from swiftspec.engine.spec.decode import DraftState
+from swiftspec.engine.spec.draft_spec import DraftSpec
+from swiftspec.engine.spec.drafters import SuffixDrafter, make_drafter
+from swiftspec.engine.spec.history_corpus import StoredHistory, summarise, tokenizer_fingerprint
 from swiftspec.history import HistoryStore
 
 VOCAB = "v" * 64
@@ -201,10 +203,10 @@ def test_draft_history_off_restores_the_drafter_without_history(tmp_path):
     save(store, [1, 2, 3])
     target = tiny_model_dir(seed=0)
     make = dict(target_dir=target, trust_remote_code=False, load=None, history_db=store.path)
-    off = make_drafter("suffix", history=False, **make)
+    off = make_drafter(DraftSpec(DraftKind.SUFFIX), history=False, **make)
     assert off.stored is None and off.history_tokens == 0
-    assert make_drafter("suffix", history=True, **{**make, "history_db": None}).stored is None
-    assert make_drafter("suffix", history=True, **make).stored is not None
+    assert make_drafter(DraftSpec(DraftKind.SUFFIX), history=True, **{**make, "history_db": None}).stored is None
+    assert make_drafter(DraftSpec(DraftKind.SUFFIX), history=True, **make).stored is not None
     config = EngineConfig(target=str(target), history_db=str(store.path))
     spec = WorkerSpec(config, launcher.plan_layout(config, 0), str(target), "suffix")
     read = WorkerSpec.from_dict(json.loads(json.dumps(spec.to_dict()))).config  # as the workers read it

@@ -13,11 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from swiftspec.config import ConfigError, EngineConfig, TreeParams
-from swiftspec.engine import launcher
-from swiftspec.engine.client import Engine
-from swiftspec.engine.protocol import RankInfo
-from swiftspec.engine.spec import WorkerSpec
+from swiftspec.engine.config import ConfigError, EngineConfig, TreeParams
+from swiftspec.engine.host import launcher
+from swiftspec.engine.host.client import Engine
+from swiftspec.engine.host.protocol import RankInfo
+from swiftspec.engine.host.worker_spec import WorkerSpec
+from swiftspec.engine.spec.draft_spec import DraftSpec
 from swiftspec.engine.worker.profiling import choose_d
 from swiftspec.engine.worker.setup import _cpu_threads, draft_shares_cores, parse_args
 
@@ -93,7 +94,7 @@ def test_the_workers_read_the_spec_the_engine_wrote(tmp_path):
 def test_build_command():
     worker = ["--spec=/run/x/spec.json"]
     cmd = launcher.build_command(worker, 3, Path("/run/x"))
-    assert cmd[1:4] == ["-m", "swiftspec.engine.torchrun", "--nproc-per-node=3"]
+    assert cmd[1:4] == ["-m", "swiftspec.engine.worker.torchrun", "--nproc-per-node=3"]
     # no --standalone: its TCPStore would listen on every interface
     assert "--standalone" not in cmd and "--rdzv-backend=swiftspec-local" in cmd and "--log-dir=/run/x/logs" in cmd
     assert cmd[cmd.index("swiftspec.engine.worker") + 1:] == worker
@@ -114,8 +115,8 @@ def test_build_command():
 
 def test_the_engine_resolves_the_models_and_plans_the_layout_without_torch(target_dir):
     """Importing torch costs ~1.5 s of start-up: the Engine's work before it spawns torchrun must not."""
-    code = ("import sys; from swiftspec.engine import launcher, startup; from swiftspec.engine.model_dir import "
-            "read_args, resolve_draft, resolve_model_dir; from swiftspec.config import EngineConfig; "
+    code = ("import sys; from swiftspec.engine.host import launcher, startup; from swiftspec.engine.model.model_dir import "
+            "read_args, resolve_model_dir; from swiftspec.engine.host.startup import resolve_draft; from swiftspec.engine.config import EngineConfig; "
             f"d = resolve_model_dir({str(target_dir)!r}); resolve_draft('suffix', d); read_args(d); "
             "c = EngineConfig(target=str(d)).validate(); layout = launcher.plan_layout(c, launcher.visible_gpus('auto')); "
             "startup.target_name(c); assert 'torch' not in sys.modules, 'torch was imported'")
@@ -148,7 +149,7 @@ def test_cpu_threads_never_oversubscribe_the_cores(monkeypatch, tmp_path):
         got = []
         for rank in range(world):
             monkeypatch.setenv("LOCAL_RANK", str(rank))
-            got.append(_cpu_threads(threads, draft, rank, n_target=1))
+            got.append(_cpu_threads(threads, DraftSpec.of(draft), rank, n_target=1))
         assert got == want, (threads, draft)
 
 
@@ -203,7 +204,7 @@ def test_max_seq_len_beyond_the_model_is_limited_before_any_process_starts(targe
 
 
 @pytest.mark.parametrize("gguf_type, device, dtype, backend, name", [
-    ("Q4_1", "cpu", "gguf", "int4 (Q4_1 blocks) · int16 activations · AVX2", "int4 (Q4_1 blocks) · int16 activations · AVX2"),
+    ("Q4_1", "cpu", "gguf", "gguf (Q4_1 blocks) · int16 activations · AVX2", "gguf (Q4_1 blocks) · int16 activations · AVX2"),
     ("Q4_1", "cpu", "float32", None, "fp32 (from Q4_1 GGUF)"),  # torch's linears: no backend label
     ("Q4_K", "cuda", "auto", None, "bf16 (from Q4_K GGUF)"),
     (None, "cuda", "float16", None, "fp16"),
@@ -214,8 +215,8 @@ def test_title_names_the_precision_the_target_runs_at(gguf_type, device, dtype, 
 
     from safetensors.torch import save_file
 
-    from swiftspec.engine.embedded import SOURCE_METADATA
-    from swiftspec.engine.startup import target_name
+    from swiftspec.engine.host.startup import target_name
+    from swiftspec.engine.model.gguf_io import SOURCE_METADATA
     from swiftspec.engine.worker.setup import target_precision
 
     save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"),

@@ -1,9 +1,10 @@
-"""The messages between ranks (engine/messages.py) and the TP follower loops that read them: every kind
+"""The messages between ranks (engine/spec/messages.py) and the TP follower loops that read them: every kind
 round-trips (also over the leaders' socket, which takes only its peer), and what does not fit or is not
 known is a clear error, never a silently wrong step."""
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import threading
@@ -12,9 +13,18 @@ import time
 import pytest
 import torch
 
-from swiftspec.config import SamplingParams
-from swiftspec.engine.loop import Request
-from swiftspec.engine.messages import Follow, FollowerStep, Kind, Start, Subtree, Verdict, Wire, WireError
+from swiftspec.engine.config import SamplingParams
+from swiftspec.engine.spec.loop import Request
+from swiftspec.engine.spec.messages import (
+    Follow,
+    FollowerStep,
+    Kind,
+    Start,
+    Subtree,
+    Verdict,
+    Wire,
+    WireError,
+)
 from swiftspec.engine.worker.serve import follow_draft, follow_target
 from swiftspec.engine.worker.wire import SocketLink, connect_leaders
 
@@ -75,6 +85,7 @@ class _Target:
     """Stands in for TargetState: records the model calls a follower makes."""
 
     device = torch.device("cpu")
+    vocab = None
 
     def __init__(self):
         self.calls = []
@@ -93,7 +104,7 @@ class _Draft:
     def __init__(self):
         self.calls = []
 
-    def prefill(self, prompt):
+    def prefill(self, prompt, grammar=None):
         self.calls.append(("prefill",))
 
     def start(self, root):
@@ -198,6 +209,41 @@ def test_the_leaders_socket_takes_only_the_peer_with_the_secret(monkeypatch):
     assert intruded.is_set()
     leader.send(Verdict([4]))
     assert peer[0].recv() == Verdict([4])
+
+
+@pytest.mark.parametrize("unix", [False, True])
+def test_an_idle_intruder_does_not_keep_the_peer_out_and_one_machine_uses_a_unix_socket(monkeypatch, tmp_path, unix):
+    """An intruder that connects and says nothing is dropped after SECRET_TIMEOUT_S, not after the whole
+    start-up timeout; with a path, the listener is a Unix socket (0600, in a 0700 directory)."""
+    from datetime import timedelta
+
+    from swiftspec.engine.worker import wire as wire_mod
+
+    monkeypatch.setattr(wire_mod, "SECRET_TIMEOUT_S", 0.3)
+    hello: queue.Queue = queue.Queue()
+    monkeypatch.setattr(wire_mod.dist, "send", lambda t, dst: hello.put(t.clone()))
+    monkeypatch.setattr(wire_mod.dist, "recv", lambda t, src: t.copy_(hello.get()))
+    path = str(tmp_path / wire_mod.LEADERS_SOCKET) if unix else None
+    peer: list = []
+
+    def idle_intruder_then_peer():
+        sent = hello.get()
+        hello.put(sent)
+        if unix:
+            assert int(sent[0]) == 0 and os.stat(path).st_mode & 0o777 == 0o600
+            intruder = socket.socket(socket.AF_UNIX)
+            intruder.connect(path)
+        else:
+            intruder = socket.create_connection(("127.0.0.1", int(sent[0])))
+        with intruder:  # held open, silent, while the peer comes
+            peer.append(connect_leaders(Wire(BS), 1, 0, timedelta(seconds=30), path))
+
+    thread = threading.Thread(target=idle_intruder_then_peer)
+    thread.start()
+    leader = connect_leaders(Wire(BS), 0, 1, timedelta(seconds=30), path)  # 30 s: the intruder would hold it
+    thread.join(10)
+    leader.send(Verdict([7]))
+    assert peer[0].recv() == Verdict([7])
 
 
 @pytest.mark.parametrize("delay_s", [0.0, 0.002, 0.0065, 0.03])

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from swiftspec.engine.cpu_backends import PackedLinear
-from swiftspec.engine.loader import load_model
-from swiftspec.engine.model_dir import LoadError, resolve_model_dir
+from swiftspec.engine.model.cpu_backends import PackedLinear
+from swiftspec.engine.model.loader import load_model
+from swiftspec.engine.model.model_dir import LoadError, resolve_model_dir
 from swiftspec.kernels.cpu_linear import Format
 
 TOL = 1e-4
@@ -172,7 +172,7 @@ def test_the_tokenizer_eos_is_read_from_the_files_as_transformers_reads_it(form,
     from tiny_models import make_tokenizer
     from transformers import AutoTokenizer
 
-    from swiftspec.engine.model_dir import tokenizer_eos_id
+    from swiftspec.engine.model.model_dir import tokenizer_eos_id
 
     tok = make_tokenizer(320)
     tok.eos_token = "<|im_start|>" if form == "special_tokens_map only" else "<|im_end|>"  # not the default

@@ -40,7 +40,7 @@ def _truncate(path, keep: float) -> None:
 
 
 def _embedded_gguf():
-    from swiftspec.engine.embedded import embedded_gguf_path
+    from swiftspec.engine.model.embedded import embedded_gguf_path
 
     return embedded_gguf_path()
 
@@ -89,7 +89,7 @@ def test_broken_files_are_found_before_the_tui(tiny_dir, tmp_path, scratch_cache
 
 
 def test_a_symlink_loop_is_named_as_such(tmp_path):
-    from swiftspec.engine.model_dir import LoadError, resolve_model_dir
+    from swiftspec.engine.model.model_dir import LoadError, resolve_model_dir
 
     (tmp_path / "a").symlink_to(tmp_path / "b")
     (tmp_path / "b").symlink_to(tmp_path / "a")
@@ -105,9 +105,9 @@ def test_a_generic_tokenizer_loads_as_autotokenizer_would_without_importing_torc
 
     from transformers import AutoTokenizer
 
-    from swiftspec.engine.model_dir import load_tokenizer
+    from swiftspec.engine.model.model_dir import load_tokenizer
 
-    probe = ("import sys; from swiftspec.engine.model_dir import load_tokenizer; "
+    probe = ("import sys; from swiftspec.engine.model.model_dir import load_tokenizer; "
              f"load_tokenizer({str(embedded_dir)!r}); print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ünïcode, code: `x = 1`\n\tok?"}]

@@ -1,4 +1,4 @@
-"""The Engine <-> leader socket: the HMAC handshake, framing, the typed messages (engine/frames.py), and
+"""The Engine <-> leader socket: the HMAC handshake, framing, the typed messages (engine/host/frames.py), and
 the Engine's wait for its worker among impostors and idle peers."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import time
 import pytest
 from helpers.engines import Running, closed_tail, in_thread, socket_pair
 
-from swiftspec.config import SamplingParams
-from swiftspec.engine import frames, protocol
-from swiftspec.engine.failures import WorkerOutput
-from swiftspec.engine.protocol import EngineInfo, RankInfo, Step
-from swiftspec.engine.startup import accept_worker
+from swiftspec.engine.config import SamplingParams
+from swiftspec.engine.events import Step
+from swiftspec.engine.host import frames, protocol
+from swiftspec.engine.host.failures import WorkerOutput
+from swiftspec.engine.host.protocol import EngineInfo, RankInfo
+from swiftspec.engine.host.startup import accept_worker
 
 
 def test_handshake_and_frames():
@@ -123,7 +124,7 @@ def test_idle_connections_do_not_hold_up_the_workers_handshake(tmp_path):
 def test_start_up_error_names_the_rank_that_failed_first(tmp_path):
     tail = closed_tail(tmp_path)
     tail.lines.extend([
-        "swiftspec.engine.protocol.AuthError: handshake timed out after 10 s waiting for 'challenge'",
+        "swiftspec.engine.host.protocol.AuthError: handshake timed out after 10 s waiting for 'challenge'",
         "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer",
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
     ])
@@ -162,3 +163,45 @@ def test_frames_that_break_the_protocol_are_errors():
     with pytest.raises(frames.BadRequest, match="temperature") as bad:  # answered to request 7, not fatal
         frames.recv(b, 1)
     assert bad.value.id == 7
+
+
+def test_the_start_up_listener_is_a_unix_socket_only_its_user_can_reach(tmp_path):
+    from swiftspec.engine.host.launcher import new_run_dir, remove_run_dir
+    from swiftspec.engine.host.startup import listen
+
+    run_dir = new_run_dir()
+    try:
+        listener, addr = listen(run_dir)
+        path = addr.removeprefix(protocol.UNIX)
+        assert addr.startswith(protocol.UNIX) and os.path.dirname(path) == str(run_dir)
+        assert os.stat(run_dir).st_mode & 0o777 == 0o700 and os.stat(path).st_mode & 0o777 == 0o600
+        key = protocol.new_key()
+        worker = in_thread(protocol.connect, addr, key)
+        conn = accept_worker(listener, key, Running(), closed_tail(tmp_path), time.monotonic() + 10)
+        conn.send("check")
+        assert worker().recv(1)["type"] == "check"
+        listener.close()
+    finally:
+        remove_run_dir(run_dir)
+
+
+def test_a_flood_of_idle_connections_does_not_keep_the_leader_out(tmp_path, monkeypatch):
+    from swiftspec.engine.host import startup
+
+    monkeypatch.setattr(startup, "PEER_HANDSHAKE_S", 0.3)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    listener, addr = startup.listen(run_dir)
+    flood = []
+    for _ in range(2 * startup.MAX_PENDING_HANDSHAKES):  # every handshake slot taken, and as many waiting
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(addr.removeprefix(protocol.UNIX))
+        flood.append(sock)
+    key = protocol.new_key()
+    worker = in_thread(protocol.connect, addr, key, 2.0, time.monotonic() + 10)  # retried until it gets in
+    conn = accept_worker(listener, key, Running(), closed_tail(tmp_path), time.monotonic() + 10)
+    conn.send("check")
+    assert worker().recv(1)["type"] == "check"
+    for sock in flood:
+        sock.close()
+    listener.close()

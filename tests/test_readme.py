@@ -40,6 +40,7 @@ def test_every_documented_command_parses(args):
         result = CliRunner().invoke(cli.app, args)
         assert result.exit_code == 0 and result.stdout.startswith("swiftspec ")
         return
+    args = cli.normalise_argv(args)  # as main() does: --resume alone means the latest
     group = typer.main.get_command(cli.app)
     ctx = group.make_context("swiftspec", list(args))
     name, command, rest = group.resolve_command(ctx, ctx._protected_args + ctx.args)

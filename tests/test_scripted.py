@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 from fake_engine import ANSWER, FakeEngine, chunks
 
 from swiftspec import scripted
-from swiftspec.config import SamplingParams
 from swiftspec.conversation import Conversation, Message, Settings
-from swiftspec.engine.client import Engine, EngineError
-from swiftspec.engine.protocol import EngineAPI
+from swiftspec.engine.config import SamplingParams
+from swiftspec.engine.host.client import Engine, EngineError
+from swiftspec.engine.host.protocol import EngineAPI
 
 
 def run(prompts, engine=None, params=None, system=None, context=(), store=None, **kw):
@@ -207,3 +208,29 @@ def test_a_prompt_that_is_not_utf8_is_a_usage_error():
 
     with pytest.raises(scripted.InputError, match="not valid UTF-8"):
         scripted.read_prompts(b"", prompt=b"caf\xe9".decode("utf-8", "surrogateescape"))
+
+
+def test_ctrl_c_ends_the_line_and_prints_the_figures_marked_interrupted():
+    """Ctrl-C mid-answer (here: while a token is written): stdout's line is ended, stderr has the figures
+    so far marked interrupted, and the interrupt goes on to the caller (exit 130)."""
+    class InterruptedOnce(io.StringIO):
+        writes = 0
+
+        def write(self, text):
+            self.writes += 1
+            if self.writes == 3:
+                raise KeyboardInterrupt
+            return super().write(text)
+
+    out, err = InterruptedOnce(), io.StringIO()
+    conversation = Conversation(None, Settings(None, SamplingParams()))
+    with pytest.raises(KeyboardInterrupt):
+        scripted.run(FakeEngine(), ["hello"], conversation, out=out, err=err)
+    written = out.getvalue()
+    assert written.endswith("\n") and len(written) > 1 and ANSWER.startswith(written[:-1]) and written[:-1] != ANSWER
+    assert re.fullmatch(r"\[async · [1-9]\d* tok · [^\n]* · interrupted\]\n", err.getvalue()), err.getvalue()
+    jsonl_out, quiet_err = InterruptedOnce(), io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        scripted.run(FakeEngine(), ["hello"], conversation, jsonl=True, quiet=True, out=jsonl_out, err=quiet_err)
+    done = json.loads(jsonl_out.getvalue().splitlines()[-1])
+    assert done["event"] == "done" and done["finish_reason"] == "cancelled" and quiet_err.getvalue() == ""

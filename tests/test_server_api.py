@@ -1,37 +1,34 @@
 """The server's request checks, its queue and its HTTP behaviour on a stand-in engine whose answers the
-test releases step by step (so that queueing, hanging up and worker deaths happen exactly when meant);
+test releases step by step (tests/helpers/gated.py: so that queueing, hanging up and worker deaths happen
+exactly when meant); tests/test_server_guards.py has what a hostile client or a stop signal meets, and
 tests/test_server.py runs `swiftspec serve` itself on a real engine."""
 
 from __future__ import annotations
 
 import dataclasses
-import socket
-import threading
-import time
+import json
 
 import httpx
 import pytest
-from fake_engine import INFO
 from helpers.engines import in_thread
+from helpers.gated import KEY, USER, GatedEngine, post, streaming, until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swiftspec.config import CHAT_DEFAULTS, ConfigError, SamplingParams, StepEvent, StepStats
-from swiftspec.engine.failures import EngineError
+from swiftspec.engine.config import ConfigError, Grammar, GrammarKind, SamplingParams
+from swiftspec.engine.host.failures import EngineError
 from swiftspec.server import api
 from swiftspec.server.api import APIError
-from swiftspec.server.app import ServerSettings, build_app
+from swiftspec.server.app import ServerSettings
 from swiftspec.server.host import EngineHost
 from swiftspec.server.metrics import Metrics
 from swiftspec.server.serve import check_settings
-
-USER = [{"role": "user", "content": "Hello there"}]
+from swiftspec.settings import CHAT_DEFAULTS
 
 
 # ----------------------------------------------------------------------------------- request checks
-@pytest.mark.parametrize("field, value", [("n", 2), ("tools", [{"type": "function"}]), ("logprobs", True),
-                                          ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 2}),
-                                          ("tool_choice", "auto"), ("wibble", 1)])
+@pytest.mark.parametrize("field, value", [("n", 2), ("functions", [{"name": "f"}]), ("logprobs", True),
+                                          ("logit_bias", {"1": 2}), ("tool_choice", "auto"), ("wibble", 1)])
 def test_an_unsupported_field_is_a_400_naming_it(field, value):
     with pytest.raises(APIError) as e:
         api.parse_chat({"messages": USER, field: value}, SamplingParams())
@@ -48,7 +45,8 @@ def test_fields_that_ask_for_nothing_we_lack_are_taken(field, value):
     ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
     ([{"role": "user"}], "messages[0].content"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content"),
-    ([{"role": "tool", "content": "1", "tool_call_id": "x"}], "messages[0].role"),
+    ([{"role": "tool", "tool_call_id": "x"}], "messages[0].content"),
+    ([{"role": "assistant", "content": None}], "messages[0].content"),
     ([], "messages"), ("hi", "messages")])
 def test_bad_messages_are_400s(messages, param):
     with pytest.raises(APIError) as e:
@@ -56,12 +54,23 @@ def test_bad_messages_are_400s(messages, param):
     assert e.value.status == 400 and e.value.param == param
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 0), ("max_tokens", 0), ("seed", -3),
-                                          ("stop", [1]), ("presence_penalty", 9), ("stream", "yes")])
-def test_a_value_out_of_range_is_a_400_naming_its_field(field, value):
+@pytest.mark.parametrize("field, value, param", [
+    ("temperature", -1, "temperature"), ("top_p", 0, "top_p"), ("max_tokens", 0, "max_tokens"), ("seed", -3, "seed"),
+    ("stop", [1], "stop[0]"), ("presence_penalty", 9, "presence_penalty"), ("stream", "yes", "stream"),
+    ("max_tokens", 1e30, "max_tokens"), ("stream_options", [], "stream_options"), ("model", 123, "model"),
+    ("swiftspec", {"ignore_eos": "yes"}, "swiftspec.ignore_eos"), ("temperature", True, "temperature"),
+    ("stop", ["x"] * 17, "stop"), ("swiftspec", {"mode": "fast"}, "swiftspec.mode")])
+def test_a_wrong_type_or_value_is_a_400_naming_its_field(field, value, param):
     with pytest.raises(APIError) as e:
         api.parse_chat({"messages": USER, field: value}, SamplingParams())
-    assert e.value.status == 400 and e.value.param == field
+    assert e.value.status == 400 and e.value.param == param and e.value.message.startswith(param)
+
+
+@pytest.mark.parametrize("role", [["user"], {"user": 1}, "hacker", None])
+def test_a_role_that_is_not_one_of_ours_is_a_400(role):
+    with pytest.raises(APIError) as e:
+        api.parse_chat({"messages": [{"role": role, "content": "hi"}]}, SamplingParams())
+    assert e.value.param == "messages[0].role" and "'user'" in e.value.message
 
 
 def test_a_request_fills_only_what_it_gives_over_the_server_defaults():
@@ -76,11 +85,15 @@ def test_a_request_fills_only_what_it_gives_over_the_server_defaults():
 @settings(max_examples=60, deadline=None)
 @given(mode=st.sampled_from(["ar", "sync", "async"]), temperature=st.floats(0, 2), top_k=st.integers(0, 50),
        seed=st.none() | st.integers(0, 2**64 - 1), stop=st.lists(st.text(min_size=1, max_size=5), max_size=3),
-       repeat_penalty=st.floats(0.5, 2), loop_guard=st.integers(0, 64), ignore_eos=st.booleans())
+       repeat_penalty=st.floats(0.5, 2), loop_guard=st.integers(0, 64), ignore_eos=st.booleans(),
+       grammar=st.sampled_from([None, Grammar(GrammarKind.JSON), Grammar(GrammarKind.REGEX, "[ab]+"),
+                                Grammar(GrammarKind.JSON_SCHEMA, '{"type": "array"}'),
+                                Grammar(GrammarKind.LARK, 'start: "x"')]))
 def test_the_attached_chat_asks_for_exactly_its_params(mode, temperature, top_k, seed, stop, repeat_penalty,
-                                                       loop_guard, ignore_eos):
+                                                       loop_guard, ignore_eos, grammar):
     params = SamplingParams(mode=mode, temperature=temperature, top_k=top_k, seed=seed, stop=stop,
-                            repeat_penalty=repeat_penalty, loop_guard=loop_guard, ignore_eos=ignore_eos)
+                            repeat_penalty=repeat_penalty, loop_guard=loop_guard, ignore_eos=ignore_eos,
+                            grammar=grammar)
     # the server's defaults, all other (but the seed: `serve` has none, a request gives its own or none)
     other = SamplingParams(mode="ar", temperature=0.5, top_k=3, stop=["x"], max_new_tokens=9, ignore_eos=True)
     assert api.parse_chat({**api.sampling_body(params), "messages": USER}, other).params == params
@@ -91,100 +104,11 @@ def test_a_reachable_address_needs_a_key():
         check_settings(ServerSettings(host="0.0.0.0"))
     check_settings(ServerSettings(host="0.0.0.0", api_key="k"))
     check_settings(ServerSettings(host="::1"))
+    with pytest.raises(ConfigError, match="shutdown-timeout"):
+        check_settings(ServerSettings(shutdown_timeout_s=-1))
 
 
 # ------------------------------------------------------------------------ the queue, on a stand-in
-class GatedEngine:
-    """Answers "a b c ..." one token per ``release()``; ``die()`` makes the current answer fail as a dead
-    worker group would."""
-
-    def __init__(self, tokenizer, steps: int = 3):
-        self.info, self.tokenizer, self.steps = INFO, tokenizer, steps
-        self.gate = threading.Semaphore(0)
-        self.started: list[list[int]] = []
-        self._cancel = threading.Event()
-        self._dead = False
-        self.closed = False
-
-    def generate_ids(self, ids, params):
-        self.started.append(ids)
-        self._cancel.clear()
-        for i in range(self.steps):
-            while not self.gate.acquire(timeout=0.01):
-                if self._cancel.is_set():
-                    yield StepEvent([], "", StepStats(generated=i), True, "cancelled")
-                    return
-                if self._dead:
-                    raise EngineError("a worker failed: killed")
-            last = i == self.steps - 1
-            yield StepEvent([i], f"t{i} ", StepStats(generated=i + 1, token_latency_ms=1.0), last,
-                            "length" if last else None)
-
-    def release(self, n: int = 1) -> None:
-        for _ in range(n):
-            self.gate.release()
-
-    def die(self) -> None:
-        self._dead = True
-
-    def cancel(self) -> None:
-        self._cancel.set()
-
-    @property
-    def alive(self) -> bool:
-        return not self._dead and not self.closed
-
-    def close(self) -> None:
-        self.closed = True
-
-
-@pytest.fixture
-def tokenizer(target_dir):
-    from swiftspec.engine.model_dir import load_tokenizer
-
-    return load_tokenizer(target_dir)
-
-
-@pytest.fixture
-def served(tokenizer):
-    """A server on a GatedEngine (its host, its base URL); the restarts start fresh GatedEngines."""
-    import uvicorn
-
-    engines = [GatedEngine(tokenizer)]
-
-    def restart():
-        engines.append(GatedEngine(tokenizer))
-        return engines[-1]
-
-    host = EngineHost(engines[0], restart, max_queue=2, metrics=Metrics())
-    app = build_app(host, SamplingParams(), ServerSettings(api_key="sesame", model_id="tiny"))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
-    sock = socket.create_server(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield host, engines, url
-    server.should_exit = True
-    thread.join(5)
-    host.close()
-
-
-KEY = {"Authorization": "Bearer sesame"}
-
-
-def post(url, body, timeout=10.0, **kw):
-    return httpx.post(url + "/v1/chat/completions", json=body, headers=KEY, timeout=timeout, **kw)
-
-
-def until(condition, within_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return condition()
-
-
 def test_requests_wait_in_order_and_a_full_queue_is_a_429(served):
     host, engines, url = served
     bodies = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(4)]
@@ -207,11 +131,7 @@ def test_requests_wait_in_order_and_a_full_queue_is_a_429(served):
 def test_a_client_that_hangs_up_frees_the_engine_queued_or_answering(served):
     host, engines, url = served
     engine = engines[0]
-    engine.release()  # the headers go out with the first step
-    with httpx.stream("POST", url + "/v1/chat/completions", headers=KEY,
-                      json={"messages": USER, "stream": True}) as answering:
-        lines = answering.iter_lines()
-        assert next(lines).startswith("data: ")
+    with streaming(url, engine):
         queued = in_thread(post, url, {"messages": USER}, 0.5)  # gives up while it waits
         assert until(lambda: host.waiting == 1)
         with pytest.raises(httpx.ReadTimeout):
@@ -227,6 +147,8 @@ def test_a_dead_worker_group_is_a_503_and_is_started_again(served):
     host, engines, url = served
     failing = in_thread(post, url, {"messages": USER})
     assert until(lambda: host.busy)
+    engines[0].release()  # the answer has begun
+    assert until(lambda: engines[0].gate._value == 0)
     engines[0].die()
     response = failing()
     assert response.status_code == 503 and response.json()["error"]["code"] == "engine_unavailable"
@@ -239,13 +161,24 @@ def test_a_dead_worker_group_is_a_503_and_is_started_again(served):
     assert "swiftspec_engine_restarts_total 1.0" in httpx.get(url + "/metrics", headers=KEY).text
 
 
+def test_a_request_whose_workers_died_before_its_answer_began_waits_for_the_restart(served, monkeypatch):
+    host, engines, url = served
+
+    def dead(ids, params):  # the workers died, unnoticed until this request finds out
+        engines[0].die()
+        raise EngineError("lost the connection to the workers")
+
+    monkeypatch.setattr(engines[0], "generate_ids", dead)
+    asked = in_thread(post, url, {"messages": USER})
+    assert until(lambda: len(engines) == 2)
+    engines[1].release(3)
+    response = asked()
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "t0 t1 t2 "
+
+
 def test_a_stream_that_fails_midway_ends_with_an_error_event(served):
     host, engines, url = served
-    engines[0].release()
-    with httpx.stream("POST", url + "/v1/chat/completions", headers=KEY,
-                      json={"messages": USER, "stream": True}) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")
+    with streaming(url, engines[0]) as lines:
         engines[0].die()
         rest = [line for line in lines if line.startswith("data: ")]
     assert '"engine_unavailable"' in rest[-2] and rest[-1] == "data: [DONE]"
@@ -292,9 +225,39 @@ def test_a_closed_host_fails_what_waits(tokenizer):
 def test_serve_refuses_a_reachable_address_without_a_key_before_any_engine_starts(monkeypatch):
     from helpers.cli import invoke
 
-    from swiftspec.engine.client import Engine
+    from swiftspec.engine.host.client import Engine
 
     started = []
     monkeypatch.setattr(Engine, "start", lambda *a, **kw: started.append(a) or pytest.fail("an engine started"))
     result = invoke(["serve", "--host", "0.0.0.0", "--port", "0"])
     assert result.exit_code == 2 and "api-key" in result.output and not started
+
+
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+    ({"swiftspec": {"grammar": {"kind": "regex", "source": "[a-"}}}, "swiftspec.grammar"),
+    ({"guided_grammar": 'start: "a" b'}, "guided_grammar"),
+])
+def test_a_grammar_the_library_refuses_or_a_second_one_is_a_400_naming_its_field(body, param):
+    with pytest.raises(APIError) as e:
+        api.parse_chat({"messages": USER, **body}, SamplingParams())
+    assert e.value.status == 400 and e.value.param == param and e.value.message.startswith(param)
+
+
+def test_each_way_of_asking_for_a_grammar_gives_its_grammar():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    asks = [({"response_format": {"type": "json_object"}}, Grammar(GrammarKind.JSON)),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}},
+             Grammar(GrammarKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")))),
+            ({"guided_json": schema}, Grammar(GrammarKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")))),
+            ({"guided_regex": "a+"}, Grammar(GrammarKind.REGEX, "a+")),
+            ({"swiftspec": {"grammar": {"kind": "lark", "source": 'start: "x"'}}}, Grammar(GrammarKind.LARK, 'start: "x"')),
+            ({"response_format": {"type": "text"}}, None)]
+    for body, grammar in asks:
+        assert api.parse_chat({"messages": USER, **body}, SamplingParams()).params.grammar == grammar
+    assert api.parse_completion({"prompt": "hi", "response_format": {"type": "json_object"}},
+                                SamplingParams()).params.grammar == Grammar(GrammarKind.JSON)

@@ -1,4 +1,4 @@
-"""The shipped loops (engine/loop.py) in one process: ``sync`` and ``async`` against ``ar``, identical
+"""The shipped loops (engine/spec/loop.py) in one process: ``sync`` and ``async`` against ``ar``, identical
 greedy output on tiny random models with a different draft model, with the target as its own draft and
 with the suffix drafter, and on the embedded model with the suffix drafter, plain and penalised (and
 penalised as transformers does); the finisher's stopping rules and loop guard, multi-turn KV reuse,
@@ -14,22 +14,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import single_thread, tiny_model_dir
 
-from swiftspec.config import ConfigError, SamplingParams, TreeParams
-from swiftspec.engine.decode import DraftState, TargetState, profile_verify_cost
-from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter
-from swiftspec.engine.loader import load_model
-from swiftspec.engine.loop import (
+from swiftspec.engine.config import ConfigError, SamplingParams, TreeParams
+from swiftspec.engine.model.loader import load_model
+from swiftspec.engine.spec.decode import DraftState, TargetState, profile_verify_cost
+from swiftspec.engine.spec.draft_policy import PaybackGate
+from swiftspec.engine.spec.drafters import ModelDrafter, SuffixDrafter
+from swiftspec.engine.spec.loop import (
     HOLD_BELOW_US,
     Finisher,
     LoopGuard,
-    PaybackGate,
     Request,
     generate,
     lead_target,
 )
-from swiftspec.engine.messages import Start, Subtree
-from swiftspec.engine.sampling import Sampler
-from swiftspec.engine.tree_cache import ContextFull, causal_mask, prefill_forward
+from swiftspec.engine.spec.messages import Start, Subtree
+from swiftspec.engine.spec.sampling import Sampler
+from swiftspec.engine.spec.tree_cache import ContextFull, causal_mask, prefill_forward
 from swiftspec.engine.worker.wire import features_from_wire, features_to_wire
 
 PROMPTS = [[5, 17, 300, 42, 8, 99], [1, 200, 201, 202, 203, 200, 201], [77] * 3 + [400, 12, 77, 77]]
@@ -422,7 +422,7 @@ class FeatureReader(ModelDrafter):
 def test_a_feature_reading_drafter_gets_the_targets_hidden_states(tiny, mode, monkeypatch):
     """Prefill features (across prefill chunks, from the target's reuse point on a second turn) and one
     row per newly verified token, each equal to the target's hidden state at that position."""
-    monkeypatch.setattr("swiftspec.engine.tree_cache.PREFILL_CHUNK", 4)
+    monkeypatch.setattr("swiftspec.engine.spec.tree_cache.PREFILL_CHUNK", 4)
     target = TargetState(tiny["target"], 512)
     reader = FeatureReader(load_model(tiny_model_dir(seed=1), max_slots=1024))  # the target's weights
     draft = DraftState(reader, TreeParams(bs=6, w=3))

@@ -69,6 +69,9 @@ def test_the_working_threads_waits_add_up():
     assert not timing.waited_for_a_core(before, after, 0.015)  # 4 ms of 15: the idle thread's 50 ignored
     after["pool"] = (9 * ms, 4 * ms)
     assert timing.waited_for_a_core(before, after, 0.015)  # 6 ms of 15
+    squeezed = {"main": (2 * ms, 12 * ms), "idle": (0, 0)}  # the caller ran 2 ms of 15 and waited 12
+    assert not timing.waited_for_a_core({"main": (0, 0), "idle": (0, 0)}, squeezed, 0.015)
+    assert timing.waited_for_a_core({"main": (0, 0), "idle": (0, 0)}, squeezed, 0.015, caller="main")
 
 
 @pytest.mark.skipif(timing.thread_schedstats() is None, reason="no schedstat in /proc here")

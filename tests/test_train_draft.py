@@ -10,13 +10,13 @@ from rich.console import Console
 from safetensors.numpy import load_file
 from tiny_models import single_thread, tiny_model_dir
 
-from swiftspec.config import SamplingParams, TreeParams
-from swiftspec.engine.corpus import check_corpus, load_corpus, read_metadata
-from swiftspec.engine.decode import DraftState, TargetState
-from swiftspec.engine.draft_head import HeadDrafter, load_head
-from swiftspec.engine.loader import load_model
-from swiftspec.engine.loop import generate
-from swiftspec.engine.model_dir import eos_token_ids, load_tokenizer
+from swiftspec.engine.config import SamplingParams, TreeParams
+from swiftspec.engine.model.loader import load_model
+from swiftspec.engine.model.model_dir import eos_token_ids, load_tokenizer
+from swiftspec.engine.spec.corpus import check_corpus, load_corpus, read_metadata
+from swiftspec.engine.spec.decode import DraftState, TargetState
+from swiftspec.engine.spec.draft_head import HeadDrafter, load_head
+from swiftspec.engine.spec.loop import generate
 from swiftspec.train_draft import (
     CORPUS_FILE,
     TrainConfig,

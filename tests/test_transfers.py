@@ -1,4 +1,4 @@
-"""The host<->device budget of a round, counted on the CPU: the shipped loops (engine/loop.py's
+"""The host<->device budget of a round, counted on the CPU: the shipped loops (engine/spec/loop.py's
 ``generate``, the draft leader in its thread) run answers on a tiny model, greedy, penalised and sampled,
 with a TransferCounter in each leader's thread; every target round may copy to the device once and read
 back once, every draft expansion likewise, and a draft re-root may copy its KV moves once. The counter
@@ -11,13 +11,13 @@ import pytest
 import torch
 from tiny_models import single_thread, tiny_model_dir
 
-from swiftspec.config import SamplingParams, TreeParams
-from swiftspec.engine import loop
-from swiftspec.engine.decode import DraftState, TargetState
-from swiftspec.engine.drafters import ModelDrafter, SuffixDrafter
-from swiftspec.engine.loader import load_model
-from swiftspec.engine.sampling import Sampler
-from swiftspec.engine.transfers import TransferCounter
+from swiftspec.engine.config import SamplingParams, TreeParams
+from swiftspec.engine.model.loader import load_model
+from swiftspec.engine.spec import loop
+from swiftspec.engine.spec.decode import DraftState, TargetState
+from swiftspec.engine.spec.drafters import ModelDrafter, SuffixDrafter
+from swiftspec.engine.spec.sampling import Sampler
+from swiftspec.engine.spec.transfers import TransferCounter
 
 PROMPT = [5, 17, 300, 42, 8, 99, 17, 300]
 SETTINGS = {

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swiftspec.config import TreeParams
-from swiftspec.engine.decode import DraftState
-from swiftspec.engine.drafters import SuffixDrafter
-from swiftspec.engine.tree import TokenTree, target_inputs, tree_mask
+from swiftspec.engine.config import TreeParams
+from swiftspec.engine.spec.decode import DraftState
+from swiftspec.engine.spec.drafters import SuffixDrafter
+from swiftspec.engine.spec.tree import TokenTree, target_inputs, tree_mask
 
 
 def ancestors_or_self(parents: list[int], i: int) -> set[int]:

@@ -7,12 +7,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import single_thread, tiny_model_dir
 
-from swiftspec.config import TreeParams
-from swiftspec.engine.decode import DraftState
-from swiftspec.engine.drafters import ModelDrafter
-from swiftspec.engine.loader import load_model
-from swiftspec.engine.tree import target_inputs
-from swiftspec.engine.tree_cache import TreeKVCache, causal_mask, prefill_forward
+from swiftspec.engine.config import TreeParams
+from swiftspec.engine.model.loader import load_model
+from swiftspec.engine.spec.decode import DraftState
+from swiftspec.engine.spec.drafters import ModelDrafter
+from swiftspec.engine.spec.tree import target_inputs
+from swiftspec.engine.spec.tree_cache import TreeKVCache, causal_mask, prefill_forward
 
 ATOL = 1e-5
 VOCAB = 512

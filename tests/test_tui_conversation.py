@@ -9,10 +9,10 @@ import stat
 
 import pytest
 from fake_engine import ANSWER, FakeEngine, chunks
-from helpers.pilot import boxes, idle, make_app, ready, resumed_app, type_and_send, wait_for
+from helpers.pilot import boxes, idle, make_app, notes, ready, resumed_app, type_and_send, wait_for
 
 from swiftspec import history
-from swiftspec.config import SamplingParams
+from swiftspec.engine.config import SamplingParams
 from swiftspec.history import HistoryStore
 from swiftspec.tui.dialogs import ConfirmScreen, TextPromptScreen
 from swiftspec.tui.history_screen import HistoryScreen
@@ -20,17 +20,6 @@ from swiftspec.tui.widgets.chat_view import ChatView
 from swiftspec.tui.widgets.message import MessageBox
 from swiftspec.tui.widgets.notice import Notice
 from swiftspec.tui.widgets.prompt_input import PromptInput
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = HistoryStore(tmp_path / "history.sqlite3")
-    yield s
-    s.close()
-
-
-def notes(app) -> list[str]:
-    return [str(n.message) for n in app._notifications]
 
 
 def notices(app) -> list[str]:

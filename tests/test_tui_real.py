@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers.pilot import boxes, figures, idle, ready, text_of, type_and_send, wait_for
 
-from swiftspec.config import EngineConfig, SamplingParams
 from swiftspec.conversation import Conversation, Settings
+from swiftspec.engine.config import EngineConfig, SamplingParams
 from swiftspec.history import HistoryStore
 from swiftspec.tui.app import SwiftSpecApp
 from swiftspec.tui.widgets.chat_view import ChatView
@@ -147,10 +147,11 @@ async def test_worker_killed_shows_error_and_restart(store):
     from swiftspec.tui.screens import ErrorScreen
 
     started = []
+    target = tiny_model_dir(seed=0, layers=2, positions=8192)
 
     def start(progress):
-        eng = Engine.start(EngineConfig(target=str(tiny_model_dir(seed=0, layers=2)), max_seq_len=4096),
-                           progress=progress)
+        # room for the cut answer again: a random model's text tokenises back into up to ~1.5x its tokens
+        eng = Engine.start(EngineConfig(target=str(target), max_seq_len=8192), progress=progress)
         started.append(eng)
         return eng
 

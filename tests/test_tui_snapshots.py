@@ -85,13 +85,13 @@ def test_error_screen(snap_compare, store):
     assert snap_compare(app, terminal_size=(80, 24), run_before=failed)
 
 
+async def help_open(pilot) -> None:
+    await ready(pilot)
+    await pilot.press("f1")
+
+
 def test_help_screen(snap_compare, store):
     app = StillApp(FakeEngine.factory(), Settings(), store=store)
-
-    async def help_open(pilot):
-        await ready(pilot)
-        await pilot.press("f1")
-
     assert snap_compare(app, terminal_size=(80, 24), run_before=help_open)
 
 
@@ -154,3 +154,20 @@ def test_editing_the_last_message(snap_compare, store):
         await pilot.press("up")
 
     assert snap_compare(app, terminal_size=(80, 24), run_before=editing)
+
+
+async def notified(pilot) -> None:
+    await chat_after_one_answer(pilot)
+    pilot.app.notify("Retrying greedily (temperature 0): the answer that decoding gives, the same each time.",
+                     timeout=600)
+    pilot.app.notify("Unknown command /bogus — /help lists them.", severity="error", timeout=600)
+
+
+@pytest.mark.parametrize("width", [100, 230])
+@pytest.mark.parametrize("scene, rows", [(chat_after_one_answer, 36), (help_open, 45), (notified, 30)],
+                         ids=["chat", "help", "notifications"])
+def test_at_100_and_230_columns(snap_compare, store, scene, rows, width):
+    """chat: the title names the model and its precision, the Layout box wraps it whole (and widens at
+    230); help: titled, with how to close it, in 45 rows; notifications: over the chat, above the input."""
+    app = StillApp(FakeEngine.factory(), Settings(), store=store)
+    assert snap_compare(app, terminal_size=(width, rows), run_before=scene)

@@ -14,11 +14,11 @@ from helpers.stats import chi_square_p
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swiftspec.config import SamplingParams
-from swiftspec.engine import sampling
-from swiftspec.engine.sampling import Sampler, window_counts
-from swiftspec.engine.tree import ancestors
-from swiftspec.engine.verify import verify_tree
+from swiftspec.engine.config import SamplingParams
+from swiftspec.engine.spec import sampling
+from swiftspec.engine.spec.sampling import Sampler, window_counts
+from swiftspec.engine.spec.tree import ancestors
+from swiftspec.engine.spec.verify import verify_tree
 
 V = 5  # synthetic vocabulary
 

@@ -2,7 +2,7 @@
 
 ``make_tiny_model(dir, ...)`` writes a LlamaForCausalLM or Qwen2ForCausalLM with random weights
 (safetensors, config.json) and a byte-level BPE tokenizer of exactly ``vocab`` tokens with a ChatML chat
-template, so the directory loads through ``swiftspec.engine.loader`` like a real model.
+template, so the directory loads through ``swiftspec.engine.model.loader`` like a real model.
 
 Greedy robustness: batched forwards (a verified tree, a prefill chunk) differ from one-token forwards by
 ~1e-6 relative in fp32, so a greedy choice whose top-2 logit gap is that small can flip between ``ar`` and
@@ -76,7 +76,8 @@ def make_tokenizer(vocab: int = 512):
 
 def make_tiny_model(dir: str | Path, arch: str = "llama", vocab: int = 512, layers: int = 2,
                     hidden: int = 64, heads: int = 4, kv_heads: int = 2, seed: int = 0,
-                    init_range: float = 0.2, logit_scale: float = 4.0, tie: bool = False) -> Path:
+                    init_range: float = 0.2, logit_scale: float = 4.0, tie: bool = False,
+                    positions: int = 4096) -> Path:
     """Writes a random ``arch`` ("llama" | "qwen2") model and its tokenizer to dir; returns the path.
 
     Same ``vocab`` means the same tokenizer, so any two tiny models of one vocab form a valid
@@ -88,7 +89,7 @@ def make_tiny_model(dir: str | Path, arch: str = "llama", vocab: int = 512, laye
                           "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
     cfg = cfg_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                  max_position_embeddings=4096, initializer_range=init_range, tie_word_embeddings=tie,
+                  max_position_embeddings=positions, initializer_range=init_range, tie_word_embeddings=tie,
                   bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0)
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from swiftspec.engine.tree import target_inputs
-from swiftspec.engine.tree_cache import prefill_forward
+from swiftspec.engine.spec.tree import target_inputs
+from swiftspec.engine.spec.tree_cache import prefill_forward
 
 
 def tree_and_steps(model, prompt: list[int], parents: list[int], vocab: int,

@@ -22,10 +22,10 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header
 
 from swiftspec import window
-from swiftspec.config import MODES
 from swiftspec.conversation import CannotAnswer, Conversation, Kind, Settings, describe
-from swiftspec.engine.answer import AnswerSummary
-from swiftspec.engine.protocol import EngineAPI
+from swiftspec.engine.config import MODES
+from swiftspec.engine.host.answer import AnswerSummary
+from swiftspec.engine.host.protocol import EngineAPI
 from swiftspec.history import HistoryStore
 from swiftspec.tui import clipboard, commands, preferences
 from swiftspec.tui.history_screen import HistoryResult, HistoryScreen
@@ -47,6 +47,16 @@ from swiftspec.tui.widgets.prompt_input import PromptInput
 from swiftspec.tui.widgets.stats_panel import StatsPanel
 
 EngineFactory = Callable[[Callable[[str], None]], EngineAPI]
+
+
+def _retry_notice(params, replaced_temperature: float | None) -> str:
+    """What /retry says, true for the answer it replaces (sampled at ``replaced_temperature``; None:
+    not known, an answer saved before answers kept it)."""
+    if not params.greedy:
+        return f"Retrying with seed {params.seed}."
+    if replaced_temperature == 0:
+        return "Greedy decoding (temperature 0) gives the same answer again; /temp 0.7 samples a different one."
+    return "Retrying greedily (temperature 0): the answer that decoding gives, the same each time."
 CHAT_KEYS = ("stop", "interrupt", "copy_last", "new_chat", "history", "help", "toggle_stats")
 
 
@@ -57,7 +67,7 @@ class SwiftSpecApp(App[int]):
 
     CSS_PATH = Path(__file__).with_name("app.tcss")  # absolute, so subclasses elsewhere find it too
     TITLE = "SwiftSpec"
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (72, "-normal"), (120, "-wide")]
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (72, "-normal"), (120, "-wide"), (180, "-widest")]
     BINDINGS = [
         Binding("escape", "stop", "Stop"),
         Binding("ctrl+c", "interrupt", "Stop", show=False, priority=True),
@@ -158,13 +168,14 @@ class SwiftSpecApp(App[int]):
             self.pop_screen()
         info = self.engine.info
         self.model_line = f"{info.target} ← {info.draft}"
+        self.title = info.target  # what runs: the model and its precision (weights, activations, kernels)
         self.query_one(StatsPanel).set_info(info)
         self.fit_mode()
         self.query_one(PromptInput).focus()
 
     def available_modes(self) -> tuple[str, ...]:
         """What this engine can run: ar alone when it was started without a draft (--mode ar)."""
-        return ("ar",) if self.engine is not None and self.engine.info.draft == "none" else MODES
+        return ("ar",) if self.engine is not None and not self.engine.info.speculative else MODES
 
     def fit_mode(self) -> None:
         """A conversation (resumed, or set while loading) in a mode this engine cannot run answers in ar."""
@@ -193,6 +204,8 @@ class SwiftSpecApp(App[int]):
         if text.startswith("/") and not event.edit:
             if await commands.run(self, text):
                 event.prompt_input.clear()
+            else:  # kept to be corrected, selected so that typing another command replaces it
+                event.prompt_input.select_all()
             return
         if await self.answer("edit" if event.edit else "ask", text):
             event.prompt_input.clear()
@@ -218,9 +231,8 @@ class SwiftSpecApp(App[int]):
         else:
             box = await chat.add("assistant", streaming=True)
         if kind == "retry":
-            self.notify(f"Retrying with seed {reply.params.seed}." if not reply.params.greedy else
-                        "Greedy decoding (temperature 0) gives the same answer again; /temp 0.7 samples a "
-                        "different one.", timeout=8)
+            replaced = self.conversation.messages[-1]  # still there: the engine has not accepted the retry yet
+            self.notify(_retry_notice(reply.params, (replaced.stats or {}).get("temperature")), timeout=8)
         edited = self.conversation.editable if kind == "edit" else None
         self._turn = Turn(reply, box, question, AnswerBuffer(), edited)
         self.query_one(PromptInput).editable = None

@@ -7,24 +7,48 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from textual.app import SystemCommand
 from textual.widgets.markdown import MarkdownFence
 
-from swiftspec.config import ConfigError
-from swiftspec.conversation import Conversation
-from swiftspec.history import HistoryError, exports_dir, local_time
+from swiftspec.conversation import Conversation, Kind, Settings
+from swiftspec.engine.config import ConfigError
+from swiftspec.history import HistoryError, HistoryStore, exports_dir, local_time
 from swiftspec.tui import clipboard
 from swiftspec.tui.dialogs import ConfirmScreen
 from swiftspec.tui.sampling import listing, with_setting
 from swiftspec.tui.widgets.chat_view import ChatView, turns
 from swiftspec.tui.widgets.prompt_input import PromptInput
 
-if TYPE_CHECKING:
-    from swiftspec.tui.app import SwiftSpecApp
 
-Handler = Callable[["SwiftSpecApp", str], Awaitable[bool]]  # (app, argument) -> whether to clear the input
+class ChatApp(Protocol):
+    """What the commands use of the chat app (tui/app.py's SwiftSpecApp), so that they need not import it."""
+
+    conversation: Conversation
+    store: HistoryStore
+    defaults: Settings
+
+    async def answer(self, kind: Kind, text: str | None = None) -> bool: ...
+    def idle(self, what: str) -> bool: ...
+    def available_modes(self) -> tuple[str, ...]: ...
+    async def show_conversation(self, conversation: Conversation | None = None) -> None: ...
+    async def resume_conversation(self, conversation_id: int) -> None: ...
+    def update_title(self) -> None: ...
+    def action_stop(self) -> None: ...
+    def action_copy_last(self) -> None: ...
+    def action_toggle_stats(self) -> None: ...
+    async def action_new_chat(self) -> None: ...
+    def action_help(self) -> None: ...
+    def action_history(self) -> None: ...
+    # Textual's App
+    def notify(self, message: str, **options: Any) -> None: ...
+    def query_one(self, selector: Any) -> Any: ...
+    def push_screen(self, screen: Any, callback: Any = None) -> Any: ...
+    def exit(self, result: Any = None) -> None: ...
+
+
+Handler = Callable[[ChatApp, str], Awaitable[bool]]  # (app, argument) -> whether to clear the input
 
 
 class SlashCommand(NamedTuple):
@@ -34,7 +58,7 @@ class SlashCommand(NamedTuple):
     run: Handler
 
 
-async def run(app: SwiftSpecApp, text: str) -> bool:
+async def run(app: ChatApp, text: str) -> bool:
     """Runs ``/name args``; returns whether it worked (the input is cleared only then)."""
     name, _, arg = text[1:].partition(" ")
     command = BY_NAME.get(name)
@@ -48,25 +72,25 @@ async def run(app: SwiftSpecApp, text: str) -> bool:
         return False
 
 
-async def _help(app: SwiftSpecApp, arg: str) -> bool:
+async def _help(app: ChatApp, arg: str) -> bool:
     app.action_help()
     return True
 
 
-async def _history(app: SwiftSpecApp, arg: str) -> bool:
+async def _history(app: ChatApp, arg: str) -> bool:
     app.action_history()
     return True
 
 
-async def _continue(app: SwiftSpecApp, arg: str) -> bool:
+async def _continue(app: ChatApp, arg: str) -> bool:
     return await app.answer("continue")
 
 
-async def _retry(app: SwiftSpecApp, arg: str) -> bool:
+async def _retry(app: ChatApp, arg: str) -> bool:
     return await app.answer("retry")
 
 
-async def _edit(app: SwiftSpecApp, arg: str) -> bool:
+async def _edit(app: ChatApp, arg: str) -> bool:
     if not app.idle("edit"):
         return False
     prompt = app.query_one(PromptInput)
@@ -77,7 +101,7 @@ async def _edit(app: SwiftSpecApp, arg: str) -> bool:
     return False  # the input now holds the message being edited: it must not be cleared
 
 
-async def _clear(app: SwiftSpecApp, arg: str) -> bool:
+async def _clear(app: ChatApp, arg: str) -> bool:
     if not app.idle("clear"):
         return False
     conversation = app.conversation
@@ -96,7 +120,7 @@ async def _clear(app: SwiftSpecApp, arg: str) -> bool:
     return True
 
 
-async def _new(app: SwiftSpecApp, arg: str) -> bool:
+async def _new(app: ChatApp, arg: str) -> bool:
     if not app.idle("start a new conversation"):
         return False
     await app.show_conversation(Conversation(app.store, app.defaults.copy()))
@@ -104,7 +128,7 @@ async def _new(app: SwiftSpecApp, arg: str) -> bool:
     return True
 
 
-async def _system(app: SwiftSpecApp, arg: str) -> bool:
+async def _system(app: ChatApp, arg: str) -> bool:
     conversation = app.conversation
     if not arg:
         app.notify(f"System prompt: {conversation.settings.system or '(none)'}", markup=False)
@@ -116,13 +140,13 @@ async def _system(app: SwiftSpecApp, arg: str) -> bool:
 
 
 def _setter(name: str) -> Handler:
-    async def set_one(app: SwiftSpecApp, arg: str) -> bool:
+    async def set_one(app: ChatApp, arg: str) -> bool:
         return _apply(app, name, arg)
 
     return set_one
 
 
-async def _set(app: SwiftSpecApp, arg: str) -> bool:
+async def _set(app: ChatApp, arg: str) -> bool:
     if not arg:
         app.notify(listing(app.conversation.params), title="Settings (/set NAME VALUE)", markup=False, timeout=15)
         return True
@@ -130,7 +154,7 @@ async def _set(app: SwiftSpecApp, arg: str) -> bool:
     return _apply(app, name, value)
 
 
-def _apply(app: SwiftSpecApp, name: str, value: str) -> bool:
+def _apply(app: ChatApp, name: str, value: str) -> bool:
     """One setting of this conversation; a mode this engine cannot run is refused here, with the reason."""
     params = with_setting(app.conversation.params, name, value)
     if params.mode not in app.available_modes():
@@ -142,7 +166,7 @@ def _apply(app: SwiftSpecApp, name: str, value: str) -> bool:
     return True
 
 
-async def _save(app: SwiftSpecApp, arg: str) -> bool:
+async def _save(app: ChatApp, arg: str) -> bool:
     conversation = app.conversation
     if app.store.problem:
         app.notify(f"Cannot save: {app.store.problem}", severity="error", markup=False)
@@ -158,7 +182,7 @@ async def _save(app: SwiftSpecApp, arg: str) -> bool:
     return True
 
 
-async def _export(app: SwiftSpecApp, arg: str) -> bool:
+async def _export(app: ChatApp, arg: str) -> bool:
     conversation = app.conversation
     if not conversation.messages:
         app.notify("Nothing to export yet.", severity="warning")
@@ -172,7 +196,7 @@ async def _export(app: SwiftSpecApp, arg: str) -> bool:
     return True
 
 
-async def _copy(app: SwiftSpecApp, arg: str) -> bool:
+async def _copy(app: ChatApp, arg: str) -> bool:
     if not arg:
         app.action_copy_last()
         return True
@@ -185,7 +209,7 @@ async def _copy(app: SwiftSpecApp, arg: str) -> bool:
     return True
 
 
-async def _quit(app: SwiftSpecApp, arg: str) -> bool:
+async def _quit(app: ChatApp, arg: str) -> bool:
     app.exit(0)
     return True
 
@@ -231,7 +255,7 @@ KEYS = [
 ]
 
 
-def palette(app: SwiftSpecApp) -> Iterator[SystemCommand]:
+def palette(app: ChatApp) -> Iterator[SystemCommand]:
     """The command palette's own entries (besides Textual's: theme, screenshot, quit)."""
     yield SystemCommand("New conversation", "Start afresh; this one stays saved", app.action_new_chat)
     yield SystemCommand("History", "Saved conversations: open, rename, delete (F2)", app.action_history)

@@ -9,7 +9,7 @@ import json
 import typing
 from typing import Any
 
-from swiftspec.config import ConfigError, SamplingParams
+from swiftspec.engine.config import ConfigError, SamplingParams
 
 FIELDS = typing.get_type_hints(SamplingParams)  # name -> type, e.g. "top_p" -> float
 DEFAULTS = SamplingParams()

@@ -71,10 +71,12 @@ class ErrorScreen(Screen[bool]):
 
 
 class HelpScreen(ModalScreen):
-    """Slash commands and keys."""
+    """Slash commands and keys, titled, with how to close it."""
 
     BINDINGS = [Binding("escape,f1,q", "dismiss", "Close")]
 
     def compose(self) -> ComposeResult:
-        with VerticalScroll(id="help-box"):
+        with VerticalScroll(id="help-box") as box:
+            box.border_title = "SwiftSpec help"
+            box.border_subtitle = "Esc, F1 or q closes"
             yield Markdown(help_markdown())

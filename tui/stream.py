@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from swiftspec.config import StepEvent, StepStats
+from swiftspec.engine.events import StepEvent, StepStats
 
 
 class AnswerBuffer:

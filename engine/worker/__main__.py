@@ -1,6 +1,6 @@
 """``python -m swiftspec.engine.worker``: the entry point torchrun starts on every rank."""
 
-from swiftspec.engine.lifeline import die_with_launcher
+from swiftspec.engine.host.lifeline import die_with_launcher
 
 die_with_launcher()  # first thing: importing torch takes seconds (see lifeline)
 

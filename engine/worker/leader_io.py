@@ -8,9 +8,10 @@ import queue
 import threading
 from collections import deque
 
-from swiftspec.config import SamplingParams
-from swiftspec.engine import frames, protocol
-from swiftspec.engine.frames import (
+from swiftspec.engine.config import SamplingParams
+from swiftspec.engine.events import Step
+from swiftspec.engine.host import frames, protocol
+from swiftspec.engine.host.frames import (
     BadRequest,
     Cancel,
     Failure,
@@ -21,8 +22,7 @@ from swiftspec.engine.frames import (
     Shutdown,
     Stepped,
 )
-from swiftspec.engine.loop import Request
-from swiftspec.engine.protocol import Step
+from swiftspec.engine.spec.loop import Request
 
 
 class SocketIO:
@@ -115,10 +115,9 @@ class SocketIO:
 class ScriptIO:
     """``--prompt`` without an Engine: one request per mode; prints each answer and compares them."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int], modes: list[str], max_new_tokens: int):
+    def __init__(self, tokenizer, prompt_ids: list[int], requests: list[SamplingParams]):
         self.tokenizer = tokenizer
-        self.todo = deque(Request(i, prompt_ids, SamplingParams(mode=m, max_new_tokens=max_new_tokens))
-                          for i, m in enumerate(modes))
+        self.todo = deque(Request(i, prompt_ids, params) for i, params in enumerate(requests))
         self.results: list[tuple[str, list[int]]] = []
         self.steps: list[Step] = []
 

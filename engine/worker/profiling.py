@@ -23,22 +23,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from swiftspec.config import BUILTIN_DRAFTS, SamplingParams
-from swiftspec.engine.decode import profile_verify_cost, tree_forward_ms
-from swiftspec.engine.drafters import Features
-from swiftspec.engine.embedded import cache_dir
-from swiftspec.engine.model_dir import read_args
-from swiftspec.engine.protocol import RankInfo
-from swiftspec.engine.sampling import Sampler
+from swiftspec.engine.config import DraftKind, Dtype, SamplingParams
+from swiftspec.engine.host.protocol import RankInfo
+from swiftspec.engine.model.model_dir import read_args
+from swiftspec.engine.paths import cache_dir
+from swiftspec.engine.spec.decode import profile_verify_cost, tree_forward_ms
+from swiftspec.engine.spec.draft_io import Features
+from swiftspec.engine.spec.sampling import Sampler
 from swiftspec.engine.timing import RETRIES, CleanTimer
+from swiftspec.engine.worker.collectives import KernelThreads, KernelThreadsPlan, StepTimes, broadcast_choice
 from swiftspec.engine.worker.setup import (
     Ctx,
     barrier,
     draft_shares_cores,
     free_threads,
-    is_draft_model,
     set_kernel_threads,
     use_kernel_threads,
     uses_cpu_kernels,
@@ -46,7 +45,7 @@ from swiftspec.engine.worker.setup import (
 from swiftspec.kernels import cpu_linear
 
 D_MAX = 16
-PROFILE_FORMAT = 2  # bump when what is measured changes
+PROFILE_FORMAT = 3  # bump when what is measured changes
 MAX_PROFILES = 64  # the least recently written beyond these are removed
 # EngineConfig fields that cannot change a step time (the models count by their files' identity); every
 # other setting is part of a profile's key, a new one too
@@ -64,17 +63,13 @@ def profile(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> tupl
     cost of verifying 1..bs nodes (DraftState.verify_cost)."""
     config = ctx.spec.config
     bs = config.tree.bs
-    if ctx.spec.draft == "none":  # plain decoding: no d to choose, no tree to size
+    if not ctx.spec.draft_spec.speculative:  # plain decoding: no d to choose, no tree to size
         return 0.0, 0.0
     path = profile_path(ctx, ranks) if ctx.rank == 0 else None
-    cached = torch.zeros(3 + bs, dtype=torch.float64)  # found, t_verify, t_expand, cost[bs]
-    if path is not None and (found := _read(path, bs)) is not None:
-        cached = torch.tensor([1.0, *found], dtype=torch.float64)
-    dist.broadcast(cached, src=0)
-    hit = bool(cached[0])
-    say("step times from the profile cache" if hit else "profiling the draft expansion and target verification times")
-    if hit:
-        t_verify, t_expand, cost = float(cached[1]), float(cached[2]), cached[3:].tolist()
+    cached = StepTimes.broadcast(_read(path, bs) if path is not None else None, bs)
+    say("step times from the profile cache" if cached else "profiling the draft expansion and target verification times")
+    if cached:
+        t_verify, t_expand, cost = cached.t_verify, cached.t_expand, cached.cost
     else:
         # a TP group's ranks forward together: none may time a call again alone
         timer = CleanTimer(cpu_bound=ctx.device.type == "cpu", retries=RETRIES if ctx.tp_world == 1 else 0)
@@ -83,12 +78,10 @@ def profile(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> tupl
         barrier()
         if ctx.role == "draft":
             t_verify, t_expand, cost = _measure(ctx, timer)
-        mine = torch.tensor([t_verify, t_expand, timer.clean, *cost], dtype=torch.float64)
-        allr = [torch.zeros_like(mine) for _ in range(ctx.world)]
-        dist.all_gather(allr, mine)
-        t_verify, t_expand = max(float(t[0]) for t in allr), max(float(t[1]) for t in allr)
-        cost = allr[0][3:].tolist()
-        if not all(t[2] for t in allr):
+        times = StepTimes.gather(StepTimes(t_verify, t_expand, cost, timer.clean))
+        t_verify, t_expand = max(t.t_verify for t in times), max(t.t_expand for t in times)
+        cost = times[0].cost
+        if not all(t.clean for t in times):
             say(BUSY)
         elif path is not None:
             _write(path, t_verify, t_expand, cost)
@@ -112,39 +105,38 @@ def choose_kernel_threads(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], 
     claim their work, so the one it delays holds back a unit, not a share), the split with a draft model.
     Measured at the first start of a setup, then read from the cache. Every rank calls this."""
     free = free_threads(ctx.spec.config.threads, ctx.rank, ctx.n_target) if ctx.role == "target" else 0
-    state = torch.zeros(5, dtype=torch.int64)  # applies, found, ar, sync, async
-    path = None
-    if ctx.rank == 0 and ctx.n_target == 1 and uses_cpu_kernels(ctx) and free > ctx.threads:
-        state[0] = 1
-        if (path := profile_path(ctx, ranks)) is not None:
+    plan, path = None, None
+    if ctx.rank == 0:
+        applies = ctx.n_target == 1 and uses_cpu_kernels(ctx) and free > ctx.threads
+        cached = None
+        if applies and (path := profile_path(ctx, ranks)) is not None:
             path = path.parent / "threads" / path.name
             try:
-                state[1:] = torch.tensor([1, *(int(json.loads(path.read_text())[m]) for m in MODES_BY_THREADS)])
+                cached = KernelThreads.from_modes(json.loads(path.read_text()))
             except (OSError, ValueError, KeyError, TypeError):
                 pass  # none yet, or unreadable: measure
-    dist.broadcast(state, src=0)
-    if not state[0]:
+        plan = KernelThreadsPlan(applies, cached)
+    plan = KernelThreadsPlan.broadcast(plan)
+    if not plan.applies:
         return
-    if not state[1]:
+    threads = plan.cached
+    if threads is None:
         say("measuring the CPU kernels' threads")
         timer = CleanTimer()
-        state[2:] = torch.tensor(_measure_threads(ctx, sorted({ctx.threads, free}), timer))
+        threads = _measure_threads(ctx, sorted({ctx.threads, free}), timer)
         if ctx.rank == 0 and not timer.clean:
             say(BUSY)
         elif ctx.rank == 0 and path is not None:
-            _write_json(path, dict(zip(MODES_BY_THREADS, state[2:].tolist(), strict=True)))
-    ctx.kernel_threads = dict(zip(MODES_BY_THREADS, state[2:].tolist(), strict=True))  # the draft's too
+            _write_json(path, threads.by_mode())
+    ctx.kernel_threads = threads.by_mode()  # the draft's too
     say("CPU kernel threads: " + ", ".join(f"{m} {n}" for m, n in ctx.kernel_threads.items()))
 
 
-MODES_BY_THREADS = ("ar", "sync", "async")
-
-
-def _measure_threads(ctx: Ctx, candidates: list[int], timer: CleanTimer) -> list[int]:
+def _measure_threads(ctx: Ctx, candidates: list[int], timer: CleanTimer) -> KernelThreads:
     """choose_kernel_threads' measurement: the target leader times a one-row step and a verification of
     bs nodes with each candidate; returns the threads for ar, sync and async (on every rank)."""
     bs, reps = ctx.spec.config.tree.bs, 3
-    choice = torch.zeros(3, dtype=torch.int64)
+    choice = None
     if ctx.rank == 0:
         if ctx.target.cache.prefix_len == 0:
             ctx.target.prefill(DUMMY, Sampler(SamplingParams(), ctx.device))
@@ -152,14 +144,16 @@ def _measure_threads(ctx: Ctx, candidates: list[int], timer: CleanTimer) -> list
         for n in candidates:
             set_kernel_threads(n)
             step[n], verify[n] = tree_forward_ms(ctx.target, 1, reps, timer), tree_forward_ms(ctx.target, bs, reps, timer)
-        choice[:] = torch.tensor([min(candidates, key=step.get), min(candidates, key=verify.get),
-                                  candidates[0] if is_draft_model(ctx.spec.draft) else min(candidates, key=verify.get)])
+        choice = KernelThreads(min(candidates, key=step.get), min(candidates, key=verify.get),
+                               candidates[0] if ctx.spec.draft_spec.own_model else min(candidates, key=verify.get))
         use_kernel_threads(ctx, "ar")
-    dist.broadcast(choice, src=0)
-    return choice.tolist()
+    return KernelThreads.broadcast(choice)
 
 
 DUMMY = list(range(1, 9)) * 4  # repetitive, so that the suffix drafter has something to propose
+# The context behind the target's profiled verifications: each row's attention reads it, so a row's
+# share of a step grows with it, and an answer's own context is some hundreds of tokens.
+PROFILE_CONTEXT = 256
 
 
 def _measure(ctx: Ctx, timer: CleanTimer) -> tuple[float, float, list[float]]:
@@ -172,7 +166,8 @@ def _measure(ctx: Ctx, timer: CleanTimer) -> tuple[float, float, list[float]]:
     if ctx.role == "target":
         use_kernel_threads(ctx, "sync")
         sampler = Sampler(SamplingParams(), ctx.device)
-        roots = [ctx.target.prefill(dummy, sampler)]
+        context = (DUMMY * (PROFILE_CONTEXT // len(DUMMY)))[:max(len(DUMMY), ctx.target.room - 5 * bs)]
+        roots = [ctx.target.prefill(context, sampler)]
 
         def verify() -> None:
             roots.append(ctx.target.verify([roots[-1], *dummy[:bs - 1]], list(range(-1, bs - 1)), sampler).path[-1])
@@ -200,7 +195,7 @@ def profile_path(ctx: Ctx, ranks: list[RankInfo]) -> Path | None:
         if torch.cuda.is_available() else [],
         "ranks": [[r.role, r.device, r.threads, r.host] for r in ranks],
         "kernel_threads": ctx.kernel_threads,  # what the verifications were timed on (choose_kernel_threads)
-        "target": _files(spec.target_dir), "draft": spec.draft if spec.draft in BUILTIN_DRAFTS else _files(spec.draft),
+        "target": _files(spec.target_dir), "draft": _files(spec.draft_spec.path) if spec.draft_spec.path else spec.draft,
         "spec": {"config": {**settings, "dtype": ctx.dtype}, "layout": dataclasses.asdict(spec.layout),
                  "corpus": spec.corpus},
     }
@@ -244,13 +239,13 @@ def _files(path: str) -> list | None:
         return None
 
 
-def _read(path: Path, bs: int) -> list[float] | None:
+def _read(path: Path, bs: int) -> StepTimes | None:
     try:
         data = json.loads(path.read_text())
-        values = [float(data["t_verify_ms"]), float(data["t_expand_ms"]), *map(float, data["verify_cost"])]
+        times = StepTimes(float(data["t_verify_ms"]), float(data["t_expand_ms"]), [*map(float, data["verify_cost"])])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # none yet, or unreadable: measure again
-    return values if len(values) == 2 + bs else None
+    return times if len(times.cost) == bs else None
 
 
 def _write(path: Path, t_verify: float, t_expand: float, cost: list[float]) -> None:
@@ -274,8 +269,18 @@ def _write_json(path: Path, data: dict) -> None:
 # Expected acceptance of a proposed node, by drafter, for --dtype auto's choice: the suffix drafter yields
 # ~1.4-1.5 tokens a verification on fresh questions (1 + p + p^2 + ... with p ~ 0.35); a learned head or a
 # draft model more.
-ACCEPTANCE_PRIOR = {"none": 0.0, "suffix": 0.35}
+ACCEPTANCE_PRIOR = {DraftKind.NONE: 0.0, DraftKind.SUFFIX: 0.35}
 ACCEPTANCE_OTHER = 0.5
+
+
+def read_backend_costs(path: Path, candidates: list[str]) -> dict[str, list[float]] | None:
+    """The backends' costs cached at ``path``; None without a readable cache, or for one of other
+    candidates (it is measured again)."""
+    try:
+        costs = {k: [float(c) for c in v] for k, v in json.loads(path.read_text())["costs"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return costs if set(costs) == set(candidates) else None
 
 
 def expected_rate(costs: list[float], p: float) -> float:
@@ -289,47 +294,45 @@ def choose_cpu_backend(ctx: Ctx, say: Callable[[str], None]) -> str:
     measured step and verification costs (cpu_backends.synthetic_costs) and the drafter's expected
     acceptance. Measured once per machine, model shape, threads and drafter, then read from the cache.
     Decided on the target leader and broadcast to the target group."""
-    from swiftspec.engine import cpu_backends
-    from swiftspec.engine.model_dir import gguf_block_kinds, stored_float_dtype
+    from swiftspec.engine.model import cpu_backends, cpu_blocks
+    from swiftspec.engine.model.model_dir import gguf_block_kinds, stored_float_dtype
 
     spec = ctx.spec
     model_args = read_args(Path(spec.target_dir))
     if cpu_backends.kernels_available(model_args, ctx.tp_world) is not None:
-        return "float32"  # torch's linears, exact through one-row forwards (engine/loader.py)
+        return Dtype.FLOAT32  # torch's linears, exact through one-row forwards (engine/model/loader.py)
     # the checkpoint as stored, or a GGUF's own blocks: never a narrower width than the file holds
     candidates = [stored_float_dtype(Path(spec.target_dir))]
-    if gguf_block_kinds(Path(spec.target_dir)) & set(cpu_backends.BLOCK_FORMATS) and ctx.tp_world == 1:
-        candidates.insert(0, "gguf")
+    if gguf_block_kinds(Path(spec.target_dir)) & set(cpu_blocks.BLOCK_FORMATS) and ctx.tp_world == 1:
+        candidates.insert(0, Dtype.GGUF)
     if len(candidates) == 1:
         say(f"CPU backend {candidates[0]} (the checkpoint's own width)")
         return candidates[0]
-    choice = torch.zeros(1, dtype=torch.int64)
+    choice = None
     if ctx.tp_rank == 0:
         key = {**_software_and_machine(), "threads": ctx.threads,
                "shape": [model_args.dim, model_args.n_layers, model_args.n_heads, model_args.n_kv_heads,
                          model_args.intermediate_size, model_args.vocab_size, ctx.tp_world],
-               "candidates": candidates, "draft": spec.draft if spec.draft in BUILTIN_DRAFTS else "model",
+               "candidates": candidates, "draft": "model" if spec.draft_spec.path else spec.draft,
                "bs": spec.config.tree.bs}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
         path = cache_dir() / "profiles" / "backends" / f"{digest}.json"
-        try:
-            costs = {k: [float(c) for c in v] for k, v in json.loads(path.read_text())["costs"].items()}
-            assert set(costs) == set(candidates)
-        except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        costs = read_backend_costs(path, candidates)
+        if costs is None:
             say("measuring the CPU backends (" + ", ".join(candidates) + ")")
-            rows = 1 if spec.draft == "none" else spec.config.tree.bs  # plain decoding: only the one-row step counts
+            rows = spec.config.tree.bs if spec.draft_spec.speculative else 1  # plain decoding: only the one-row step counts
             timer = CleanTimer()
             costs = {b: cpu_backends.synthetic_costs(model_args, b, rows, timer=timer) for b in candidates}
             if timer.clean:
                 _write_json(path, {"costs": costs})
             else:
                 say(BUSY)
-        p = ACCEPTANCE_PRIOR.get(spec.draft, ACCEPTANCE_OTHER)
+        p = ACCEPTANCE_PRIOR.get(spec.draft_spec.kind, ACCEPTANCE_OTHER)
         rates = {b: expected_rate(c, p) for b, c in costs.items()}
         best = max(rates, key=rates.get)
-        say("CPU backend " + best + " (expected tok/s: "
-            + ", ".join(f"{b} {r * 1e3:.1f}" for b, r in sorted(rates.items(), key=lambda kv: -kv[1])) + ")")
-        choice[0] = candidates.index(best)
+        say(f"CPU backend {best} (--dtype auto: the faster for speculation; profiled one-token step: "
+            + ", ".join(f"{b} {costs[b][0]:.1f} ms" for b in sorted(rates, key=rates.get, reverse=True)) + ")")
+        choice = candidates.index(best)
     if ctx.tp_world > 1:
-        dist.broadcast(choice, src=0, group=ctx.target_group)
-    return candidates[int(choice[0])]
+        choice = broadcast_choice(choice, ctx.target_group)
+    return candidates[choice]

@@ -1,5 +1,5 @@
 """What every rank does once set up: wait for the leader's next request, run its part of the answer
-(engine/loop.py's loops on the group leaders, the follower loops below on TP followers), repeat."""
+(engine/spec/loop.py's loops on the group leaders, the follower loops below on TP followers), repeat."""
 
 from __future__ import annotations
 
@@ -7,22 +7,25 @@ import gc
 import json
 import os
 import secrets
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from swiftspec.config import BUILTIN_DRAFTS, SamplingParams
-from swiftspec.engine import protocol
-from swiftspec.engine.decode import DraftState, TargetState
-from swiftspec.engine.frames import Failure, Hello, Ready
-from swiftspec.engine.loop import Finisher, Request, lead_draft, lead_target
-from swiftspec.engine.messages import Follow, FollowerStep, WireError
-from swiftspec.engine.model_dir import load_tokenizer
-from swiftspec.engine.protocol import EngineInfo, RankInfo
-from swiftspec.engine.sampling import Sampler
-from swiftspec.engine.spec import WorkerSpec
+from swiftspec.engine.config import BatchInvariance, Dtype, SamplingParams
+from swiftspec.engine.host import protocol
+from swiftspec.engine.host.frames import Failure, Hello, Ready
+from swiftspec.engine.host.launcher import ENV_STORE
+from swiftspec.engine.host.protocol import EngineInfo, RankInfo
+from swiftspec.engine.host.worker_spec import WorkerSpec
+from swiftspec.engine.model.model_dir import load_tokenizer
+from swiftspec.engine.spec.decode import DraftState, TargetState
+from swiftspec.engine.spec.loop import Finisher, Request, lead_draft, lead_target
+from swiftspec.engine.spec.messages import Follow, FollowerStep, WireError
+from swiftspec.engine.spec.sampling import Sampler
+from swiftspec.engine.worker.collectives import Command, RequestHeader, broadcast_values
 from swiftspec.engine.worker.leader_io import ScriptIO, SocketIO
 from swiftspec.engine.worker.profiling import choose_cpu_backend, choose_d, choose_kernel_threads, profile
 from swiftspec.engine.worker.setup import (
@@ -38,15 +41,12 @@ from swiftspec.engine.worker.setup import (
     target_precision,
     use_kernel_threads,
 )
-from swiftspec.engine.worker.wire import DistLink, SocketLink, connect_leaders
-
-# Request header, broadcast by the leader to every rank: int64[3] = cmd, prompt length, params length.
-CMD_SHUTDOWN, CMD_GENERATE = 0, 1
+from swiftspec.engine.worker.wire import LEADERS_SOCKET, DistLink, SocketLink, connect_leaders
 
 
 def follow_target(target: TargetState, req: Request, next_step: Callable[[], FollowerStep]) -> None:
     """A target TP follower's part of one answer: the leader's model calls, mirrored step by step."""
-    sampler = Sampler(req.params, target.device)
+    sampler = Sampler(req.params, target.device, target.vocab)
     target.prefill(req.prompt, sampler)
     while True:
         match next_step():
@@ -62,7 +62,7 @@ def follow_target(target: TargetState, req: Request, next_step: Callable[[], Fol
 
 def follow_draft(ds: DraftState, req: Request, next_step: Callable[[], FollowerStep]) -> None:
     """A draft TP follower's part of one answer (the leader's subtree choice needs no model call)."""
-    ds.prefill(req.prompt)
+    ds.prefill(req.prompt, grammar=req.params.grammar)
     while True:
         match next_step():
             case FollowerStep(Follow.END):
@@ -79,39 +79,37 @@ def follow_draft(ds: DraftState, req: Request, next_step: Callable[[], FollowerS
 
 def _request(ctx: Ctx, io) -> Request | None:
     """The leader's next request, on every rank (None: shut down)."""
-    hdr = torch.zeros(3, dtype=torch.int64)
-    req = None
+    req, header, blob = None, None, None
     if ctx.rank == 0:
         req = io.next_request()
+        header = RequestHeader(Command.SHUTDOWN)
         if req is not None:
             if req.params.seed is None:  # TP peers must draw the same random numbers
                 req.params.seed = secrets.randbits(31)
-            blob = torch.frombuffer(bytearray(json.dumps(req.params.to_dict()).encode()), dtype=torch.uint8)
-            hdr = torch.tensor([CMD_GENERATE, len(req.prompt), len(blob)])
-    dist.broadcast(hdr, src=0)
-    cmd, n_prompt, n_blob = hdr.tolist()
-    if cmd == CMD_SHUTDOWN:
+            blob = list(json.dumps(req.params.to_dict()).encode())
+            header = RequestHeader(Command.GENERATE, len(req.prompt), len(blob))
+    header = RequestHeader.broadcast(header)
+    if header.command == Command.SHUTDOWN:
         return None
-    if ctx.rank == 0:
-        prompt = torch.tensor(req.prompt, dtype=torch.int64)
-    else:
-        prompt, blob = torch.zeros(n_prompt, dtype=torch.int64), torch.zeros(n_blob, dtype=torch.uint8)
-    dist.broadcast(prompt, src=0)
-    dist.broadcast(blob, src=0)
+    prompt = broadcast_values(req.prompt if req is not None else None, header.prompt_len, torch.int64)
+    params = broadcast_values(blob, header.params_len, torch.uint8)
     if ctx.rank != 0:
-        req = Request(-1, prompt.tolist(), SamplingParams.from_dict(json.loads(bytes(blob.tolist()))))
+        req = Request(-1, prompt, SamplingParams.from_dict(json.loads(bytes(params))))
     return req
 
 
 def leader_link(ctx: Ctx, ranks: list[RankInfo]) -> SocketLink | DistLink | None:
     """The leaders' Link (None on other ranks and without a draft group): a socket where both leaders
-    share a host, gloo otherwise."""
+    share a host (a Unix socket in the Engine's run directory where the workers meet through its
+    FileStore), gloo otherwise."""
     draft_leader = ctx.n_target
     if ctx.world == ctx.n_target or ctx.rank not in (0, draft_leader):
         return None
     peer = draft_leader if ctx.rank == 0 else 0
     if ranks[0].host == ranks[draft_leader].host:
-        return connect_leaders(ctx.wire, ctx.rank, peer, INIT_TIMEOUT)
+        store = os.environ.get(ENV_STORE)
+        path = str(Path(store).parent / LEADERS_SOCKET) if store else None
+        return connect_leaders(ctx.wire, ctx.rank, peer, INIT_TIMEOUT, path)
     return DistLink(ctx.wire, peer)
 
 
@@ -140,17 +138,18 @@ def _io(ctx: Ctx, hand: HandRun | None) -> SocketIO | ScriptIO | None:
         tok = load_tokenizer(Path(ctx.spec.target_dir), ctx.spec.config.trust_remote_code)
         ids = tok.apply_chat_template([{"role": "user", "content": hand.prompt}], add_generation_prompt=True,
                                       return_dict=True)["input_ids"]
-        return ScriptIO(tok, list(ids), hand.modes, hand.max_new_tokens)
+        return ScriptIO(tok, list(ids), hand.requests)
     addr, key = os.environ.get(protocol.ENV_ADDR), os.environ.get(protocol.ENV_KEY)
     if not addr or not key:
         raise SystemExit(f"{protocol.ENV_ADDR} / {protocol.ENV_KEY} are not set: start the workers "
                          "through swiftspec's Engine, or pass --prompt")
-    return SocketIO(protocol.connect(addr, key), speculative=ctx.world > ctx.n_target)
+    conn = protocol.connect(addr, key, retry_until=time.monotonic() + ctx.spec.config.startup_timeout_s)
+    return SocketIO(conn, speculative=ctx.world > ctx.n_target)
 
 
 def _draft_name(spec: WorkerSpec) -> str:
     corpus = f" + corpus {Path(spec.corpus).stem}" if spec.corpus else ""
-    return (spec.draft if spec.draft in BUILTIN_DRAFTS else Path(spec.draft).name) + corpus
+    return spec.draft_spec.name + corpus
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,19 +161,19 @@ def main(argv: list[str] | None = None) -> int:
         ranks = gather_ranks(ctx)
         if io is not None:
             io.send(Hello([[r.rank, r.pid] for r in ranks]))
-            draft = (BUILTIN_DRAFTS.get(spec.draft) or f"draft {Path(spec.draft).name}") + (
+            draft = spec.draft_spec.description + (
                 f" with the corpus {Path(spec.corpus).stem}" if spec.corpus else "")
             say(f"loading target {spec.name} on {ctx.n_target} rank(s)"
-                + (f" and {draft} on {ctx.world - ctx.n_target} rank(s)" if spec.draft != "none" else ", no draft"))
+                + (f" and {draft} on {ctx.world - ctx.n_target} rank(s)" if spec.draft_spec.speculative else ", no draft"))
         config = spec.config
-        if ctx.role == "target" and ctx.device.type == "cpu" and config.dtype == "auto" and config.batch_invariant != "off":
+        if ctx.role == "target" and ctx.device.type == "cpu" and config.dtype == Dtype.AUTO and config.batch_invariant != BatchInvariance.OFF:
             ctx.dtype = choose_cpu_backend(ctx, say)
         load(ctx)
         gc.freeze()  # the loaded models' objects leave the collector's sight: no collection walks them mid-step
         agree_on_features(ctx)  # a collective over every rank: all have loaded
         choose_kernel_threads(ctx, ranks, say)  # first: the verifications are timed on sync's threads
         t_verify, t_expand = profile(ctx, ranks, say)
-        ctx.d = 0 if spec.draft == "none" else config.tree.d or choose_d(t_verify, t_expand)
+        ctx.d = 0 if not spec.draft_spec.speculative else config.tree.d or choose_d(t_verify, t_expand)
         link = leader_link(ctx, ranks)
         if io is not None:
             info = EngineInfo(

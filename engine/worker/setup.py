@@ -13,17 +13,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from swiftspec.config import ConfigError, EngineConfig, Role
-from swiftspec.engine import launcher
-from swiftspec.engine.cuda_graphs import GraphedModel
-from swiftspec.engine.decode import DraftState, TargetState
-from swiftspec.engine.draft_head import is_head_dir
-from swiftspec.engine.drafters import make_drafter
-from swiftspec.engine.loader import default_dtype, load_model
-from swiftspec.engine.messages import FollowerStep, Wire
-from swiftspec.engine.model_dir import eos_token_ids
-from swiftspec.engine.protocol import RankInfo
-from swiftspec.engine.spec import WorkerSpec
+from swiftspec.engine.config import ConfigError, Device, EngineConfig, Role, SamplingParams
+from swiftspec.engine.host import launcher
+from swiftspec.engine.host.protocol import RankInfo
+from swiftspec.engine.host.worker_spec import WorkerSpec
+from swiftspec.engine.model.cuda_graphs import GraphedModel
+from swiftspec.engine.model.loader import default_dtype, load_model
+from swiftspec.engine.model.model_dir import eos_token_ids, read_args
+from swiftspec.engine.spec.decode import DraftState, TargetState
+from swiftspec.engine.spec.draft_spec import DraftSpec
+from swiftspec.engine.spec.drafters import make_drafter
+from swiftspec.engine.spec.grammar import Vocabulary
+from swiftspec.engine.spec.messages import FollowerStep, Wire
+from swiftspec.engine.worker.collectives import RankReport, any_rank
 
 PG_TIMEOUT = timedelta(days=3650)  # followers wait in a broadcast while the chat is idle
 INIT_TIMEOUT = timedelta(seconds=120)  # for every rank to reach init_process_group and new_group
@@ -85,11 +87,11 @@ class Ctx:
 
 @dataclass(frozen=True)
 class HandRun:
-    """A worker group started by hand (``--prompt``): each mode answers the prompt, printed, compared."""
+    """A worker group started by hand (``--prompt``): each request answers the prompt, printed, compared.
+    Its requests are validated where every rank parses its flags, so a bad one stops them all alike."""
 
     prompt: str
-    modes: list[str]
-    max_new_tokens: int
+    requests: list[SamplingParams]
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[WorkerSpec, HandRun | None]:
@@ -112,7 +114,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerSpec, HandRun | Non
     p.add_argument("--modes", default="ar,async", help="with --prompt: modes to run, compared with the first")
     p.add_argument("--max-new-tokens", type=int, default=64, help="with --prompt")
     args = p.parse_args(argv)
-    hand = HandRun(args.prompt, args.modes.split(","), args.max_new_tokens) if args.prompt is not None else None
+    hand = None
+    if args.prompt is not None:
+        try:
+            hand = HandRun(args.prompt, [SamplingParams(mode=m, max_new_tokens=args.max_new_tokens).validate()
+                                         for m in args.modes.split(",")])
+        except ConfigError as e:
+            p.error(str(e))
     if args.spec is not None:
         return WorkerSpec.read(args.spec), hand
     if args.target is None or hand is None:
@@ -124,19 +132,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerSpec, HandRun | Non
                       args.draft), hand
 
 
-def is_draft_model(draft: str) -> bool:
-    """The draft is a model of its own (a path, or the target's int8 copy), as heavy as any rank; not the
-    suffix drafter (light Python) or a draft head (one layer)."""
-    return draft not in ("suffix", "none") and not is_head_dir(Path(draft))
-
-
 def _local_ranks(rank: int, n_target: int) -> tuple[int, int]:
     """This node's ranks: how many, and how many of them are target ranks."""
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     return local_world, sum(r < n_target for r in range(rank - local_rank, rank - local_rank + local_world))
 
 
-def _cpu_threads(threads: int | None, draft: str, rank: int, n_target: int) -> int:
+def _cpu_threads(threads: int | None, draft: DraftSpec, rank: int, n_target: int) -> int:
     """Divides this node's cores between its local ranks (``threads``, or every core but one on the node
     that holds the Engine, whose process streams the text). The suffix drafter (light Python) and a draft
     head (one layer) take one thread each, on a core of their own, and the target ranks share the rest; a
@@ -146,7 +148,7 @@ def _cpu_threads(threads: int | None, draft: str, rank: int, n_target: int) -> i
     local_world, n_local_target = _local_ranks(rank, n_target)
     engine_here = rank == int(os.environ["LOCAL_RANK"])  # this node holds rank 0, the Engine's peer
     total = threads or max(1, len(os.sched_getaffinity(0)) - engine_here)
-    if is_draft_model(draft):
+    if draft.own_model:
         return max(1, total // local_world)
     if rank >= n_target:
         return 1
@@ -165,7 +167,7 @@ def draft_shares_cores(ctx: Ctx, ranks: list[RankInfo]) -> bool:
     the cores) or its share. The draft's expansions during a verification then slow it down."""
     host = ranks[ctx.n_target].host
     wanted = sum(ctx.kernel_threads.get("async", r.threads) if r.role == "target" else r.threads
-                 for r in ranks if r.host == host and r.device == "cpu")
+                 for r in ranks if r.host == host and r.device == Device.CPU)
     return wanted > len(os.sched_getaffinity(0))
 
 
@@ -175,7 +177,7 @@ def uses_cpu_kernels(ctx: Ctx) -> bool:
 
 
 def set_kernel_threads(n: int) -> None:
-    from swiftspec.engine.cpu_backends import library
+    from swiftspec.engine.model.cpu_backends import library
     from swiftspec.kernels import cpu_linear
 
     cpu_linear.set_threads(library(), n)
@@ -191,22 +193,22 @@ def setup(spec: WorkerSpec) -> Ctx:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config, layout = spec.config, spec.layout
     n_target = layout.n_target
-    if spec.draft == "none" and n_target != world:
+    if not spec.draft_spec.speculative and n_target != world:
         raise ConfigError(f"without a draft all {world} ranks are target ranks, not {n_target}")
-    if spec.draft != "none" and not 1 <= n_target < world:
+    if spec.draft_spec.speculative and not 1 <= n_target < world:
         raise ConfigError(f"{world} ranks cannot hold {n_target} target rank(s) and at least one draft rank")
     role = "target" if rank < n_target else "draft"
     if layout.cuda:
         devices = launcher.rank_devices(layout)
     else:
-        devices = ["cuda" if config.device == "cuda" else "cpu"] * world
-    device = torch.device(devices[rank] if devices[rank] != "cuda" else f"cuda:{os.environ['LOCAL_RANK']}")
+        devices = [Device.CUDA if config.device == Device.CUDA else Device.CPU] * world
+    device = torch.device(devices[rank] if devices[rank] != Device.CUDA else f"cuda:{os.environ['LOCAL_RANK']}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         share = launcher.memory_fraction(devices, rank, n_target)
         if share is not None:
             torch.cuda.set_per_process_memory_fraction(share, device)
-    threads = _cpu_threads(config.threads, spec.draft, rank, n_target)
+    threads = _cpu_threads(config.threads, spec.draft_spec, rank, n_target)
     torch.set_num_threads(threads)
     groups = launcher.process_groups(devices, n_target)
     store_path = os.environ.get(launcher.ENV_STORE)
@@ -239,21 +241,17 @@ def barrier() -> None:
 
 
 def gather_ranks(ctx: Ctx) -> list[RankInfo]:
-    """Every rank's pid, device and threads, gathered as int64 tensors (no pickles between ranks)."""
-    host = socket.gethostname().encode()[:48].ljust(48, b"\0")
-    dev = -1 if ctx.device.type == "cpu" else ctx.device.index
-    mine = torch.tensor([os.getpid(), ctx.threads, dev, *host], dtype=torch.int64)
-    allr = [torch.zeros_like(mine) for _ in range(ctx.world)]
-    dist.all_gather(allr, mine)
+    """Every rank's pid, device and threads, on every rank."""
+    mine = RankReport(os.getpid(), ctx.threads, -1 if ctx.device.type == "cpu" else ctx.device.index,
+                      socket.gethostname())
     ranks = []
-    for r, t in enumerate(allr):
-        v = t.tolist()
+    for r, report in enumerate(RankReport.gather(mine)):
         role = "target" if r < ctx.n_target else "draft"
         lead = 0 if role == "target" else ctx.n_target
         tp_world = ctx.n_target if role == "target" else ctx.world - ctx.n_target
-        ranks.append(RankInfo(rank=r, role=role, device="cpu" if v[2] < 0 else f"cuda:{v[2]}", tp_rank=r - lead,
-                              tp_world=tp_world, threads=v[1], host=bytes(v[3:]).rstrip(b"\0").decode(),
-                              pid=v[0]))
+        device = "cpu" if report.cuda_index < 0 else f"cuda:{report.cuda_index}"
+        ranks.append(RankInfo(rank=r, role=role, device=device, tp_rank=r - lead, tp_world=tp_world,
+                              threads=report.threads, host=report.host, pid=report.pid))
     return ranks
 
 
@@ -262,6 +260,9 @@ def load(ctx: Ctx) -> None:
     spec, config = ctx.spec, ctx.spec.config
     target_dir = Path(spec.target_dir)
     slots = config.max_seq_len + config.tree.bs + 1  # the prefix plus one tree being verified
+    eos = eos_token_ids(target_dir, config.trust_remote_code)
+    # Every rank masks or prunes by an answer's grammar itself, the same way: TP peers stay in step.
+    vocab = Vocabulary(target_dir / "tokenizer.json", tuple(sorted(eos)), read_args(target_dir).vocab_size)
 
     def model_for(path: Path, n_slots: int, group, int8: bool = False, batch_invariant: bool | None = False):
         """Our model on this rank's device; on CUDA wrapped in CUDA graphs (one more slot: the graphs'
@@ -274,41 +275,38 @@ def load(ctx: Ctx) -> None:
         return GraphedModel(model) if cuda else model
 
     if ctx.role == "target":
-        invariant = {"auto": None, "on": True, "off": False}[config.batch_invariant]
-        model = model_for(target_dir, slots, ctx.target_group, batch_invariant=invariant)
-        ctx.target = TargetState(model, slots)
+        model = model_for(target_dir, slots, ctx.target_group, batch_invariant=config.batch_invariant.forced)
+        ctx.target = TargetState(model, slots, vocab)
         if ctx.rank == 0:
-            ctx.eos = set(eos_token_ids(target_dir, config.trust_remote_code))
+            ctx.eos = set(eos)
     else:
-        drafter = make_drafter(spec.draft, target_dir, config.trust_remote_code, config.draft_history,
+        drafter = make_drafter(spec.draft_spec, target_dir, config.trust_remote_code, config.draft_history,
                                lambda path, int8: model_for(path, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8,
                                                             None if ctx.device.type == "cpu" else False),
                                ctx.device, default_dtype(ctx.device, ctx.dtype), slots + DRAFT_TREE_SLOTS,
                                Path(spec.corpus) if spec.corpus else None, spec.vocab_size,
                                Path(config.history_db) if config.drafts_from_store else None)
-        if ctx.device.type == "cpu" and is_draft_model(spec.draft):
-            from swiftspec.engine.cpu_backends import kernels_available
+        if ctx.device.type == "cpu" and spec.draft_spec.own_model:
+            from swiftspec.engine.model.cpu_backends import kernels_available
 
             if kernels_available() is None:  # a draft model runs the kernels too, on its share of the cores
                 set_kernel_threads(ctx.threads)
         if drafter.wants_features and ctx.tp_world > 1:
             raise ConfigError("a draft that reads the target's hidden states runs on one draft rank only")
-        ctx.draft = DraftState(drafter, config.tree)
+        ctx.draft = DraftState(drafter, config.tree, vocab=vocab)
 
 
 def agree_on_features(ctx: Ctx) -> None:
     """Every rank learns whether the drafter reads the target's hidden states (Ctx.features): only the
     draft ranks hold the drafter that knows."""
-    mine = torch.tensor([ctx.role == "draft" and ctx.draft.drafter.wants_features], dtype=torch.int64)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    ctx.features = bool(mine)
+    ctx.features = any_rank(ctx.role == "draft" and ctx.draft.drafter.wants_features)
 
 
 def target_precision(ctx: Ctx) -> str:
-    """What the title bar says the target runs at: the CPU backend's label ("int4 (Q4_1 blocks) · int16
+    """What the title bar says the target runs at: the CPU backend's label ("gguf (Q4_1 blocks) · int16
     activations · AVX2"), else the dtype, and for a converted GGUF the type its blocks came in."""
-    from swiftspec.engine.embedded import precision_label
-    from swiftspec.engine.model_dir import default_dtype_name
+    from swiftspec.engine.model.gguf_io import precision_label
+    from swiftspec.engine.model.model_dir import default_dtype_name
 
     model = getattr(ctx.target.model, "model", ctx.target.model)  # through a CUDA-graphs wrapper
     if model.precision:

@@ -1,15 +1,16 @@
-"""The Link between the two group leaders: messages packed by ``engine/messages.py``'s Wire, hidden
+"""The Link between the two group leaders: messages packed by ``engine/spec/messages.py``'s Wire, hidden
 states as 16-bit tensors. Over a TCP connection on loopback when both leaders share a host
 (``SocketLink``), else over torch.distributed (``DistLink``, gloo).
 
-Why not gloo for both: a gloo point-to-point message costs ~0.1-0.2 ms of CPU on each side and a chain of
-thread wake-ups through its I/O thread, twice a round; on the shared 2-core machine a gloo round trip of
-a Wire message took 2.9 ms against 74 us over a socket (19 us of CPU against 211 us).
+Why not gloo for both: a gloo point-to-point message costs CPU on each side and a chain of thread
+wake-ups through its I/O thread, twice a round, where a socket's round trip costs a small fraction of it
+(docs/ARCHITECTURE.md, Messages, gives figures).
 """
 
 from __future__ import annotations
 
 import hmac
+import os
 import secrets
 import select
 import socket
@@ -21,9 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from swiftspec.engine.messages import LeaderMessage, Wire, WireError
+from swiftspec.engine.spec.messages import LeaderMessage, Wire, WireError
 
 SECRET_BYTES = 32
+LEADERS_SOCKET = "leaders.sock"  # the leaders' Unix socket, in the Engine's run directory
+SECRET_TIMEOUT_S = 2.0  # a connection to the TCP listener that has not presented the secret by then is closed
 
 
 def features_to_wire(hidden: Tensor) -> Tensor:
@@ -123,18 +126,22 @@ class SocketLink:
         return features_from_wire(t)
 
 
-def connect_leaders(wire: Wire, rank: int, peer: int, timeout: timedelta) -> SocketLink:
-    """The two leaders' socket: the lower rank (the target leader) listens on loopback on a free port and
-    sends it with a random secret to its peer over gloo; the peer connects and presents the secret, and
-    any other connection is closed. The listener closes once its peer is in."""
+def connect_leaders(wire: Wire, rank: int, peer: int, timeout: timedelta, path: str | None = None) -> SocketLink:
+    """The two leaders' socket: the lower rank (the target leader) listens and sends a random secret
+    (and the port) to its peer over gloo; the peer connects and presents the secret, and any other
+    connection is closed. The listener closes once its peer is in. With ``path`` (a Unix socket in the
+    Engine's private run directory) no other user can even connect; otherwise it listens on a free
+    loopback port, and a peer gets SECRET_TIMEOUT_S to present the secret, so idle ones cannot hold it up."""
     if rank < peer:
-        with socket.create_server(("127.0.0.1", 0)) as server:
+        with _listener(path) as server:
             secret = secrets.token_bytes(SECRET_BYTES)
-            dist.send(torch.tensor([server.getsockname()[1], *secret], dtype=torch.int64), dst=peer)
-            server.settimeout(timeout.total_seconds())
+            port = 0 if path else server.getsockname()[1]
+            dist.send(torch.tensor([port, *secret], dtype=torch.int64), dst=peer)
+            deadline = time.monotonic() + timeout.total_seconds()
             while True:
+                server.settimeout(max(deadline - time.monotonic(), 1e-3))  # beyond: TimeoutError
                 sock, _ = server.accept()
-                sock.settimeout(timeout.total_seconds())
+                sock.settimeout(SECRET_TIMEOUT_S)
                 try:
                     offered = sock.recv(SECRET_BYTES, socket.MSG_WAITALL)
                 except OSError:
@@ -146,8 +153,28 @@ def connect_leaders(wire: Wire, rank: int, peer: int, timeout: timedelta) -> Soc
         hello = torch.zeros(1 + SECRET_BYTES, dtype=torch.int64)
         dist.recv(hello, src=peer)
         port, *secret = hello.tolist()
-        sock = socket.create_connection(("127.0.0.1", port), timeout=timeout.total_seconds())
+        if path:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout.total_seconds())
+            sock.connect(path)
+        else:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=timeout.total_seconds())
         sock.sendall(bytes(secret))
     sock.settimeout(None)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return SocketLink(wire, sock)
+
+
+def _listener(path: str | None) -> socket.socket:
+    if path is None:
+        return socket.create_server(("127.0.0.1", 0))
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(path)
+        os.chmod(path, 0o600)
+        server.listen()
+    except BaseException:
+        server.close()
+        raise
+    return server

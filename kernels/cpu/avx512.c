@@ -1,7 +1,7 @@
 /* The 512-bit paths: AVX-512 F/BW/VL and, built with -DSS_VNNI, AVX-512 VNNI (vpdpwssd: the int16
  * multiply-adds fused with their accumulation, 32 a instruction). Bit for bit the canonical order of
- * kernels.h: a full group's 8 blocks take the 16 lanes of one register two steps at a time, whose halves
- * are added (exact integers) before the group's fp32 scaling on 8 lanes. Attention is the AVX2 path's. */
+ * kernels.h: a lane is one of a panel's 16 columns, and its block dot products are exact integers before
+ * the one fp32 accumulation a column. Attention keeps the AVX2 path's 8 lanes a score, two heads a register. */
 #include <immintrin.h>
 
 #include "kernels.h"
@@ -18,17 +18,26 @@ static inline __attribute__((always_inline)) __m512i dp512(__m512i acc, __m512i 
     return acc;
 }
 #define DP512(acc, a, b) dp512((acc), (a), (b))
+/* acc + a . (the int16 pair at p, broadcast): the broadcast folded into the multiply-add's load */
+static inline __attribute__((always_inline)) __m512i dp512_pair(__m512i acc, __m512i a, const int32_t *p) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*p));
+    return acc;
+}
+#define DP512_PAIR(acc, a, p) dp512_pair((acc), (a), (p))
 #else
 #define PATH ss_path_avx512
 #define NAME "AVX-512"
 #define NEEDS (SS_CPU_AVX2 | SS_CPU_AVX512)
 #define DP512(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
+#define DP512_PAIR(acc, a, p) DP512((acc), (a), _mm512_set1_epi32(*(p)))
 #endif
 #define INLINE static inline __attribute__((always_inline))
-#define MAX_R 4 /* rows per tile */
-#define MAX_C 4 /* columns per tile */
+#define MAX_R 8 /* rows per tile */
+#define PREFETCH_PANELS 2 /* how far on the integer tiles ask for weights */
+#define TILE_ROWS_Q4 7 /* Q4's own most: its 8-row tile runs out of registers */
+#define MAX_C 2 /* panels per integer tile */
 
-void ss_avx2_attend(const attn_t *a, int t, int h, int *keys, float *buf);
+void ss_avx2_attend_head(const attn_t *a, int t, int h, const int *keys, int n, float *buf);
 
 /* The two 8-lane halves added: lane l + lane l + 8 */
 INLINE __m256 halves(__m512 v) {
@@ -45,140 +54,78 @@ static void quantise(const float *v, int16_t *q, float *scale, float *sum) {
     *scale = s;
 }
 
-/* A tail group of g (4, 2 or 1) blocks at block `first`, its lanes from `off` on: each row's exact block
- * dot products added into lanes off .. off + g - 1 of dots[r]. */
-INLINE void tail_group(const job_t *j, const int fmt, const int R, const int g, const uint8_t *column, int first,
-                       int off, const int16_t *qx, __m256i dots[]) {
-    const int nb = j->K / 32;
-    __m512i w[4]; /* the group's 32 g values as int16, in its order */
-    if (fmt == FMT_Q4) {
-        const uint8_t *at = column + first * 16; /* low nibbles: values [0, 16 g), high: [16 g, 32 g) */
-        if (g == 4) {
-            const __m512i raw = _mm512_loadu_si512(at), lo = _mm512_and_si512(raw, _mm512_set1_epi8(0x0F));
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F));
-            w[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)), w[1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
-            w[2] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)), w[3] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
-        } else if (g == 2) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)at);
-            w[0] = _mm512_cvtepu8_epi16(_mm256_and_si256(raw, _mm256_set1_epi8(0x0F)));
-            w[1] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F)));
-        } else {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)at);
-            const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0F)));
-            const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
-            w[0] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        }
-    } else {
-        for (int i = 0; i < g; i++) w[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(column + first * 32 + 32 * i)));
-    }
-    const __mmask8 lanes = (__mmask8)(((1u << g) - 1) << off);
-    for (int r = 0; r < R; r++) {
-        const int16_t *x = qx + ((size_t)r * nb + first) * 32;
-        __m512i sum = _mm512_setzero_si512();
-        for (int i = 0; i < g; i++) sum = DP512(sum, w[i], _mm512_loadu_si512(x + 32 * i));
-        /* lane l holds a part of block l % g: fold the halves until g lanes are left */
-        const __m256i f = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
-        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(f), _mm256_extracti128_si256(f, 1));
-        if (g <= 2) h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
-        if (g == 1) h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 1));
-        dots[r] = _mm256_add_epi32(dots[r], _mm256_maskz_expand_epi32(lanes, _mm256_castsi128_si256(h)));
-    }
+/* SS_PANEL scales (d or m) of a panel's block b, floats or halves. */
+INLINE __m512 scales16(const job_t *j, const void *panel, int b) {
+    return j->half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)panel + (size_t)b * SS_PANEL)))
+                   : _mm512_loadu_ps((const float *)panel + (size_t)b * SS_PANEL);
 }
 
-/* The first `n` of 8 floats at p, the rest 0 */
-INLINE __m256 load_first(const float *p, int n) { return _mm256_maskz_loadu_ps((__mmask8)((1u << n) - 1), p); }
-
-/* The first n scales of a column's row (d or m) from block b on, the rest 0. */
-INLINE __m256 scales_first(const job_t *j, const void *row, int b, int n) {
-    const __mmask8 k = (__mmask8)((1u << n) - 1);
-    return j->half ? _mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, (const uint16_t *)row + b))
-                   : _mm256_maskz_loadu_ps(k, (const float *)row + b);
-}
-
-/* Integer formats: rows r0 .. r0 + R - 1 of columns n .. n + C - 1 (R, C and fmt constant where inlined).
- * Each activation vector is loaded once for the C columns: the loads, not the multiply-adds, are what
- * a tile of one column runs out of. Per full group, a (row, column)'s 16 steps are summed exactly in
- * int32 and scaled as kernels.h says; the tail groups' dot products are gathered into one vector, a block
- * a lane, and scaled the same way. */
-INLINE void int_tile(const job_t *j, const int fmt, const int R, const int C, int r0, int n) {
-    const int nb = j->K / 32, groups = nb / 8, tail = nb - 8 * groups, bytes = fmt == FMT_Q4 ? nb * 16 : nb * 32;
-    __m256 acc[MAX_R][MAX_C];
-    const uint8_t *column[MAX_C];
-    const void *dn[MAX_C], *mn[MAX_C];
+/* Integer formats: rows r0 .. r0 + R - 1 of panels p .. p + C - 1 (R, C and fmt constant where inlined),
+ * columns below n1. A lane is a column: per block, each (row, panel)'s 16 pair products are summed exactly
+ * in int32, in two accumulators (two chains of multiply-adds in flight), then scaled as kernels.h says in
+ * one fp32 accumulator a lane. Each weight vector is unpacked once for the R rows. The first tile of rows
+ * asks memory for the panels PREFETCH_PANELS on while it computes. */
+INLINE void int_tile(const job_t *j, const int fmt, const int R, const int C, int r0, int p, int n1) {
+    const int nb = j->K / 32, bytes = fmt == FMT_Q4 ? 256 : 512;
+    __m512 acc[MAX_R][MAX_C];
+    const uint8_t *w[MAX_C];
+    const void *dp[MAX_C], *mp[MAX_C];
     for (int c = 0; c < C; c++) {
-        for (int r = 0; r < R; r++) acc[r][c] = _mm256_setzero_ps();
-        column[c] = (const uint8_t *)j->w + (size_t)(n + c) * bytes;
-        dn[c] = ss_scale_row(j, j->d, n + c), mn[c] = fmt == FMT_Q4 ? ss_scale_row(j, j->m, n + c) : 0;
-        ss_prefetch_column(j, n + c);
+        for (int r = 0; r < R; r++) acc[r][c] = _mm512_setzero_ps();
+        w[c] = ss_panel_weights(j, p + c);
+        dp[c] = ss_panel_scales(j, j->d, p + c), mp[c] = fmt == FMT_Q4 ? ss_panel_scales(j, j->m, p + c) : 0;
     }
-    const int16_t *qx = j->qx + (size_t)r0 * nb * 32;
-    const float *dx = j->dx + (size_t)r0 * nb, *xs = j->xsum + (size_t)r0 * nb;
-    for (int g = 0; g < groups; g++) {
-        __m512i isum[MAX_R][MAX_C];
+    const int32_t *qx = (const int32_t *)(j->qx + (size_t)r0 * nb * 32); /* activation pairs, 16 a block */
+    const size_t ahead = (size_t)PREFETCH_PANELS * nb * bytes;
+    const int fetch = r0 == 0 && p + C + PREFETCH_PANELS <= (j->N + SS_PANEL - 1) / SS_PANEL;
+    for (int b = 0; b < nb; b++) {
+        if (fetch)
+            for (int c = 0; c < C; c++)
+                for (int at = 0; at < bytes; at += 64) _mm_prefetch((const char *)w[c] + ahead + (size_t)b * bytes + at, _MM_HINT_T1);
+        __m512i lo[MAX_R][MAX_C], hi[MAX_R][MAX_C];
         for (int r = 0; r < R; r++)
-            for (int c = 0; c < C; c++) isum[r][c] = _mm512_setzero_si512();
-        if (fmt == FMT_Q4) {
-            for (int s = 0; s < 8; s += 2) { /* 32 bytes: steps s, s + 1 low, s + 8, s + 9 high */
-                __m512i lo[MAX_C], hi[MAX_C];
+            for (int c = 0; c < C; c++) lo[r][c] = hi[r][c] = _mm512_setzero_si512();
+        /* Q4: 32 bytes give pairs i (low nibbles) and i + 8 (high); Q8: 32 bytes a pair, i and i + 1 */
+        for (int i = 0; i < (fmt == FMT_Q4 ? 8 : 16); i += (fmt == FMT_Q4 ? 1 : 2)) {
+            __m512i wa[MAX_C], wb[MAX_C];
+            for (int c = 0; c < C; c++) {
+                const uint8_t *at = w[c] + (size_t)b * bytes + i * 32;
+                if (fmt == FMT_Q4) {
+                    const __m512i z = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)at));
+                    wa[c] = _mm512_and_si512(z, _mm512_set1_epi16(0x0F)), wb[c] = _mm512_srli_epi16(z, 4);
+                } else {
+                    wa[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)at));
+                    wb[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(at + 32)));
+                }
+            }
+            const int second = fmt == FMT_Q4 ? i + 8 : i + 1;
+            for (int r = 0; r < R; r++) {
+                const int32_t *x = qx + ((size_t)r * nb + b) * 16;
                 for (int c = 0; c < C; c++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(column[c] + g * 128 + s * 16));
-                    lo[c] = _mm512_cvtepu8_epi16(_mm256_and_si256(raw, _mm256_set1_epi8(0x0F)));
-                    hi[c] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F)));
-                }
-                for (int r = 0; r < R; r++) {
-                    const int16_t *x = qx + ((size_t)r * nb + 8 * g) * 32;
-                    const __m512i xl = _mm512_loadu_si512(x + 16 * s), xh = _mm512_loadu_si512(x + 16 * (s + 8));
-                    for (int c = 0; c < C; c++) {
-                        isum[r][c] = DP512(isum[r][c], lo[c], xl);
-                        isum[r][c] = DP512(isum[r][c], hi[c], xh);
-                    }
-                }
-            }
-        } else {
-            for (int s = 0; s < 16; s += 2) { /* 32 int8: steps s, s + 1 */
-                __m512i w[MAX_C];
-                for (int c = 0; c < C; c++)
-                    w[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(column[c] + g * 256 + s * 16)));
-                for (int r = 0; r < R; r++) {
-                    const __m512i xv = _mm512_loadu_si512(qx + ((size_t)r * nb + 8 * g) * 32 + 16 * s);
-                    for (int c = 0; c < C; c++) isum[r][c] = DP512(isum[r][c], w[c], xv);
+                    lo[r][c] = DP512_PAIR(lo[r][c], wa[c], x + i);
+                    hi[r][c] = DP512_PAIR(hi[r][c], wb[c], x + second);
                 }
             }
         }
         for (int c = 0; c < C; c++) {
-            const __m256 d8 = scales8(j, dn[c], 8 * g);
+            const __m512 d16 = scales16(j, dp[c], b);
             for (int r = 0; r < R; r++) {
-                const size_t at = (size_t)r * nb + 8 * g;
-                const __m512i sum = isum[r][c];
-                const __m256i dot = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d8, _mm256_loadu_ps(dx + at)), acc[r][c]);
-                if (fmt == FMT_Q4) acc[r][c] = _mm256_fmadd_ps(scales8(j, mn[c], 8 * g), _mm256_loadu_ps(xs + at), acc[r][c]);
+                const size_t at = (size_t)(r0 + r) * nb + b;
+                const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r][c], hi[r][c]));
+                acc[r][c] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d16, _mm512_set1_ps(j->dx[at])), acc[r][c]);
+                if (fmt == FMT_Q4) acc[r][c] = _mm512_fmadd_ps(scales16(j, mp[c], b), _mm512_set1_ps(j->xsum[at]), acc[r][c]);
             }
         }
     }
-    if (tail) {
-        const int b0 = 8 * groups;
-        for (int c = 0; c < C; c++) {
-            __m256i dots[MAX_R];
-            for (int r = 0; r < R; r++) dots[r] = _mm256_setzero_si256();
-            int first = b0;
-            if (tail & 4) tail_group(j, fmt, R, 4, column[c], first, first - b0, qx, dots), first += 4;
-            if (tail & 2) tail_group(j, fmt, R, 2, column[c], first, first - b0, qx, dots), first += 2;
-            if (tail & 1) tail_group(j, fmt, R, 1, column[c], first, first - b0, qx, dots);
-            const __m256 dt = scales_first(j, dn[c], b0, tail);
-            for (int r = 0; r < R; r++) {
-                const size_t at = (size_t)r * nb + b0;
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(dt, load_first(dx + at, tail)), acc[r][c]);
-                if (fmt == FMT_Q4) acc[r][c] = _mm256_fmadd_ps(scales_first(j, mn[c], b0, tail), load_first(xs + at, tail), acc[r][c]);
-            }
+    for (int c = 0; c < C; c++) {
+        const int n = (p + c) * SS_PANEL, valid = n1 - n < SS_PANEL ? n1 - n : SS_PANEL;
+        const __mmask16 k = (__mmask16)((1u << valid) - 1);
+        for (int r = 0; r < R; r++) {
+            __m512 v = acc[r][c];
+            if (j->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, j->bias + n));
+            _mm512_mask_storeu_ps(j->out + (size_t)(r0 + r) * j->N + n, k, v);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            float s = r8(acc[r][c]);
-            if (j->bias) s += j->bias[n + c];
-            j->out[(size_t)(r0 + r) * j->N + n + c] = s;
-        }
 }
 
 /* The 32 weights of block b of column n as 2 vectors of 16 floats. */
@@ -215,15 +162,41 @@ INLINE void float_tile(const job_t *j, const int fmt, const int R, int r0, int n
     }
 }
 
-/* An integer tile's columns for R rows: as many as the registers hold (R x C accumulators). */
-#define INT_COLUMNS(R) ((R) <= 2 ? 4 : 2)
+/* Panels per integer tile of R rows: 2 where the registers hold them (3 R accumulators a panel); one row
+ * streams its panels one at a time, which keeps a decode step at memory speed (4 at once ran 1.4x
+ * slower on the Zen 5). */
+#define TILE_PANELS(R) ((R) == 1 ? 1 : (R) <= 4 ? 2 : 1)
 
-/* Rows r0 .. r0 + R - 1 of columns c0 .. c1 - 1 in tiles of INT_COLUMNS(R) columns, the rest one by one. */
-INLINE void int_rows(const job_t *j, const int fmt, const int R, int r0, int c0, int c1) {
-    const int C = INT_COLUMNS(R);
-    int n = c0;
-    for (; n + C <= c1; n += C) int_tile(j, fmt, R, C, r0, n);
-    for (; n < c1; n++) int_tile(j, fmt, R, 1, r0, n);
+/* Rows r0 .. r0 + R - 1 of panels p0 .. p1 - 1 in tiles of TILE_PANELS(R) panels, the rest one by one. */
+INLINE void int_rows(const job_t *j, const int fmt, const int R, int r0, int p0, int p1, int n1) {
+    const int C = TILE_PANELS(R);
+    int p = p0;
+    for (; p + C <= p1; p += C) int_tile(j, fmt, R, C, r0, p, n1);
+    for (; p < p1; p++) int_tile(j, fmt, R, 1, r0, p, n1);
+}
+
+/* Columns n0 (a panel's first) .. n1 - 1, in chunks of panels whose weights stay in cache while every tile
+ * of rows passes over them. */
+INLINE void int_columns(const job_t *j, const int fmt, int n0, int n1) {
+    const int last = (n1 + SS_PANEL - 1) / SS_PANEL, most = fmt == FMT_Q4 ? TILE_ROWS_Q4 : MAX_R;
+    for (int p0 = n0 / SS_PANEL; p0 < last; p0 += 4) {
+        const int p1 = p0 + 4 < last ? p0 + 4 : last;
+        int r0 = 0;
+        for (int tiles = (j->M + most - 1) / most; tiles > 0; tiles--) {
+            const int R = (j->M - r0 + tiles - 1) / tiles; /* tiles as even as they go: 9 rows are 5 + 4 */
+            switch (R) {
+            case 8: int_rows(j, fmt, 8, r0, p0, p1, n1); break;
+            case 7: int_rows(j, fmt, 7, r0, p0, p1, n1); break;
+            case 6: int_rows(j, fmt, 6, r0, p0, p1, n1); break;
+            case 5: int_rows(j, fmt, 5, r0, p0, p1, n1); break;
+            case 4: int_rows(j, fmt, 4, r0, p0, p1, n1); break;
+            case 3: int_rows(j, fmt, 3, r0, p0, p1, n1); break;
+            case 2: int_rows(j, fmt, 2, r0, p0, p1, n1); break;
+            default: int_rows(j, fmt, 1, r0, p0, p1, n1);
+            }
+            r0 += R;
+        }
+    }
 }
 
 /* Float formats: 4 rows a tile, one column. */
@@ -231,31 +204,106 @@ INLINE void float_rows(const job_t *j, const int fmt, const int R, int r0, int c
     for (int n = c0; n < c1; n++) float_tile(j, fmt, R, r0, n);
 }
 
-INLINE void rows(const job_t *j, const int fmt, const int R, int r0, int c0, int c1) {
-    if (fmt == FMT_Q4 || fmt == FMT_Q8) int_rows(j, fmt, R, r0, c0, c1);
-    else float_rows(j, fmt, R, r0, c0, c1);
-}
-
-/* Columns in chunks whose weights stay in cache while every tile of 4 rows passes over them. */
-INLINE void columns_fmt(const job_t *j, const int fmt, int n0, int n1) {
+/* Float formats: columns in chunks whose weights stay in cache while every tile of 4 rows passes over them. */
+INLINE void float_columns(const job_t *j, const int fmt, int n0, int n1) {
     const int rest = j->M % 4, full = j->M - rest;
     for (int c0 = n0; c0 < n1; c0 += 16) {
         const int c1 = c0 + 16 < n1 ? c0 + 16 : n1;
-        for (int r0 = 0; r0 < full; r0 += 4) rows(j, fmt, 4, r0, c0, c1);
-        if (rest == 3) rows(j, fmt, 3, full, c0, c1);
-        else if (rest == 2) rows(j, fmt, 2, full, c0, c1);
-        else if (rest == 1) rows(j, fmt, 1, full, c0, c1);
+        for (int r0 = 0; r0 < full; r0 += 4) float_rows(j, fmt, 4, r0, c0, c1);
+        if (rest == 3) float_rows(j, fmt, 3, full, c0, c1);
+        else if (rest == 2) float_rows(j, fmt, 2, full, c0, c1);
+        else if (rest == 1) float_rows(j, fmt, 1, full, c0, c1);
     }
 }
 
 static void columns(const job_t *j, int n0, int n1) {
     switch (j->fmt) {
-    case FMT_Q4: columns_fmt(j, FMT_Q4, n0, n1); break;
-    case FMT_Q8: columns_fmt(j, FMT_Q8, n0, n1); break;
-    case FMT_F16: columns_fmt(j, FMT_F16, n0, n1); break;
-    case FMT_BF16: columns_fmt(j, FMT_BF16, n0, n1); break;
-    default: columns_fmt(j, FMT_F32, n0, n1);
+    case FMT_Q4: int_columns(j, FMT_Q4, n0, n1); break;
+    case FMT_Q8: int_columns(j, FMT_Q8, n0, n1); break;
+    case FMT_F16: float_columns(j, FMT_F16, n0, n1); break;
+    case FMT_BF16: float_columns(j, FMT_BF16, n0, n1); break;
+    default: float_columns(j, FMT_F32, n0, n1);
     }
 }
 
-const ss_path_t PATH = {NAME, NEEDS, quantise, columns, ss_avx2_attend};
+/* Two heads' 8 lanes in one register: the low half head a's, the high half head b's. */
+INLINE __m512 pair(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+INLINE __m256 high(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+/* 8 floats at p in both halves */
+INLINE __m512 both(const float *p) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)p))); }
+
+/* Scores (kernels.h) of heads h and h + 1 of row t against its n keys, into sa and sb, each head's lanes
+ * in one half of a register, so that each key vector is loaded once for both and one fma serves both;
+ * returns their maxima. */
+INLINE void pair_scores(const int D, const attn_t *a, int t, int h, const int *keys, int n, float *sa, float *sb,
+                        float *mx) {
+    const float *qa = a->q + ((size_t)t * a->H + h) * D, *kb = a->k + (size_t)(h / (a->H / a->Hkv)) * a->s_max * D;
+    __m512 q[16]; /* D <= 128 */
+    for (int e = 0; e < D; e += 8) q[e / 8] = pair(_mm256_loadu_ps(qa + e), _mm256_loadu_ps(qa + D + e));
+    const __m256 scale = _mm256_set1_ps(a->scale);
+    __m256 ma = _mm256_set1_ps(-INFINITY), mb = ma;
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m512 acc[8];
+        for (int l = 0; l < 8; l++) acc[l] = _mm512_setzero_ps();
+        for (int e = 0; e < D; e += 8)
+            for (int l = 0; l < 8; l++) acc[l] = _mm512_fmadd_ps(q[e / 8], both(kb + (size_t)keys[i + l] * D + e), acc[l]);
+        __m256 lo[8], hi[8];
+        for (int l = 0; l < 8; l++) lo[l] = _mm512_castps512_ps256(acc[l]), hi[l] = high(acc[l]);
+        const __m256 ya = _mm256_mul_ps(r8x8(lo), scale), yb = _mm256_mul_ps(r8x8(hi), scale);
+        _mm256_storeu_ps(sa + i, ya), _mm256_storeu_ps(sb + i, yb);
+        ma = _mm256_max_ps(ma, ya), mb = _mm256_max_ps(mb, yb);
+    }
+    float la[8], lb[8];
+    _mm256_storeu_ps(la, ma), _mm256_storeu_ps(lb, mb);
+    mx[0] = mx[1] = -INFINITY;
+    for (int l = 0; l < 8; l++) mx[0] = la[l] > mx[0] ? la[l] : mx[0], mx[1] = lb[l] > mx[1] ? lb[l] : mx[1];
+    for (; i < n; i++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int e = 0; e < D; e += 8) acc = _mm512_fmadd_ps(q[e / 8], both(kb + (size_t)keys[i] * D + e), acc);
+        sa[i] = r8(_mm512_castps512_ps256(acc)) * a->scale, sb[i] = r8(high(acc)) * a->scale;
+        mx[0] = sa[i] > mx[0] ? sa[i] : mx[0], mx[1] = sb[i] > mx[1] ? sb[i] : mx[1];
+    }
+}
+
+/* Heads h and h + 1 of row t: both heads' weighted values in one register's halves, each value vector
+ * loaded once for both. */
+INLINE void attend_pair(const int D, const attn_t *a, int t, int h, const int *keys, int n, float *sa, float *sb) {
+    float mx[2];
+    pair_scores(D, a, t, h, keys, n, sa, sb, mx);
+    const float ia = 1.0f / softmax_weights(sa, n, mx[0]), ib = 1.0f / softmax_weights(sb, n, mx[1]);
+    const float *vb = a->v + (size_t)(h / (a->H / a->Hkv)) * a->s_max * D;
+    float *oa = a->out + ((size_t)t * a->H + h) * D, *ob = oa + D;
+    for (int e0 = 0; e0 < D; e0 += 64) {
+        const int width = D - e0 < 64 ? D - e0 : 64;
+        __m512 acc[8];
+        for (int e = 0; e < width / 8; e++) acc[e] = _mm512_setzero_ps();
+        for (int i = 0; i < n; i++) {
+            const __m512 p = pair(_mm256_set1_ps(sa[i]), _mm256_set1_ps(sb[i]));
+            const float *v = vb + (size_t)keys[i] * D + e0;
+            for (int e = 0; e < width / 8; e++) acc[e] = _mm512_fmadd_ps(p, both(v + 8 * e), acc[e]);
+        }
+        for (int e = 0; e < width / 8; e++) {
+            _mm256_storeu_ps(oa + e0 + 8 * e, _mm256_mul_ps(_mm512_castps512_ps256(acc[e]), _mm256_set1_ps(ia)));
+            _mm256_storeu_ps(ob + e0 + 8 * e, _mm256_mul_ps(high(acc[e]), _mm256_set1_ps(ib)));
+        }
+    }
+}
+
+/* One (row, kv head): its query heads two at a time (an odd one on the AVX2 path's code); head sizes that
+ * are not multiples of 8, or above 128, on the AVX2 path's. */
+static void attend(const attn_t *a, int t, int g, int *keys, float *buf) {
+    const int n = ss_keys(a, t, keys), G = a->H / a->Hkv, D = a->D;
+    int h = g * G;
+    if (D % 8 == 0 && D <= 128)
+        for (; h + 2 <= (g + 1) * G; h += 2) {
+            if (D == 64) attend_pair(64, a, t, h, keys, n, buf, buf + a->S);
+            else if (D == 128) attend_pair(128, a, t, h, keys, n, buf, buf + a->S);
+            else attend_pair(D, a, t, h, keys, n, buf, buf + a->S);
+        }
+    for (; h < (g + 1) * G; h++) ss_avx2_attend_head(a, t, h, keys, n, buf);
+}
+
+const ss_path_t PATH = {NAME, NEEDS, quantise, columns, attend};

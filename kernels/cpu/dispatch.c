@@ -79,8 +79,7 @@ int ss_use_path(int i) {
     return 0;
 }
 
-/* Each row's int16 blocks, their scales and (Q4) exact block sums, into one buffer per thread; the blocks
- * in kernel order (kernels.h), as the weights are. */
+/* Each row's int16 blocks, their scales and (Q4) exact block sums, into one buffer per thread. */
 static int prepare_rows(job_t *j) {
     static _Thread_local void *buf;
     static _Thread_local size_t cap;
@@ -95,20 +94,12 @@ static int prepare_rows(job_t *j) {
     float *dx = buf, *xsum = dx + blocks;
     int16_t *qx = (int16_t *)(xsum + blocks);
     void (*quantise)(const float *, int16_t *, float *, float *) = path()->quantise;
-    for (size_t i = 0; i < blocks; i++) {
-        const int b = (int)(i % nb);
-        int first, size;
-        ss_group(nb, b, &first, &size);
-        int16_t block[32], *group = qx + (i - b + first) * 32;
-        quantise(j->x + i * 32, size == 1 ? group : block, dx + i, xsum + i);
-        if (size > 1) /* pair s of the block goes to lanes 2 (b - first), +1 of step s */
-            for (int s = 0; s < 16; s++) memcpy(group + ss_group_index(first, size, b, 2 * s), block + 2 * s, 2 * sizeof(int16_t));
-    }
+    for (size_t i = 0; i < blocks; i++) quantise(j->x + i * 32, qx + i * 32, dx + i, xsum + i);
     j->qx = qx, j->dx = dx, j->xsum = xsum;
     return 0;
 }
 
-/* Columns per unit of a linear: runs of 16, about UNITS_A_THREAD units a thread. Few units keep the
+/* Columns per unit of a linear: whole panels (SS_PANEL = 16 columns), about UNITS_A_THREAD units a thread. Few units keep the
  * threads from contending for the claim counter (each claim moves its cache line between the cores), enough
  * of them let the others take over the share of a thread the OS preempts. */
 #define UNITS_A_THREAD 6
@@ -138,8 +129,9 @@ int ss_linear(int fmt, int M, int K, int N, const float *x, const void *w, const
 
 static void attention_unit(const void *job, int unit, int part) {
     const attn_t *a = job;
-    float *buf = (float *)(a->scratch + (size_t)part * a->S * (sizeof(float) + sizeof(int)));
-    path()->attend(a, unit / a->H, unit % a->H, (int *)(buf + a->S), buf);
+    const int G = a->H / a->Hkv;
+    float *buf = (float *)(a->scratch + (size_t)part * a->S * (G * sizeof(float) + sizeof(int)));
+    path()->attend(a, unit / a->Hkv, unit % a->Hkv, (int *)(buf + (size_t)G * a->S), buf);
 }
 
 /* q [T][H][D], k and v [Hkv][s_max][D] fp32, mask [T][S] bytes (nonzero = attend: every row needs one),
@@ -148,10 +140,10 @@ int ss_attention(int T, int H, int Hkv, int D, int S, int s_max, float scale, co
                  const float *v, const uint8_t *mask, float *out) {
     const int parts = ss_threads();
     path();
-    char *scratch = malloc((size_t)parts * S * (sizeof(float) + sizeof(int)) + 1);
+    char *scratch = malloc((size_t)parts * S * ((H / Hkv) * sizeof(float) + sizeof(int)) + 1);
     if (!scratch) return -1;
     attn_t a = {T, H, Hkv, D, S, s_max, scale, q, k, v, mask, out, scratch};
-    ss_run(attention_unit, &a, T * H, (size_t)T * H * S * D < 32768); /* a few microseconds: alone */
+    ss_run(attention_unit, &a, T * Hkv, (size_t)T * H * S * D < 32768); /* a few microseconds: alone */
     free(scratch);
     return 0;
 }

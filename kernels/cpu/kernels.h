@@ -11,7 +11,7 @@
  * call, the row's place among them and the number of threads, and each row's own preparation (its int16
  * quantisation) depends on that row alone: a verification of n tree nodes computes, bit for bit, what n
  * one-row decode steps compute, and greedy speculation is exact by construction. Rows are processed in
- * tiles that share each unpacked weight block, so extra rows cost arithmetic, not weight reads.
+ * tiles that share each unpacked weight vector, so extra rows cost arithmetic, not weight reads.
  *
  * Q4 and Q8 multiply integers: each row's blocks of 32 are quantised to int16 with one fp32 scale, and
  * each block's integer dot product is scaled by both scales. int16 rather than llama.cpp's int8: a block
@@ -29,10 +29,10 @@
  *   Quantising a block v[0..31] (Q4, Q8): amax = max |v|, scale = amax / 32767, inv = 1 / scale (0 when
  *              scale is 0), q = round-to-nearest-even(v * inv) saturated to int16, and its sum (Q4's offset
  *              term) R8(t) with t_l = (v[l] + v[16 + l]) + (v[8 + l] + v[24 + l]).
- *   Q4 / Q8 linear, one (row, column): 8 lanes a, each +0; block b = 8 g + l of a full group of 8 (and
- *              tail block b = 8 G + l) goes to lane l: a_l = fma(D_b, d_b * dx_b, a_l), then for Q4
- *              a_l = fma(m_b, xsum_b, a_l), blocks in increasing order; out = R8(a) (+ bias).
- *              D_b, the block's integer dot product, is exact in int32 and in the float it becomes.
+ *   Q4 / Q8 linear, one (row, column): one accumulator a = +0; for the blocks b in increasing order
+ *              a = fma(D_b, d_b * dx_b, a), then for Q4 a = fma(m_b, xsum_b, a); out = a (+ bias).
+ *              D_b, the block's integer dot product, is exact in int32 (at most 32 * 128 * 32768 < 2^31)
+ *              and converted to float once, rounding to nearest even.
  *   Float linear: 32 lanes c, each +0; c_i = fma(w[32 b + i], x[32 b + i], c_i) for the blocks in order;
  *              out = R8(t) with t_l = (c_l + c_{16 + l}) + (c_{8 + l} + c_{24 + l}) (+ bias).
  *   Attention, one (row, head) over its allowed keys in order: a score is R8 of 8 lanes, lane l summing
@@ -51,16 +51,18 @@
 enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_F16 = 2, FMT_BF16 = 3, FMT_F32 = 4 };
 
 /* One linear: out [M][N] = x [M][K] . w [N][K] (+ bias). Weight formats (K a multiple of 32, nb = K / 32):
- *   Q4  qs [N][nb * 16] uint8, d and m [N][nb] fp32 or fp16: w = d * q + m  (Q4_1 as stored; Q4_0 is m = -8 d)
- *   Q8  qs [N][nb * 32] int8, d [N][nb] fp32 or fp16: w = d * q  (Q8_0)
+ *   Q4  4-bit values q with d and m, fp32 or fp16, a block: w = d * q + m  (Q4_1 as stored; Q4_0 is m = -8 d)
+ *   Q8  int8 values q with d, fp32 or fp16, a block: w = d * q  (Q8_0)
  *   F16 w [N][K] IEEE half;  BF16 w [N][K] bfloat16;  F32 w [N][K] float
- * The integer formats' values are in "kernel order" (engine/cpu_backends.py packs them): each row's blocks
- * go in groups, of 8 and then the nb % 8 last ones in groups of 4, 2 and 1 (its binary digits, largest
- * first). A group of g blocks holds 16 steps, step s being values 2s and 2s + 1 of each of its g blocks in
- * turn (2g values), so that one multiply-add of the weights' steps with the activations' leaves partial
- * dot products of block l % g in lane l. Q8 stores a step as 2g int8; Q4 stores steps s and s + 8 in one
- * 2g bytes (low, high nibbles). A group of one block is GGUF's own layout. The activations' int16 blocks
- * (qx) are laid out the same way, step by step. */
+ * The integer formats come in "panels" of SS_PANEL columns (engine/model/cpu_blocks.py packs them; the last
+ * panel is padded with zero columns): panel p holds, for each block b in turn, the block's value pairs in
+ * turn, each pair as SS_PANEL columns x 2 values. Q8 stores a pair as 2 int8 a column (16 pairs, 512 bytes
+ * a block); Q4 stores pairs j and j + 8 in one 2 bytes a column, low and high nibbles, as a GGUF block's
+ * bytes 2j and 2j + 1 hold them (8 of them, 256 bytes a block). The scales d and m are [panel][nb][SS_PANEL].
+ * So one int16 multiply-add of a pair's weight vector with a row's activation pair, broadcast, gives that
+ * pair's products for SS_PANEL columns at once: no horizontal sums, no tail blocks, and each column's
+ * block scaling is one lane of a vector. The activations' int16 blocks (qx) are in their natural order. */
+#define SS_PANEL 16
 
 /* A flag of ss_linear's format: the integer formats' d and m are IEEE halves, not floats (a GGUF's own
  * scales are, exactly; they are 2 bytes of a block's 18 or 20, not 4 of 24). */
@@ -70,11 +72,11 @@ typedef struct {
     int fmt, M, K, N;
     int half;            /* d and m are halves (SS_HALF_SCALES) */
     const float *x;      /* [M][K] fp32: the float formats */
-    const int16_t *qx;   /* [M][nb][32], kernel order: Q4 and Q8 */
+    const int16_t *qx;   /* [M][nb][32] int16 blocks: Q4 and Q8 */
     const float *dx;     /* [M][nb] scales of qx */
     const float *xsum;   /* [M][nb] fp32 block sums of x: Q4 */
     const void *w;
-    const void *d, *m;   /* [N][nb] floats, or halves */
+    const void *d, *m;   /* [panels][nb][SS_PANEL] floats, or halves */
     const float *bias;
     float *out;
 } job_t;
@@ -86,7 +88,7 @@ typedef struct {
     const float *q, *k, *v;
     const uint8_t *mask;
     float *out;
-    char *scratch; /* per part: S floats (scores) and S ints (the allowed keys) */
+    char *scratch; /* per part: (H / Hkv) x S floats (a group's scores) and S ints (the allowed keys) */
 } attn_t;
 
 /* CPU features, as dispatch.c reads them (cpuid, and the OS's saving of the vector registers). */
@@ -105,8 +107,9 @@ typedef struct {
     void (*quantise)(const float *v, int16_t *q, float *scale, float *sum);
     /* columns n0 .. n1 - 1 of every row of the job */
     void (*columns)(const job_t *j, int n0, int n1);
-    /* one (row, head) of an attention; keys and buf hold S ints and S floats */
-    void (*attend)(const attn_t *a, int t, int h, int *keys, float *buf);
+    /* one (row, kv head) of an attention: its H / Hkv query heads, which read each key once; keys holds S
+     * ints, buf (H / Hkv) x S floats */
+    void (*attend)(const attn_t *a, int t, int g, int *keys, float *buf);
 } ss_path_t;
 
 /* The thread pool (pool.c): fn over units 0 .. units - 1 on the pool's threads (the caller is part 0),
@@ -122,51 +125,18 @@ int ss_linear(int fmt, int M, int K, int N, const float *x, const void *w, const
 int ss_attention(int T, int H, int Hkv, int D, int S, int s_max, float scale, const float *q, const float *k,
                  const float *v, const uint8_t *mask, float *out);
 
-/* The portable path's attention: the vector paths' fallback for head sizes that are not multiples of 8. */
-void ss_portable_attend(const attn_t *a, int t, int h, int *keys, float *buf);
+/* One head h of row t over its n allowed keys, buf S floats: the portable path's, the vector paths' fallback
+ * for head sizes that are not multiples of 8. */
+void ss_portable_attend_head(const attn_t *a, int t, int h, const int *keys, int n, float *buf);
 
-/* The group (kernel order) holding block b of a row of nb: its first block and its number of blocks. */
-static inline void ss_group(int nb, int b, int *first, int *size) {
-    const int full = nb / 8 * 8;
-    if (b < full) {
-        *first = b / 8 * 8, *size = 8;
-        return;
-    }
-    int at = full;
-    for (int g = 4; g >= 1; g /= 2)
-        if ((nb % 8) & g) {
-            if (b < at + g) {
-                *first = at, *size = g;
-                return;
-            }
-            at += g;
-        }
+/* The weights of panel p: nb blocks of 256 (Q4) or 512 (Q8) bytes. */
+static inline const uint8_t *ss_panel_weights(const job_t *j, int p) {
+    return (const uint8_t *)j->w + (size_t)p * (j->K / 32) * (j->fmt == FMT_Q4 ? 256 : 512);
 }
 
-/* Where value k of block b sits among the group's int16 (activations) or its Q8 bytes, from the group's
- * start; Q4 keeps steps 8..15 in the high nibbles of steps 0..7's bytes. */
-static inline int ss_group_index(int first, int size, int b, int k) {
-    return (k / 2) * 2 * size + 2 * (b - first) + k % 2;
-}
-
-/* Column n's row of scales (d or m) of the job. */
-static inline const void *ss_scale_row(const job_t *j, const void *scales, int n) {
-    return (const char *)scales + (size_t)n * (j->K / 32) * (j->half ? 2 : 4);
-}
-
-/* The weights and scales of the column SS_PREFETCH columns on, asked of memory while this one is computed:
- * a linear's columns are short streams, which the hardware's prefetchers join late. */
-#define SS_PREFETCH 16
-static inline void ss_prefetch_column(const job_t *j, int n) {
-    if (n + SS_PREFETCH >= j->N) return;
-    const int nb = j->K / 32, bytes = j->fmt == FMT_Q4 ? nb * 16 : nb * 32;
-    const char *w = (const char *)j->w + (size_t)(n + SS_PREFETCH) * bytes;
-    for (int at = 0; at < bytes; at += 64) __builtin_prefetch(w + at);
-    const char *d = ss_scale_row(j, j->d, n + SS_PREFETCH), *m = j->fmt == FMT_Q4 ? ss_scale_row(j, j->m, n + SS_PREFETCH) : 0;
-    for (int at = 0; at < nb * (j->half ? 2 : 4); at += 64) {
-        __builtin_prefetch(d + at);
-        if (m) __builtin_prefetch(m + at);
-    }
+/* The scales (d or m) of panel p: [nb][SS_PANEL] floats or halves. */
+static inline const void *ss_panel_scales(const job_t *j, const void *scales, int p) {
+    return (const char *)scales + (size_t)p * (j->K / 32) * SS_PANEL * (j->half ? 2 : 4);
 }
 
 /* The allowed keys of row t, in order; returns their number. */

@@ -35,22 +35,14 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* Value k of block b of column n, from the kernel order. */
+/* Value k of block b of column n, from its panel (kernels.h). */
 static inline int int_weight(const job_t *j, int n, int b, int k) {
-    const int nb = j->K / 32;
-    int first, size;
-    ss_group(nb, b, &first, &size);
-    if (j->fmt == FMT_Q8) return ((const int8_t *)j->w)[(size_t)n * nb * 32 + first * 32 + ss_group_index(first, size, b, k)];
-    const uint8_t byte = ((const uint8_t *)j->w)[(size_t)n * nb * 16 + first * 16 + ss_group_index(first, size, b, k % 16)];
+    const int c = n % SS_PANEL;
+    const uint8_t *block = ss_panel_weights(j, n / SS_PANEL) + (size_t)b * (j->fmt == FMT_Q8 ? 512 : 256);
+    if (j->fmt == FMT_Q8) return ((const int8_t *)block)[(k / 2) * 2 * SS_PANEL + 2 * c + k % 2];
+    const int v = k % 16; /* Q4: values k and k + 16 share a byte */
+    const uint8_t byte = block[(v / 2) * 2 * SS_PANEL + 2 * c + v % 2];
     return (k < 16 ? byte : byte >> 4) & 0x0F;
-}
-
-/* Activation k of block b of row r, from the kernel order. */
-static inline int int_activation(const job_t *j, int r, int b, int k) {
-    const int nb = j->K / 32;
-    int first, size;
-    ss_group(nb, b, &first, &size);
-    return j->qx[(size_t)r * nb * 32 + first * 32 + ss_group_index(first, size, b, k)];
 }
 
 static inline float float_weight(const job_t *j, int n, int k) {
@@ -65,23 +57,25 @@ static inline float float_weight(const job_t *j, int n, int k) {
     return ((const float *)j->w)[at];
 }
 
-/* Scale b of a column's row of scales (d or m). */
-static inline float scale(const job_t *j, const void *row, int b) {
-    return j->half ? half_to_float(((const uint16_t *)row)[b]) : ((const float *)row)[b];
+/* Scale b of column n (d or m), from its panel. */
+static inline float scale(const job_t *j, const void *scales, int n, int b) {
+    const size_t at = (size_t)b * SS_PANEL + n % SS_PANEL;
+    const void *panel = ss_panel_scales(j, scales, n / SS_PANEL);
+    return j->half ? half_to_float(((const uint16_t *)panel)[at]) : ((const float *)panel)[at];
 }
 
 static float int_dot(const job_t *j, int r, int n) {
     const int nb = j->K / 32;
-    float a[8] = {0};
-    const void *dn = ss_scale_row(j, j->d, n), *mn = j->fmt == FMT_Q4 ? ss_scale_row(j, j->m, n) : 0;
+    const int16_t *x = j->qx + (size_t)r * nb * 32;
+    float a = 0.0f;
     for (int b = 0; b < nb; b++) {
         const size_t at = (size_t)r * nb + b;
         int32_t dot = 0;
-        for (int k = 0; k < 32; k++) dot += int_weight(j, n, b, k) * int_activation(j, r, b, k);
-        a[b % 8] = fmaf((float)dot, scale(j, dn, b) * j->dx[at], a[b % 8]);
-        if (mn) a[b % 8] = fmaf(scale(j, mn, b), j->xsum[at], a[b % 8]);
+        for (int k = 0; k < 32; k++) dot += int_weight(j, n, b, k) * x[b * 32 + k];
+        a = fmaf((float)dot, scale(j, j->d, n, b) * j->dx[at], a);
+        if (j->fmt == FMT_Q4) a = fmaf(scale(j, j->m, n, b), j->xsum[at], a);
     }
-    return ss_r8(a);
+    return a;
 }
 
 static float float_dot(const job_t *j, int r, int n) {
@@ -103,11 +97,10 @@ static void columns(const job_t *j, int n0, int n1) {
         }
 }
 
-void ss_portable_attend(const attn_t *a, int t, int h, int *keys, float *buf) {
+void ss_portable_attend_head(const attn_t *a, int t, int h, const int *keys, int n, float *buf) {
     const int D = a->D, kvh = h / (a->H / a->Hkv);
     const float *q = a->q + ((size_t)t * a->H + h) * D;
     const float *kb = a->k + (size_t)kvh * a->s_max * D, *vb = a->v + (size_t)kvh * a->s_max * D;
-    const int n = ss_keys(a, t, keys);
     float mx = -INFINITY;
     for (int i = 0; i < n; i++) {
         const float *k = kb + (size_t)keys[i] * D;
@@ -130,4 +123,9 @@ void ss_portable_attend(const attn_t *a, int t, int h, int *keys, float *buf) {
     }
 }
 
-const ss_path_t ss_path_portable = {"portable C", 0, quantise, columns, ss_portable_attend};
+static void attend(const attn_t *a, int t, int g, int *keys, float *buf) {
+    const int n = ss_keys(a, t, keys), G = a->H / a->Hkv;
+    for (int h = g * G; h < (g + 1) * G; h++) ss_portable_attend_head(a, t, h, keys, n, buf);
+}
+
+const ss_path_t ss_path_portable = {"portable C", 0, quantise, columns, attend};

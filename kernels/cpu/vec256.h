@@ -13,10 +13,54 @@ static inline __attribute__((always_inline)) float r8(__m256 s) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-/* 8 scales of a column's row (d or m) from block b on, floats or halves. */
-static inline __attribute__((always_inline)) __m256 scales8(const job_t *j, const void *row, int b) {
-    return j->half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + b)))
-                   : _mm256_loadu_ps((const float *)row + b);
+/* 8 scales (d or m) of a panel's [nb][SS_PANEL], from index i on, floats or halves. */
+static inline __attribute__((always_inline)) __m256 scales8(const job_t *j, const void *panel, int i) {
+    return j->half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)panel + i)))
+                   : _mm256_loadu_ps((const float *)panel + i);
+}
+
+/* R8 of each of 8 vectors, as the 8 lanes of one */
+static inline __attribute__((always_inline)) __m256 r8x8(const __m256 a[8]) {
+    __m256 h[4], q[2];
+    for (int i = 0; i < 4; i++)
+        h[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    q[0] = _mm256_hadd_ps(h[0], h[1]);
+    q[1] = _mm256_hadd_ps(h[2], h[3]);
+    return _mm256_permutevar8x32_ps(_mm256_hadd_ps(q[0], q[1]), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* exp8 of kernels.h, 8 lanes */
+static inline __attribute__((always_inline)) __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(SS_EXP_LO)), _mm256_set1_ps(SS_EXP_HI));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(SS_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(SS_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(SS_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(SS_EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(SS_EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(SS_EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(SS_EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(SS_EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(SS_EXP_P5));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* p = exp8(score - max) in place over n scores (kernels.h); returns their sum, in order. */
+static inline __attribute__((always_inline)) float softmax_weights(float *p, int n, float mx) {
+    const __m256 vm = _mm256_set1_ps(mx);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(p + i), vm)));
+    if (i < n) {
+        float tail[8] = {0};
+        for (int l = 0; l < n - i; l++) tail[l] = p[i + l] - mx;
+        _mm256_storeu_ps(tail, exp_ps(_mm256_loadu_ps(tail)));
+        for (int l = 0; l < n - i; l++) p[i + l] = tail[l];
+    }
+    float sum = 0.0f;
+    for (i = 0; i < n; i++) sum += p[i];
+    return sum;
 }
 
 #endif

@@ -45,8 +45,8 @@ from swiftspec.bench.runners import (
     hf_runners,
     run_interleaved,
 )
-from swiftspec.config import EngineConfig, SamplingParams
-from swiftspec.engine.protocol import EngineInfo
+from swiftspec.engine.config import EngineConfig, SamplingParams
+from swiftspec.engine.host.protocol import EngineInfo
 
 
 def parse_modes(modes: str) -> list[str]:
@@ -65,7 +65,7 @@ def parse_modes(modes: str) -> list[str]:
 
 def llamacpp_gguf(config: EngineConfig) -> Path:
     """The GGUF file llama.cpp reads: the embedded default's, or the --target file."""
-    from swiftspec.engine import embedded
+    from swiftspec.engine.model import embedded
 
     if config.target is None:
         return embedded.embedded_gguf_path()
@@ -165,7 +165,7 @@ def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), pr
         if not err.is_terminal:
             err.print(f"swiftspec bench: {line}", highlight=False)
 
-    from swiftspec.engine.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir
+    from swiftspec.engine.model.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir
 
     samples: dict[str, list[Sample]] = {}
     crashed: dict[str, str] = {}

@@ -73,7 +73,7 @@ class LlamaCppRunner:
         return f"llama.cpp {how}{hint}" + (f" ({' / '.join(tail)})" if tail else "")
 
     def __call__(self, messages, params):
-        from swiftspec.engine.client import encode_chat
+        from swiftspec.engine.host.encode import encode_chat
 
         ids = encode_chat(self.tokenizer, messages)
         try:

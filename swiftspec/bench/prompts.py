@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from swiftspec.config import ConfigError
+from swiftspec.engine.config import ConfigError
 
 BUILTIN_SETS = ("chat", "code", "math", "qa", "summarisation", "extraction", "fresh", "multiturn")
 TURNS = ("first", "all")  # --turns: the first turn of each record, or every turn as one conversation

@@ -14,8 +14,8 @@ from typing import Any
 
 from swiftspec.bench.prompts import WARMUP_TOKENS, BenchError, Prompt
 from swiftspec.bench.runners import ALL_MODES, PEER_MODES, Sample, hf_device
-from swiftspec.config import EngineConfig, SamplingParams
-from swiftspec.engine.protocol import EngineInfo
+from swiftspec.engine.config import EngineConfig, SamplingParams
+from swiftspec.engine.host.protocol import EngineInfo
 
 SPEEDUP_BASELINES = ("hf", "llama.cpp", "ar")
 TOKENS_PER_S = "total generated tokens / total wall time (request to last token), over all prompts"

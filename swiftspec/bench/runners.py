@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from swiftspec.bench.prompts import Prompt, turns_of
-from swiftspec.config import EngineConfig, SamplingParams
-from swiftspec.engine.protocol import EngineAPI
+from swiftspec.engine.config import Device, DraftKind, EngineConfig, SamplingParams
+from swiftspec.engine.host.protocol import EngineAPI
 
 HF_MODES = ("hf", "hf-assisted")
 PEER_MODES = HF_MODES + ("llama.cpp",)  # other engines: their own kernels, so their tokens may differ
@@ -131,8 +131,8 @@ class HFRunner:
         import torch
         from transformers import GenerationConfig
 
-        from swiftspec.engine.client import encode_chat
-        from swiftspec.engine.sampling import Sampler
+        from swiftspec.engine.host.encode import encode_chat
+        from swiftspec.engine.spec.sampling import Sampler
 
         sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p,
                                              "top_k": params.top_k, "min_p": params.min_p or None}
@@ -286,9 +286,9 @@ def finished_prompts(samples: dict[str, list[Sample]], modes: list[str]) -> int:
 def hf_assist(config: EngineConfig) -> dict[str, Any]:
     """What hf-assisted uses as its draft: the same draft model, or prompt lookup for the suffix drafter
     (chains of bs-1 tokens, so both verify bs tokens per target forward)."""
-    if config.draft == "suffix":
+    if config.builtin_draft is DraftKind.SUFFIX:
         return {"prompt_lookup_num_tokens": max(1, config.tree.bs - 1)}
-    from swiftspec.engine.model_dir import resolve_model_dir
+    from swiftspec.engine.model.model_dir import resolve_model_dir
 
     return {"assistant_model": str(resolve_model_dir(config.draft))}
 
@@ -299,9 +299,9 @@ def hf_device(config: EngineConfig) -> tuple[str, str]:
     compared with transformers in fp32: the same math on weights that were not rounded."""
     import torch
 
-    from swiftspec.engine.loader import default_dtype
+    from swiftspec.engine.model.loader import default_dtype
 
-    device = "cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu"
+    device = "cuda" if config.device != Device.CPU and torch.cuda.is_available() else "cpu"
     return device, str(default_dtype(torch.device(device), config.dtype)).removeprefix("torch.")
 
 
@@ -310,7 +310,7 @@ def hf_runners(model_dir: Path, tokenizer, eos: list[int], config: EngineConfig,
     import torch
     import transformers
 
-    from swiftspec.engine.loader import load_hf_model
+    from swiftspec.engine.model.loader import load_hf_model
 
     transformers.utils.logging.disable_progress_bar()
     if config.threads:

@@ -2,7 +2,8 @@
 ``cache`` and ``history``.
 
 What lives where: options.py holds the Typer ``app``, its root callback and what several commands share
-(the option declarations, the engine's and the sampling options, the usage errors); chat.py, bench.py,
+(the option declarations, the engine's and the sampling options); usage.py the usage errors' one voice
+and the parsers that check each kind of value; chat.py, bench.py,
 serve.py and train.py one command each; cache.py and history.py a sub-app each. Importing them registers
 their commands on the app, in the order ``swiftspec --help`` lists them. This module is the program:
 ``main`` and ``run``.

@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 
 from swiftspec.cli.options import (
-    SOURCES,
     FrequencyPenaltyOpt,
     MaxNewTokensOpt,
     MinPOpt,
@@ -26,14 +25,15 @@ from swiftspec.cli.options import (
     complete_choices,
     engine_options,
     exit_with,
-    parse_whole_number,
+    sources,
 )
-from swiftspec.config import ConfigError, EngineConfig, SamplingParams
+from swiftspec.cli.usage import choice, whole_number
+from swiftspec.engine.config import EngineConfig, SamplingParams
 
 BENCH = "Benchmark"
 
 
-@app.command(epilog=SOURCES)
+@app.command(epilog=sources())
 @engine_options
 def bench(
     ctx: typer.Context,
@@ -62,16 +62,16 @@ def bench(
         "extraction, fresh (everyday questions no built-in training prompt shares a topic with), multiturn "
         "(two-turn conversations, for --turns all); and humaneval when installed. Default: all built-in sets.")] = None,
     turns: Annotated[str, cli_option(
-        "--turns", panel=BENCH, metavar="TURNS", autocompletion=complete_choices("first", "all"),
+        "--turns", parser=choice(("first", "all"), "turns value"), panel=BENCH, metavar="TURNS", autocompletion=complete_choices("first", "all"),
         help="first: each record's first turn; all: every turn of an MT-Bench-style record as one conversation, "
              "each later turn after the mode's own earlier answers (figures per turn in the table and the JSON's "
              "by_turn).")] = "first",
     warm: Annotated[int, cli_option(
-        "--warm", parser=parse_whole_number, panel=BENCH, metavar="N",
+        "--warm", parser=whole_number(0), panel=BENCH, metavar="N",
         help="First answer N prompts of the built-in sets not measured, and let the suffix drafter learn from "
              "those answers (and only those): the effect of a history, measured in one run. Default 0: the "
              "drafter's history is off.")] = 0,
-    limit: Annotated[int | None, cli_option("--limit", parser=parse_whole_number, panel=BENCH, metavar="N", help="At most N prompts per set.")] = None,
+    limit: Annotated[int | None, cli_option("--limit", parser=whole_number(1), panel=BENCH, metavar="N", help="At most N prompts per set.")] = None,
     json_path: Annotated[Path | None, cli_option(
         "--json", panel=BENCH, metavar="FILE", help="Write the results as JSON.")] = None,
     plot_path: Annotated[Path | None, cli_option(
@@ -83,13 +83,10 @@ def bench(
 
     Example: [bold]swiftspec bench --set chat,code --limit 2 --max-new-tokens 64 --json bench.json[/bold]
     """
-    try:
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                  repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                  seed=seed, max_new_tokens=max_new_tokens).validate()
-    except ConfigError as e:
-        raise exit_with(str(e), 2) from None
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,  # each checked by its parser
+                              repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                              seed=seed, max_new_tokens=max_new_tokens)
     from swiftspec.bench import bench_command
 
     try:

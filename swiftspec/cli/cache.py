@@ -7,8 +7,9 @@ from typing import Annotated
 import typer
 
 from swiftspec.cli.options import app, exit_with
+from swiftspec.cli.usage import CommandLine
 
-cache_app = typer.Typer(help="What the cache holds (converted GGUF models, profiled step times, logs of "
+cache_app = CommandLine(help="What the cache holds (converted GGUF models, profiled step times, logs of "
                         "failed workers) and its size; clear it to free the space.", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
@@ -17,7 +18,7 @@ app.add_typer(cache_app, name="cache")
 def cache_list() -> None:
     """List the cache's entries with their sizes."""
     from swiftspec.cache import entries, human_size
-    from swiftspec.engine.embedded import cache_dir
+    from swiftspec.engine.paths import cache_dir
 
     found = entries()
     typer.echo(f"{cache_dir()} (SWIFTSPEC_CACHE moves it)")

@@ -16,7 +16,6 @@ from swiftspec.cli.options import (
     DECODING,
     ENGINE_OPTIONS,
     SERVER,
-    SOURCES,
     ApiKeyOpt,
     DraftHistoryOpt,
     MaxNewTokensOpt,
@@ -31,14 +30,58 @@ from swiftspec.cli.options import (
     option_source,
     sampling_options,
     sampling_params,
-    with_origin,
+    sources,
 )
-from swiftspec.config import BUILTIN_DRAFTS, MODES, ConfigError, EngineConfig, SamplingParams
+from swiftspec.cli.usage import Parser, Refused, choice, typed_name
+from swiftspec.engine.config import (
+    MODES,
+    ConfigError,
+    DraftKind,
+    EngineConfig,
+    Grammar,
+    GrammarKind,
+    SamplingParams,
+)
+from swiftspec.engine.spec.draft_spec import DraftSpec
 
 SCRIPTED = "Scripted mode"
 
 
-@app.command(no_args_is_help=False, epilog=CHAT_SAMPLING + "\n\n" + SOURCES)
+def _conversation_id(value: str) -> int | str:
+    """--resume's value: a saved conversation's id, or "latest" (what --resume alone means)."""
+    if value == "latest":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise Refused(f"{value!r} is not a conversation id", RESUME_ACCEPTS) from None
+
+
+RESUME_ACCEPTS = "a number, as swiftspec history list shows them, or none for the latest"
+
+
+def _grammar_file(kind: GrammarKind, accepted: str) -> Parser:
+    """--json-schema / --grammar's parser: the file's text as that kind of grammar, checked by the library."""
+    def read(value: str) -> Grammar:
+        from swiftspec.engine.spec.grammar import check  # the library: only when a grammar is given
+
+        try:
+            grammar = Grammar(kind, Path(value).read_text())
+        except (OSError, UnicodeDecodeError) as e:
+            raise Refused(f"{value!r} cannot be read ({e.strerror if isinstance(e, OSError) else e})", accepted) from None
+        try:
+            check(grammar)
+        except ConfigError as e:
+            raise Refused(f"{value!r}: {e}", accepted) from None
+        return grammar
+    return Parser(read, accepted)
+
+
+SCHEMA_ACCEPTS = "a file holding a JSON Schema"
+GRAMMAR_ACCEPTS = "a file holding a Lark grammar (or llama.cpp's GBNF)"
+
+
+@app.command(no_args_is_help=False, epilog=CHAT_SAMPLING + "\n\n" + sources("-p and --resume"))
 @engine_options
 @sampling_options
 def chat(
@@ -50,7 +93,7 @@ def chat(
     config: EngineConfig,  # the engine's options (engine_options)
     draft_history: DraftHistoryOpt = "on",
     mode: Annotated[str, cli_option(
-        "--mode", panel=DECODING, metavar="MODE", autocompletion=complete_choices(*MODES),
+        "--mode", parser=choice(MODES, "mode"), panel=DECODING, metavar="MODE", autocompletion=complete_choices(*MODES),
         help="async: SwiftSpec (draft and target in parallel; the default, also on one GPU, where it measured "
              "at least as fast as sync); sync: draft then verify; ar: target only, and no draft is started "
              "(so that session cannot switch to sync or async: start it again for those).")
@@ -62,6 +105,14 @@ def chat(
     stop: Annotated[list[str] | None, cli_option(
         "--stop", panel=DECODING, metavar="TEXT",
         help="End the answer before this text; repeat for several.")] = None,
+    json_mode: Annotated[bool, cli_option(
+        "--json", panel=DECODING, help="Answer with one JSON object (a grammar masks every token).")] = False,
+    json_schema: Annotated[Grammar | None, cli_option(
+        "--json-schema", parser=_grammar_file(GrammarKind.JSON_SCHEMA, SCHEMA_ACCEPTS), panel=DECODING,
+        metavar="FILE", help="Answer with JSON valid against the JSON Schema in FILE.")] = None,
+    grammar: Annotated[Grammar | None, cli_option(
+        "--grammar", parser=_grammar_file(GrammarKind.LARK, GRAMMAR_ACCEPTS), panel=DECODING, metavar="FILE",
+        help="Answer in the grammar in FILE (Lark, as llguidance takes it, or llama.cpp's GBNF).")] = None,
     prompt: Annotated[str | None, typer.Option(
         "-p", "--prompt", metavar="TEXT", rich_help_panel=SCRIPTED,
         help="Answer this prompt and exit (scripted mode). Piped stdin, if any, is appended as material.")
@@ -77,7 +128,7 @@ def chat(
         '... {"event":"done","stats","finish_reason"}.')
     ] = False,
     resume: Annotated[str | None, typer.Option(
-        "--resume", metavar="ID",
+        "--resume", parser=Parser(_conversation_id, RESUME_ACCEPTS), metavar="ID",
         help="Resume saved conversation ID, or the latest one when ID is left out (scripted mode "
         "answers after it and appends the new turns).")] = None,
     save: Annotated[bool, cli_option(
@@ -102,18 +153,23 @@ def chat(
     Examples: [bold]swiftspec chat[/bold] · [bold]swiftspec chat "Why is the sky blue?"[/bold] · [bold]echo "Explain RoPE" | swiftspec chat > answer.md[/bold] · [bold]swiftspec chat -p "Summarise:" --jsonl < notes.txt[/bold] · [bold]swiftspec chat --resume[/bold]
     """
     if prompt_arg is not None and prompt is not None:
-        raise exit_with("give the prompt either as an argument or with -p, not both", 2)
+        raise exit_with(f"{typed_name(ctx, 'prompt')}: given with a PROMPT argument too; give the prompt one way", 2)
     prompt = prompt_arg if prompt is None else prompt
     from swiftspec.conversation import Conversation, Settings
     from swiftspec.history import HistoryError, HistoryStore
 
-    sampling = dict(mode=mode, seed=seed, max_new_tokens=max_new_tokens, stop=stop or [], **sampling)
+    grammars = [g for g in (Grammar(GrammarKind.JSON) if json_mode else None, json_schema, grammar) if g is not None]
+    if len(grammars) > 1:
+        raise exit_with("--json, --json-schema and --grammar: give one grammar, not several", 2)
+    sampling = dict(mode=mode, seed=seed, max_new_tokens=max_new_tokens, stop=stop or [],
+                    grammar=grammars[0] if grammars else None, **sampling)
     remote = None
     if server is not None:  # the server's sampling defaults, under what this command sets
         local = sorted(given_params(ctx) & set(ENGINE_OPTIONS))
         if local:
-            raise exit_with(f"--{local[0].replace('_', '-')} has no effect with --server: the server's engine answers", 2)
-        from swiftspec.engine.failures import EngineError
+            raise exit_with(f"{typed_name(ctx, local[0])}: has no effect with --server; leave the model options "
+                            "to the server, whose engine answers", 2)
+        from swiftspec.engine.host.failures import EngineError
         from swiftspec.server.remote import RemoteEngine
 
         try:
@@ -130,23 +186,19 @@ def chat(
     conversation = None
     if store is not None and resume is not None:
         try:
-            conversation_id = store.latest().id if resume == "latest" else int(resume)
+            conversation_id = store.latest().id if resume == "latest" else resume
             conversation = Conversation.resume(store, conversation_id, defaults, prefer=given_params(ctx))
-        except ValueError:
-            raise exit_with(f"--resume takes a conversation id (a number), not {resume!r}", 2) from None
         except HistoryError as e:
             raise exit_with(str(e), 2) from None
         for warning in conversation.take_warnings():
             typer.echo(f"swiftspec: #{conversation.id}: {warning}", err=True)
     conversation = conversation or Conversation(store if (save or not scripted) else None, defaults)
-    if draft_history not in ("on", "off"):
-        raise exit_with(with_origin(ctx, ConfigError("draft-history must be on or off")), 2)
     config = dataclasses.replace(config, draft_history=draft_history == "on")
     kept = conversation.store  # its answers are the drafter's history; unsaved chats draft from the session's
     if kept is not None and kept.available:
         config = dataclasses.replace(config, history_db=str(kept.path))
     if conversation.params.mode == "ar":  # nothing would ever ask the draft for a token
-        config = dataclasses.replace(config, draft="none", draft_corpus="none")
+        config = dataclasses.replace(config, draft=DraftKind.NONE, draft_corpus="none")
 
     if remote is not None:  # connected once already; the TUI's Restart connects anew
         first = [remote]
@@ -191,7 +243,7 @@ def _chat_scripted(config, conversation, prompt, each_line, jsonl, quiet, connec
     say = (lambda line: None) if quiet else (lambda line: typer.echo(f"swiftspec: {line}", err=True))
     try:
         if local and _may_not_fit(prompts, conversation, config):  # then tell now, not after the workers' start
-            from swiftspec.engine.client import Engine
+            from swiftspec.engine.host.client import Engine
 
             context = window.Context(*Engine.context(config, say))
             for text in prompts:
@@ -242,7 +294,8 @@ TEMPLATE_ROOM = 256
 def _prepare_models(config: EngineConfig) -> None:
     """Before the TUI takes the terminal: a missing or broken model is a usage error, and a GGUF file (the
     embedded default included) is converted now, once, its stages shown on stderr, rather than unseen."""
-    from swiftspec.engine.model_dir import resolve_draft, resolve_model_dir
+    from swiftspec.engine.host.startup import resolve_draft
+    from swiftspec.engine.model.model_dir import resolve_model_dir
 
     say = lambda line: typer.echo(f"swiftspec: {line}", err=True)
     resolve_draft(config.draft, resolve_model_dir(config.target, progress=say), say)
@@ -256,5 +309,5 @@ def _start_engine(config: EngineConfig, progress):
 
 def _model_line(config: EngineConfig) -> str:
     target = Path(config.target).name if config.target else "embedded SmolLM2-135M-Instruct"
-    draft = config.draft if config.draft in BUILTIN_DRAFTS else Path(config.draft).name
+    draft = DraftSpec.of(config.draft).name
     return f"target {target} · draft {draft}"

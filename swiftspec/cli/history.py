@@ -3,14 +3,16 @@ keeps them)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from swiftspec.cli.options import app, complete_choices, exit_with
+from swiftspec.cli.usage import CommandLine, choice, whole_number
 
-history_app = typer.Typer(
+history_app = CommandLine(
     help="Saved conversations (kept in SWIFTSPEC_DATA_DIR, default the user data dir; "
     "`swiftspec history list` prints where).",
     no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
@@ -30,25 +32,34 @@ def _history_store():
     return store
 
 
-def _conversation(store, conversation_id: str):
-    """The conversation an ID argument names (taken as text, so that a bad one gets our one-line error)."""
+def _conversation(store, conversation_id: int):
+    """The conversation an ID argument names."""
     from swiftspec.history import HistoryError
 
     try:
-        return store.get(int(conversation_id))
-    except ValueError:
-        raise exit_with(f"a conversation id is a number (swiftspec history list shows them), not {conversation_id!r}",
-                    2) from None
+        return store.get(conversation_id)
     except HistoryError as e:
         raise exit_with(str(e), 2) from None
 
 
-IdArg = Annotated[str, typer.Argument(metavar="ID", show_default=False, help="The conversation's id.")]
+def _confirm(question: str) -> bool:
+    """A y/N question on stderr; anything but y or yes, end of input included, is a no."""
+    typer.echo(f"{question} [y/N]: ", err=True, nl=False)
+    answer = sys.stdin.readline()
+    if not answer.endswith("\n"):
+        typer.echo(err=True)  # end of input: the next line starts on a line of its own
+    return answer.strip().lower() in ("y", "yes")
+
+
+IdArg = Annotated[int, typer.Argument(
+    metavar="ID", parser=whole_number(1, meaning="a conversation id, as swiftspec history list shows them"),
+    show_default=False, help="The conversation's id.")]
 
 
 @history_app.command("list")
 def history_list(
-    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most N, newest first.")] = 50,
+    limit: Annotated[int, typer.Option("--limit", "-n", parser=whole_number(1), metavar="N",
+                                       help="At most N, newest first.")] = 50,
 ) -> None:
     """List saved conversations: id, date, turns, tokens generated, title."""
     from swiftspec.history import local_time
@@ -79,7 +90,7 @@ def history_delete(
     """Delete a conversation and its messages (asks first, unless --yes; declining keeps it, exit 0)."""
     store = _history_store()
     conv = _conversation(store, conversation_id)
-    if not yes and not typer.confirm(f"Delete #{conv.id} “{conv.title}” ({conv.turns} turns)?", err=True):
+    if not yes and not _confirm(f"Delete #{conv.id} “{conv.title}” ({conv.turns} turns)?"):
         typer.echo(f"Kept #{conv.id}: {conv.title}", err=True)
         return
     store.delete(conv.id)
@@ -92,7 +103,7 @@ def history_delete(
 def history_export(
     conversation_id: IdArg,
     format_: Annotated[str, typer.Option(
-        "--format", "-f", metavar="FORMAT", autocompletion=complete_choices("md", "json"),
+        "--format", "-f", parser=choice(("md", "json"), "format"), metavar="FORMAT", autocompletion=complete_choices("md", "json"),
         help="md (Markdown) or json.")] = "md",
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", metavar="FILE", help="Write to FILE instead of stdout.")] = None,
@@ -100,8 +111,6 @@ def history_export(
     """Export a conversation as Markdown or JSON (with each answer's figures)."""
     store = _history_store()
     conversation_id = _conversation(store, conversation_id).id
-    if format_ not in ("md", "json"):
-        raise exit_with(f"format must be md or json, not {format_!r}", 2)
     text = store.export_json(conversation_id) if format_ == "json" else store.export_markdown(conversation_id)
     if output is None:
         typer.echo(text, nl=False)

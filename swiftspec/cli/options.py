@@ -1,7 +1,7 @@
 """What the commands share: the Typer ``app`` and its root callback (``--version``, the config file read
-into click's default_map), the option declarations with their panels, parsers and completions, the
-decorators that add the engine's and the sampling options to a command, and the helpers that turn their
-values into an EngineConfig or SamplingParams and a refused value into a one-line usage error.
+into click's default_map), the option declarations with their panels, parsers (swiftspec.cli.usage) and
+completions, the decorators that add the engine's and the sampling options to a command, and the helpers
+that turn their values into an EngineConfig or SamplingParams, a refused combination into a usage error.
 
 Heavy imports (torch, textual, the engine) happen inside the commands, so ``--help`` and shell completion
 stay instant.
@@ -15,18 +15,29 @@ from typing import Annotated
 
 import typer
 
-from swiftspec.config import (
+from swiftspec.cli.usage import (
+    DEVICES,
+    CommandLine,
+    Refused,
+    choice,
+    field_value,
+    model_path,
+    refusal,
+    refused_line,
+    typed_name,
+    whole_number,
+)
+from swiftspec.engine.config import (
     BUILTIN_DRAFTS,
-    CHAT_DEFAULTS,
     DTYPES,
     ConfigError,
     EngineConfig,
     SamplingParams,
     TreeParams,
 )
-from swiftspec.settings import config_path, default_map, env_var, read_config
+from swiftspec.settings import CHAT_DEFAULTS, config_path, default_map, env_var, read_config
 
-app = typer.Typer(
+app = CommandLine(
     name="swiftspec",
     help="Local LLM chat with asynchronous, disaggregated speculative decoding (SwiftSpec).\n\n"
     "With no model flags everything runs on the embedded SmolLM2-135M-Instruct with the suffix drafter.",
@@ -41,37 +52,8 @@ TREE = "Speculation tree"
 SERVER = "Server"
 
 
-def parse_whole_number(value) -> int:
-    """A count or index; the error says what was expected, not a validator's text."""
-    try:
-        return int(value)
-    except ValueError:
-        raise typer.BadParameter(f"expected a whole number such as 8, not {value!r}") from None
-
-
-def parse_number(value) -> float:
-    """A value such as a temperature; the error, like parse_whole_number's, says what was expected."""
-    try:
-        return float(value)
-    except ValueError:
-        raise typer.BadParameter(f"expected a number such as 0.7, not {value!r}") from None
-
-
 def complete_choices(*choices: str):
     return lambda incomplete: [c for c in choices if c.startswith(incomplete)]
-
-
-def _device_list(value: str | None) -> list[int] | None:
-    """'0,1,2' -> [0, 1, 2]; a ConfigError (exit 2) quotes the bad value."""
-    if value is None:
-        return None
-    try:
-        devices = [int(piece) for piece in value.split(",") if piece.strip()]
-    except ValueError:
-        raise ConfigError(f"GPU indices are numbers like 0,1,2, not {value!r}") from None
-    if not devices or min(devices) < 0 or len(set(devices)) != len(devices):
-        raise ConfigError(f"GPU indices are distinct numbers like 0,1,2, not {value!r}")
-    return devices
 
 
 def _complete_draft(incomplete: str) -> list[str]:
@@ -98,9 +80,11 @@ def cli_option(*names: str, panel: str, metavar: str | None = None, **kwargs) ->
                         rich_help_panel=panel, **kwargs)
 
 
-# The options, defined once and shared by `chat` and `bench`. Ranges are checked by EngineConfig and
-# SamplingParams, whose messages say what a value means ("temperature must be a finite number >= 0 (0 = greedy)").
-TargetOpt = Annotated[Path | None, cli_option(
+# The options, defined once and shared by `chat` and `bench`, each with its parser (swiftspec.cli.usage):
+# a dataclass field's range is checked by its dataclass (field_value), which says what a value means
+# ("a finite number >= 0 (0 = greedy)").
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+TargetOpt = Annotated[str | None, cli_option(
     "-m", "--model", "--target", panel=MODEL, metavar="PATH",
     help="Target model: a Hugging Face model directory or a .gguf file (--target is the same flag). "
          "Default: the embedded SmolLM2-135M.")]
@@ -113,29 +97,31 @@ DraftCorpusOpt = Annotated[str, cli_option(
     help="The suffix drafter's corpus of the target's own answers (swiftspec train-draft writes one): a FILE, "
          "'none', or 'auto': the one shipped for the embedded default, none for other targets.")]
 DraftHistoryOpt = Annotated[str, cli_option(
-    "--draft-history", panel=MODEL, metavar="SWITCH", autocompletion=complete_choices("on", "off"),
+    "--draft-history", parser=choice(("on", "off"), "switch"), panel=MODEL, metavar="SWITCH",
+    autocompletion=complete_choices("on", "off"),
     help="on or off. on: the suffix drafter also proposes what the target answered in earlier conversations (the saved "
          "history's answers, newest first up to 1M tokens; an unsaved chat: the session's); off: from this "
          "conversation and the corpus only.")]
 TargetDevicesOpt = Annotated[str | None, cli_option(
-    "--target-devices", panel=MODEL, metavar="GPUS",
+    "--target-devices", parser=DEVICES, panel=MODEL, metavar="GPUS",
     help="GPU indices of the target group, e.g. 0,1 (tensor parallel over them).")]
 DraftDevicesOpt = Annotated[str | None, cli_option(
-    "--draft-devices", panel=MODEL, metavar="GPUS", help="GPU indices of the draft group, e.g. 2.")]
+    "--draft-devices", parser=DEVICES, panel=MODEL, metavar="GPUS", help="GPU indices of the draft group, e.g. 2.")]
 GpusOpt = Annotated[int | None, cli_option(
-    "--gpus", parser=parse_whole_number, panel=MODEL, metavar="N",
+    "--gpus", parser=whole_number(1), panel=MODEL, metavar="N",
     help="Use the first N GPUs and let profiling choose the target/draft split.")]
 TargetProcsOpt = Annotated[int, cli_option(
-    "--target-procs", parser=parse_whole_number, panel=MODEL, metavar="N",
+    "--target-procs", parser=field_value(EngineConfig, "target_procs"), panel=MODEL, metavar="N",
     help="CPU: worker processes in the target group.")]
 DraftProcsOpt = Annotated[int, cli_option(
-    "--draft-procs", parser=parse_whole_number, panel=MODEL, metavar="N",
+    "--draft-procs", parser=field_value(EngineConfig, "draft_procs"), panel=MODEL, metavar="N",
     help="CPU: worker processes in the draft group.")]
 DeviceOpt = Annotated[str, cli_option(
-    "--device", panel=MODEL, metavar="DEVICE", autocompletion=complete_choices("auto", "cpu", "cuda"),
+    "--device", parser=choice(DEVICE_CHOICES, "device"), panel=MODEL, metavar="DEVICE",
+    autocompletion=complete_choices(*DEVICE_CHOICES),
     help="auto, cpu or cuda: where the workers run; auto picks CUDA when present.")]
 DTypeOpt = Annotated[str, cli_option(
-    "--dtype", panel=MODEL, metavar="DTYPE", autocompletion=complete_choices(*DTYPES),
+    "--dtype", parser=choice(DTYPES, "dtype"), panel=MODEL, metavar="DTYPE", autocompletion=complete_choices(*DTYPES),
     help="auto, float32, bfloat16, float16, gguf or int4: how the target's weights are held. On the CPU every "
          "choice runs row-invariant kernels (each verified node computes what a one-token step would, so every "
          "mode stays exact) with fp32 activations: float32 / bfloat16 / float16 weights, gguf (a GGUF's own "
@@ -143,10 +129,10 @@ DTypeOpt = Annotated[str, cli_option(
          "at load); auto runs a checkpoint at its own width and, for a GGUF, measures its blocks against fp32 at the "
          "first start on the machine and keeps the faster for speculation (int4 only when asked). On CUDA: auto is bf16.")]
 ThreadsOpt = Annotated[int | None, cli_option(
-    "--threads", parser=parse_whole_number, panel=MODEL, metavar="N",
+    "--threads", parser=field_value(EngineConfig, "threads"), panel=MODEL, metavar="N",
     help="CPU threads for all workers together. Default: every core but one, which the chat itself uses.")]
 MaxSeqLenOpt = Annotated[int, cli_option(
-    "--max-seq-len", parser=parse_whole_number, panel=MODEL, metavar="N",
+    "--max-seq-len", parser=field_value(EngineConfig, "max_seq_len"), panel=MODEL, metavar="N",
     help="KV cache length per conversation (tokens).")]
 TrustRemoteCodeOpt = Annotated[bool, cli_option(
     "--trust-remote-code", panel=MODEL,
@@ -154,57 +140,57 @@ TrustRemoteCodeOpt = Annotated[bool, cli_option(
          "imports) while loading its tokenizer: only for directories you trust. The forward pass always "
          "runs SwiftSpec's own model code.")]
 BsOpt = Annotated[int, cli_option(
-    "--bs", parser=parse_whole_number, panel=TREE, metavar="N",
+    "--bs", parser=field_value(TreeParams, "bs"), panel=TREE, metavar="N",
     help="Tree nodes verified per target forward (1-64).")]
 WOpt = Annotated[int, cli_option(
-    "--w", parser=parse_whole_number, panel=TREE, metavar="N",
+    "--w", parser=field_value(TreeParams, "w"), panel=TREE, metavar="N",
     help="Leaves expanded per draft forward (1-64).")]
 DOpt = Annotated[int | None, cli_option(
-    "--d", parser=parse_whole_number, panel=TREE, metavar="N",
+    "--d", parser=field_value(TreeParams, "d"), panel=TREE, metavar="N",
     help="Draft expansions per round (1-64). Default: chosen from step times profiled at start.")]
 VerifyCostOpt = Annotated[bool, cli_option(
     "--verify-cost/--no-verify-cost", panel=TREE,
     help="Verify only as many of the bs best nodes as are worth their profiled target cost; "
          "--no-verify-cost: always bs, as the paper does.")]
 MaxNewTokensOpt = Annotated[int, cli_option(
-    "--max-new-tokens", parser=parse_whole_number, panel=DECODING, metavar="N",
+    "--max-new-tokens", parser=field_value(SamplingParams, "max_new_tokens"), panel=DECODING, metavar="N",
     help="Most tokens generated per answer.")]
 TemperatureOpt = Annotated[float, cli_option(
-    "--temperature", parser=parse_number, panel=DECODING, metavar="NUMBER",
+    "--temperature", parser=field_value(SamplingParams, "temperature", float), panel=DECODING, metavar="NUMBER",
     help="0 = greedy; sampling stays lossless.")]
 TopPOpt = Annotated[float, cli_option(
-    "--top-p", parser=parse_number, panel=DECODING, metavar="NUMBER",
+    "--top-p", parser=field_value(SamplingParams, "top_p", float), panel=DECODING, metavar="NUMBER",
     help="Nucleus sampling, in (0, 1].")]
 TopKOpt = Annotated[int, cli_option(
-    "--top-k", parser=parse_whole_number, panel=DECODING, metavar="N",
+    "--top-k", parser=field_value(SamplingParams, "top_k"), panel=DECODING, metavar="N",
     help="Sample from the k most likely tokens; 0 = off.")]
 MinPOpt = Annotated[float, cli_option(
-    "--min-p", parser=parse_number, panel=DECODING, metavar="NUMBER",
+    "--min-p", parser=field_value(SamplingParams, "min_p", float), panel=DECODING, metavar="NUMBER",
     help="Keep only the tokens at least this fraction as likely as the most likely one; 0 = off.")]
 RepeatPenaltyOpt = Annotated[float, cli_option(
-    "--repeat-penalty", parser=parse_number, panel=DECODING, metavar="NUMBER",
+    "--repeat-penalty", parser=field_value(SamplingParams, "repeat_penalty", float), panel=DECODING, metavar="NUMBER",
     help="Divide the logit of each token seen in the last --repeat-last-n tokens (a negative one: multiply) "
          "by this, as transformers' repetition_penalty does; 1 = off. Applies in greedy mode too.")]
 RepeatLastNOpt = Annotated[int, cli_option(
-    "--repeat-last-n", parser=parse_whole_number, panel=DECODING, metavar="N",
+    "--repeat-last-n", parser=field_value(SamplingParams, "repeat_last_n"), panel=DECODING, metavar="N",
     help="The penalties look at the last N tokens of the conversation, the prompt included.")]
 PresencePenaltyOpt = Annotated[float, cli_option(
-    "--presence-penalty", parser=parse_number, panel=DECODING, metavar="NUMBER",
+    "--presence-penalty", parser=field_value(SamplingParams, "presence_penalty", float), panel=DECODING, metavar="NUMBER",
     help="Subtract this from the logit of each token seen in the last --repeat-last-n tokens (OpenAI's "
          "rule), in [-2, 2]; 0 = off.")]
 FrequencyPenaltyOpt = Annotated[float, cli_option(
-    "--frequency-penalty", parser=parse_number, panel=DECODING, metavar="NUMBER",
+    "--frequency-penalty", parser=field_value(SamplingParams, "frequency_penalty", float), panel=DECODING, metavar="NUMBER",
     help="Subtract this times its count in the last --repeat-last-n tokens from each token's logit "
          "(OpenAI's rule), in [-2, 2]; 0 = off.")]
 LoopGuardOpt = Annotated[int, cli_option(
-    "--loop-guard", parser=parse_whole_number, panel=DECODING, metavar="N",
+    "--loop-guard", parser=field_value(SamplingParams, "loop_guard"), panel=DECODING, metavar="N",
     help="End an answer (finish reason 'repetition') once its last N tokens are one span repeated "
          "--loop-repeats times; 0 = off.")]
 LoopRepeatsOpt = Annotated[int, cli_option(
-    "--loop-repeats", parser=parse_whole_number, panel=DECODING, metavar="K",
+    "--loop-repeats", parser=field_value(SamplingParams, "loop_repeats"), panel=DECODING, metavar="K",
     help="How many repeats of a span the loop guard waits for (>= 2).")]
 SeedOpt = Annotated[int | None, cli_option(
-    "--seed", parser=parse_whole_number, panel=DECODING, metavar="N",
+    "--seed", parser=field_value(SamplingParams, "seed"), panel=DECODING, metavar="N",
     help="Seed for sampling, so a run can be reproduced.")]
 SystemOpt = Annotated[str | None, cli_option("--system", panel=DECODING, metavar="TEXT", help="System prompt.")]
 ApiKeyOpt = Annotated[str | None, cli_option(
@@ -235,12 +221,14 @@ def engine_config(**given) -> EngineConfig:
     """The EngineConfig of the engine options' values (ConfigError on a bad combination)."""
     target, target_devices, draft_devices = given.pop("target"), given.pop("target_devices"), given.pop("draft_devices")
     if given["gpus"] is not None and (target_devices or draft_devices):
-        raise ConfigError("--gpus chooses the split itself; give it or --target-devices/--draft-devices")
+        raise ConfigError("--gpus: chooses the split itself; give it or --target-devices with --draft-devices")
     if bool(target_devices) != bool(draft_devices):
-        raise ConfigError("--target-devices and --draft-devices go together")
+        given_one, other = (("--target-devices", "--draft-devices") if target_devices
+                            else ("--draft-devices", "--target-devices"))
+        raise ConfigError(f"{given_one}: given without {other}; give both, or --gpus")
     tree = TreeParams(**{name: given.pop(name) for name in TREE_FIELDS})
-    return EngineConfig(target=str(target) if target else None, target_devices=_device_list(target_devices),
-                        draft_devices=_device_list(draft_devices), tree=tree, **given).validate()
+    return EngineConfig(target=target, target_devices=target_devices, draft_devices=draft_devices, tree=tree,
+                        **given).validate()
 
 
 def _options_in_place_of(name: str, options: dict, defaults: dict, make):
@@ -269,11 +257,25 @@ def _options_in_place_of(name: str, options: dict, defaults: dict, make):
     return decorate
 
 
+MODEL_PATHS = {"target": model_path("model"), "draft": model_path("draft", tuple(BUILTIN_DRAFTS))}
+
+
+def check_model_paths(ctx: typer.Context, **given: str | None) -> None:
+    """The target's and the draft's paths given exist: a usage error naming the flag otherwise, before
+    anything loads."""
+    for name, value in given.items():
+        try:
+            MODEL_PATHS[name](value)
+        except Refused as e:
+            raise exit_with(refused_line(typed_name(ctx, name), e), 2) from None
+
+
 def _engine_config(ctx: typer.Context, given: dict) -> EngineConfig:
+    check_model_paths(ctx, target=given["target"], draft=given["draft"])
     try:
         return engine_config(**given)
     except ConfigError as e:
-        raise exit_with(with_origin(ctx, e), 2) from None
+        raise exit_with(refusal(ctx, e), 2) from None
 
 
 # The engine's options (ENGINE_OPTIONS) in place of a command's ``config`` parameter, which gets the one
@@ -295,7 +297,7 @@ def chat_defaults(target: str | None) -> SamplingParams:
     """The chat's sampling defaults: a model directory's generation_config.json over CHAT_DEFAULTS (measured
     on the embedded model: its loop guard and its penalty window stay), CHAT_DEFAULTS for the embedded
     default, a GGUF file and a directory without the file."""
-    from swiftspec.engine.model_dir import generation_defaults
+    from swiftspec.engine.model.model_dir import generation_defaults
 
     path = Path(target).expanduser() if target else None
     found = generation_defaults(path) if path is not None and path.is_dir() else None
@@ -310,9 +312,13 @@ def exit_with(message: str, code: int) -> typer.Exit:
     return typer.Exit(code)
 
 
-SOURCES = (f"Every option but -p and --resume can also be set by an environment variable (shown with it) or "
-           f"in the config file {config_path()} (TOML, e.g. max-new-tokens = 64, or under \\[chat] / \\[serve] / \\[bench]); "
-           "a value is taken from, in order: the flag, the environment variable, the config file, the default.")
+def sources(but: str = "") -> str:
+    """A command's footer: where its settable options' values come from. ``but`` names its options that
+    are not settable (no environment variable, no config key)."""
+    return (f"Every option{' but ' + but if but else ''} can also be set by an environment variable (shown "
+            f"with it) or in the config file {config_path()} (TOML, e.g. max-new-tokens = 64, or under "
+            "\\[chat] / \\[serve] / \\[bench]); a value is taken from, in order: the flag, the environment "
+            "variable, the config file, the default.")
 
 
 CHAT_SAMPLING = (f"Sampling defaults (the flags left out): a model directory's generation_config.json, read as "
@@ -329,7 +335,7 @@ def sampling_params(ctx: typer.Context, config: EngineConfig, base: SamplingPara
         return dataclasses.replace(base or chat_defaults(config.target),
                                    **{name: value for name, value in given.items() if value is not None}).validate()
     except ConfigError as e:
-        raise exit_with(with_origin(ctx, e), 2) from None
+        raise exit_with(refusal(ctx, e), 2) from None
     except ValueError as e:  # a generation_config.json that cannot be read
         raise exit_with(str(e), 2) from None
 
@@ -344,23 +350,6 @@ def option_source(ctx: typer.Context, name: str) -> str | None:
     """Where a parameter's value came from, by name (typer's own copy of click has its own enum)."""
     source = ctx.get_parameter_source(name)
     return source.name if source is not None else None
-
-
-def with_origin(ctx: typer.Context, error: ConfigError) -> str:
-    """A value refused by validation, said with where it came from when that was not the command line."""
-    import re
-
-    message = str(error)
-    subject = message.split(" must")[0]
-    for name, value in ctx.params.items():
-        flag = name.replace("_", "-")
-        if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", subject):
-            continue
-        if option_source(ctx, name) == "DEFAULT_MAP":
-            return f"{config_path()}: {flag} = {value!r}: {message}"
-        if option_source(ctx, name) == "ENVIRONMENT":
-            return f"{env_var('--' + flag)}={value!r}: {message}"
-    return message
 
 
 def _version(value: bool) -> None:

@@ -11,7 +11,6 @@ from swiftspec.cli.options import (
     CHAT_SAMPLING,
     DECODING,
     SERVER,
-    SOURCES,
     ApiKeyOpt,
     MaxNewTokensOpt,
     app,
@@ -19,15 +18,16 @@ from swiftspec.cli.options import (
     complete_choices,
     engine_options,
     exit_with,
-    parse_whole_number,
     sampling_options,
     sampling_params,
-    with_origin,
+    sources,
 )
-from swiftspec.config import MODES, ConfigError, EngineConfig, SamplingParams
+from swiftspec.cli.usage import choice, number_below, refusal, whole_number
+from swiftspec.engine.config import MODES, ConfigError, DraftKind, EngineConfig, SamplingParams
+from swiftspec.server import MAX_SHUTDOWN_TIMEOUT_S, SHUTDOWN_TIMEOUT_S
 
 
-@app.command(epilog=CHAT_SAMPLING.replace("bench stays", "A request's own fields win; bench stays") + "\n\n" + SOURCES)
+@app.command(epilog=CHAT_SAMPLING.replace("bench stays", "A request's own fields win; bench stays") + "\n\n" + sources())
 @engine_options
 @sampling_options
 def serve(
@@ -37,27 +37,36 @@ def serve(
     host: Annotated[str, cli_option(
         "--host", panel=SERVER, metavar="ADDRESS",
         help="Address to listen on. Anything but loopback needs --api-key.")] = "127.0.0.1",
-    port: Annotated[int, cli_option("--port", parser=parse_whole_number, panel=SERVER, metavar="N",
+    port: Annotated[int, cli_option("--port", parser=whole_number(0, 65535),  panel=SERVER, metavar="N",
                               help="TCP port; 0 takes a free one (printed on stderr).")] = 8080,
     api_key: ApiKeyOpt = None,
     max_queue: Annotated[int, cli_option(
-        "--max-queue", parser=parse_whole_number, panel=SERVER, metavar="N",
+        "--max-queue", parser=whole_number(1), panel=SERVER, metavar="N",
         help="Requests that may wait for the engine (one answers at a time); beyond: 429 with Retry-After.")] = 32,
     cors_origin: Annotated[list[str] | None, cli_option(
         "--cors-origin", panel=SERVER, metavar="ORIGIN",
         help="Allow browser pages from ORIGIN (e.g. http://localhost:3000); repeat for several. Default: no CORS.")
     ] = None,
+    allowed_host: Annotated[list[str] | None, cli_option(
+        "--allowed-hosts", panel=SERVER, metavar="NAME",
+        help="Answer requests whose Host header is NAME too (behind a proxy); repeat for several. Default: "
+             "localhost, *.localhost, loopback IPs and the --host address only (a refused Host is a 421).")
+    ] = None,
+    shutdown_timeout: Annotated[float, cli_option(
+        "--shutdown-timeout", parser=number_below(0, MAX_SHUTDOWN_TIMEOUT_S, "seconds"), panel=SERVER, metavar="SECONDS",
+        help="On SIGTERM or Ctrl-C, how long the running answer may go on before it is cut (waiting requests "
+             "get a 503 at once); a second signal stops at once.")] = SHUTDOWN_TIMEOUT_S,
     log_prompts: Annotated[bool, cli_option(
         "--log-prompts", panel=SERVER, help="Log every request's messages on stderr (never logged otherwise).")] = False,
     mode: Annotated[str, cli_option(
-        "--mode", panel=DECODING, metavar="MODE", autocompletion=complete_choices(*MODES),
+        "--mode", parser=choice(MODES, "mode"), panel=DECODING, metavar="MODE", autocompletion=complete_choices(*MODES),
         help="The answers' decoding mode (a request may ask another in its swiftspec object); ar starts no draft.")
     ] = "async",
     max_new_tokens: MaxNewTokensOpt = SamplingParams().max_new_tokens,
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) on one warm engine.
 
-    One answer at a time, the others queued; a client that hangs up is cancelled at once; a failed worker group is started again. /health, and /metrics in Prometheus' format. Binds 127.0.0.1 unless given --host and a key.
+    One answer at a time, the others queued; a client that hangs up is cancelled at once; a failed worker group is started again. /health, and /metrics in Prometheus' format. Binds 127.0.0.1 unless given --host and a key; answers only loopback Host names (DNS rebinding) and no cross-origin browser request unless --cors-origin names it; every bad request is a JSON error naming its field. SIGTERM or Ctrl-C drains: waiting and new requests get a 503, the running answer gets --shutdown-timeout to finish. Slow or idle connections are closed and their number is capped.
 
     Examples: [bold]swiftspec serve[/bold] · [bold]swiftspec serve --port 0 --mode sync[/bold] · [bold]SWIFTSPEC_API_KEY=secret swiftspec serve --host 0.0.0.0[/bold]
     """
@@ -66,13 +75,14 @@ def serve(
 
     params = sampling_params(ctx, config, None, mode=mode, max_new_tokens=max_new_tokens, **sampling)
     if params.mode == "ar":  # nothing would ever ask the draft for a token
-        config = dataclasses.replace(config, draft="none", draft_corpus="none")
-    settings = ServerSettings(host, port, api_key, max_queue, tuple(cors_origin or ()), log_prompts)
+        config = dataclasses.replace(config, draft=DraftKind.NONE, draft_corpus="none")
+    settings = ServerSettings(host, port, api_key, max_queue, tuple(cors_origin or ()), log_prompts,
+                              tuple(allowed_host or ()), shutdown_timeout)
     say = lambda line: typer.echo(f"swiftspec: {line}", err=True)
     try:
         code = run_server(config, params, settings, say)
     except (ValueError, FileNotFoundError) as e:  # bad settings, model paths, a port in use
-        raise exit_with(with_origin(ctx, e) if isinstance(e, ConfigError) else str(e), 2) from None
+        raise exit_with(refusal(ctx, e) if isinstance(e, ConfigError) else str(e), 2) from None
     except KeyboardInterrupt:
         code = 130
     except Exception as e:  # the workers failed to start: the message says why

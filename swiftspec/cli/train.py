@@ -10,24 +10,25 @@ from typing import Annotated
 import typer
 
 from swiftspec.cli.options import (
-    SOURCES,
     DeviceOpt,
     MaxNewTokensOpt,
     TargetOpt,
     TemperatureOpt,
     ThreadsOpt,
     app,
+    check_model_paths,
     cli_option,
     exit_with,
-    parse_number,
-    parse_whole_number,
+    sources,
 )
+from swiftspec.cli.usage import positive_number, whole_number
 
 TRAIN = "Training"
 
 
-@app.command("train-draft", epilog=SOURCES)
+@app.command("train-draft", epilog=sources())
 def train_draft(
+    ctx: typer.Context,
     out: Annotated[Path, cli_option("--out", panel=TRAIN, metavar="DIR",
                               help="Where the head goes (config.json + model.safetensors), with its data "
                                    "and training state: rerun the same command to resume.")],
@@ -36,20 +37,20 @@ def train_draft(
         "--prompts", panel=TRAIN, metavar="FILE",
         help="Training prompts, JSONL with a 'prompt' field. Default: SwiftSpec's own generated chat "
              "requests (topic x task).")] = None,
-    n_prompts: Annotated[int, cli_option("--n-prompts", parser=parse_whole_number, panel=TRAIN, metavar="N",
+    n_prompts: Annotated[int, cli_option("--n-prompts", parser=whole_number(2), panel=TRAIN, metavar="N",
                                    help="Prompts to answer (the first N).")] = 800,
     max_new_tokens: MaxNewTokensOpt = 256,
     temperature: TemperatureOpt = 0.0,
-    draft_vocab: Annotated[int, cli_option("--draft-vocab", parser=parse_whole_number, panel=TRAIN, metavar="N",
+    draft_vocab: Annotated[int, cli_option("--draft-vocab", parser=whole_number(2), panel=TRAIN, metavar="N",
                                      help="Tokens the head can propose: the target's N most frequent in "
                                           "its answers.")] = 8192,
-    steps: Annotated[int, cli_option("--steps", parser=parse_whole_number, panel=TRAIN, metavar="N",
+    steps: Annotated[int, cli_option("--steps", parser=whole_number(1, 8), panel=TRAIN, metavar="N",
                                help="Tree depths trained for (unrolled steps).")] = 3,
-    epochs: Annotated[int, cli_option("--epochs", parser=parse_whole_number, panel=TRAIN, metavar="N",
+    epochs: Annotated[int, cli_option("--epochs", parser=whole_number(1), panel=TRAIN, metavar="N",
                                 help="Passes over the data.")] = 6,
-    lr: Annotated[float, cli_option("--lr", parser=parse_number, panel=TRAIN, metavar="NUMBER",
+    lr: Annotated[float, cli_option("--lr", parser=positive_number(), panel=TRAIN, metavar="NUMBER",
                               help="Peak learning rate (AdamW, warm-up then cosine).")] = 1e-3,
-    seed: Annotated[int, cli_option("--seed", parser=parse_whole_number, panel=TRAIN, metavar="N",
+    seed: Annotated[int, cli_option("--seed", parser=whole_number(0), panel=TRAIN, metavar="N",
                               help="Seed of everything random: the run is repeatable.")] = 0,
     corpus_only: Annotated[bool, cli_option(
         "--corpus-only", panel=TRAIN,
@@ -59,27 +60,23 @@ def train_draft(
 ) -> None:
     """Train an EAGLE-style draft head for a target, on the target's own answers.
 
-    The target answers the prompts (captured: its final hidden states), then a one-layer head learns to
-    predict its next feature and token from them. Use the result with [bold]--draft DIR[/bold]. Prints the
-    held-out agreement with the target per epoch and tree depth. The answers also make a corpus for the
-    suffix drafter, OUT/corpus.safetensors: use it with [bold]--draft suffix --draft-corpus FILE[/bold].
+    The target answers the prompts (captured: its final hidden states), then a one-layer head learns to predict its next feature and token from them. Use the result with [bold]--draft DIR[/bold]. Prints the held-out agreement with the target per epoch and tree depth. The answers also make a corpus for the suffix drafter, OUT/corpus.safetensors: use it with [bold]--draft suffix --draft-corpus FILE[/bold].
 
     Example: [bold]swiftspec train-draft --out heads/smollm2 --n-prompts 64 --epochs 1[/bold]
     """
+    check_model_paths(ctx, target=target)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning threads crawl when a core is busy elsewhere
     import torch
 
     from swiftspec.bench import parse_jsonl
-    from swiftspec.engine.model_dir import resolve_model_dir
+    from swiftspec.engine.config import Device
+    from swiftspec.engine.model.model_dir import resolve_model_dir
     from swiftspec.train_draft import TrainConfig, train
     from swiftspec.train_prompts import training_prompts
 
-    if temperature < 0 or lr <= 0 or not 1 <= steps <= 8 or n_prompts < 2 or epochs < 1 or draft_vocab < 2:
-        raise exit_with("need temperature >= 0, lr > 0, 1 <= steps <= 8, n-prompts >= 2, epochs >= 1, "
-                    "draft-vocab >= 2", 2)
     if threads:
         torch.set_num_threads(threads)
-    dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
+    dev = torch.device("cuda" if device == Device.CUDA or (device == Device.AUTO and torch.cuda.is_available()) else "cpu")
     try:
         target_dir = resolve_model_dir(str(target) if target else None)
         if prompts is None:

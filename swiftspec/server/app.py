@@ -1,18 +1,22 @@
 """The HTTP side of `swiftspec serve`: the routes (OpenAI's, ``/health``, ``/metrics`` and two of our own
-for ``chat --server``), the key check, the body cap, and the answer responses that watch for a client
-that hangs up."""
+for ``chat --server``), the Host, Origin and key checks, the body's caps, the request ids, and the answer
+responses that watch for a client that hangs up. Every error is OpenAI's JSON error object."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import hmac
+import ipaddress
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
+import pydantic_core
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -22,15 +26,19 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from swiftspec.config import SamplingParams, StepEvent
-from swiftspec.engine.answer import AnswerSummary
-from swiftspec.server import api
+from swiftspec.engine.config import SamplingParams
+from swiftspec.engine.events import StepEvent
+from swiftspec.engine.host.answer import AnswerSummary
+from swiftspec.server import SHUTDOWN_TIMEOUT_S, api
 from swiftspec.server.api import APIError, Reply, Request
-from swiftspec.server.host import EngineHost, Job
+from swiftspec.server.host import EngineHost, Job, State
+from swiftspec.server.tools import CallStream
 
 log = logging.getLogger("swiftspec.serve")
 
 MAX_BODY_BYTES = 4 << 20  # a request body beyond this is refused (413) before it is read whole
+BODY_TIMEOUT_S = 30.0  # a body not read whole by then is refused (408): a slow sender holds nothing long
+MAX_DEPTH = 200  # the JSON parser's own nesting limit (pydantic_core's jiter): deeper bodies are a 400
 OPEN_ROUTES = {"/health"}  # the only route without the key
 
 
@@ -44,11 +52,115 @@ class ServerSettings:
     max_queue: int = 32
     cors_origins: tuple[str, ...] = ()
     log_prompts: bool = False
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered beyond the loopback ones (behind a proxy)
+    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S  # how long the running answer may go on after SIGTERM / SIGINT
     model_id: str = "swiftspec"  # what /v1/models lists and the answers name
 
 
-def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+def request_id(scope: Scope) -> str:
+    """The id RequestIds gave this request: in its error bodies, its ``x-request-id`` and the log."""
+    return scope.get("state", {}).get("request_id", "")
+
+
+def error_response(error: APIError, scope: Scope, headers: dict[str, str] | None = None) -> JSONResponse:
+    retry = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else {}
+    return JSONResponse(error.body(request_id(scope)), status_code=error.status, headers={**retry, **(headers or {})})
+
+
+class RequestIds:
+    """Gives every request an id (``x-request-id``), and turns any exception of ours into a JSON 500 that
+    names the id, with the traceback in the server log under it: never a plain-text 500."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = "req-" + uuid.uuid4().hex[:20]
+        scope.setdefault("state", {})["request_id"] = rid
+        started = False
+
+        async def send_with_id(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("request %s failed", rid)
+            if not started:
+                error = APIError(500, f"internal error (request id {rid} in the server log)", "server_error")
+                await error_response(error, scope)(scope, receive, send_with_id)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return False
+
+
+@dataclass(frozen=True)
+class HostRules:
+    """Which ``Host`` a request may name (DNS rebinding: a page whose name now resolves to this machine
+    still names its own host): localhost, ``*.localhost``, the loopback IP literals, the address the server
+    is bound to (bound to every interface: any IP literal, which no page can rebind), and ``names``."""
+
+    bound: str
+    names: tuple[str, ...] = ()
+
+    def allows(self, header: str) -> bool:
+        try:
+            host = (urlsplit("//" + header).hostname or "").rstrip(".")
+        except ValueError:  # e.g. an unclosed "[::1"
+            return False
+        bound = self.bound.strip("[]").lower()
+        if not host:
+            return False
+        if is_loopback(host) or host.endswith(".localhost") or host in (bound, *map(str.lower, self.names)):
+            return True
+        return _is_ip(host) and _is_ip(bound) and ipaddress.ip_address(bound).is_unspecified
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
+
+
+class BrowserCheck:
+    """Refuses a request whose ``Host`` the HostRules do not allow (421), and a browser's cross-origin
+    request (an ``Origin`` header) unless ``--cors-origin`` names that origin (403): a web page open in
+    the user's browser cannot use the server, even one that rebinds its name to 127.0.0.1."""
+
+    def __init__(self, app: ASGIApp, hosts: HostRules, origins: tuple[str, ...]):
+        self.app, self.hosts, self.origins = app, hosts, set(origins)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            host = headers.get(b"host", b"").decode("latin-1")
+            origin = headers.get(b"origin")
+            error = None
+            if not self.hosts.allows(host):
+                error = APIError(421, f"this server does not answer for the host {host[:100]!r} (--allowed-hosts "
+                                      "adds names)", "invalid_request_error", None, "host_not_allowed")
+            elif origin is not None and origin.decode("latin-1") not in self.origins:
+                error = APIError(403, "cross-origin requests are refused unless serve --cors-origin names the "
+                                      "origin", "invalid_request_error", None, "origin_not_allowed")
+            if error is not None:
+                await error_response(error, scope)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class KeyCheck:
@@ -63,24 +175,34 @@ class KeyCheck:
             if not hmac.compare_digest(given, self.key):
                 error = APIError(401, "a valid API key is needed: Authorization: Bearer <key>",
                                  "authentication_error", None, "invalid_api_key")
-                await error_response(error, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                await error_response(error, scope, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
 async def read_json(request: HTTPRequest) -> Any:
-    """The body as JSON, read up to MAX_BODY_BYTES (413 beyond); malformed JSON is a 400."""
-    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    """The body as JSON, read up to MAX_BODY_BYTES (413 beyond) within BODY_TIMEOUT_S (408 beyond). Not
+    JSON, not UTF-8 (a lone surrogate too), NaN or nested deeper than MAX_DEPTH: a 400."""
+    too_big = APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
     try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            raise too_big
+    except ValueError:
+        raise APIError(400, "the Content-Length header is not a number") from None
+    body = bytearray()
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise too_big
+    except TimeoutError:
+        raise APIError(408, f"the request body was not sent within {BODY_TIMEOUT_S:g} s", code="timeout") from None
+    try:
+        return pydantic_core.from_json(bytes(body), allow_inf_nan=False)
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON in UTF-8 (nested at most {MAX_DEPTH} deep): {e}",
+                       code="invalid_json") from None
 
 
 class AnswerResponse(Response):
@@ -91,6 +213,7 @@ class AnswerResponse(Response):
     def __init__(self, host: EngineHost, job: Job, reply: Reply):
         self.host, self.job, self.reply, self.request = host, job, reply, job.request
         self.status_code, self.background = 200, None
+        self.calls = CallStream() if reply.tools else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watcher = asyncio.create_task(self._watch(receive))
@@ -119,7 +242,7 @@ class AnswerResponse(Response):
             if item is None:
                 return
             if isinstance(item, APIError):
-                await error_response(item)(self.scope, _no_receive, send)
+                await error_response(item, self.scope)(self.scope, _no_receive, send)
                 return
             text.append(item.text)
             if item.finished:
@@ -137,9 +260,9 @@ class AnswerResponse(Response):
                 return
             if isinstance(item, APIError):
                 if not started:
-                    await error_response(item)(self.scope, _no_receive, send)
+                    await error_response(item, self.scope)(self.scope, _no_receive, send)
                     return
-                await _sse(send, item.body())
+                await _sse(send, item.body(request_id(self.scope)))
                 break
             if not started:
                 await send({"type": "http.response.start", "status": 200, "headers": [
@@ -154,11 +277,16 @@ class AnswerResponse(Response):
     async def _event(self, send: Send, event: StepEvent, first: bool) -> None:
         extra = (api.step_extension(event.token_ids, event.stats, event.finish_reason)
                  if self.request.stream_stats else None)
-        if event.text or first or extra:
+        if self.calls is not None:  # text or tool calls: the deltas as each is known
+            if first:
+                await _sse(send, self.reply.chunk("", first=True, extra=extra))
+            for delta in self.calls.feed(event.text) + (self.calls.finish() if event.finished else []):
+                await _sse(send, self.reply.delta_chunk(delta))
+        elif event.text or first or extra:
             await _sse(send, self.reply.chunk(event.text, first=first, extra=extra))
         if event.finished:
             summary = AnswerSummary.of(self.request.params.mode, event)
-            await _sse(send, self.reply.last(summary))
+            await _sse(send, self.reply.last(summary, called=self.calls is not None and self.calls.calls > 0))
             if self.request.include_usage:
                 await _sse(send, self.reply.usage_chunk(summary, len(self.job.ids)))
 
@@ -181,11 +309,12 @@ def build_app(host: EngineHost, defaults: SamplingParams, settings: ServerSettin
         loop = asyncio.get_running_loop()
         parsed: Request = parse(await read_json(request), defaults)
         ids = await loop.run_in_executor(None, host.prompt_ids, parsed)
-        job = Job(parsed, ids, loop)
+        job = Job(parsed, ids, loop, request_id(request.scope))
         host.submit(job)
         if settings.log_prompts:
-            log.info("request %s: %s", parsed.kind, json.dumps(parsed.messages or parsed.prompt, ensure_ascii=False))
-        return AnswerResponse(host, job, Reply(parsed.kind, model))
+            log.info("request %s (%s): %s", job.request_id, parsed.kind,
+                     json.dumps(parsed.messages or parsed.prompt, ensure_ascii=False))
+        return AnswerResponse(host, job, Reply(parsed.kind, model, tools=parsed.tools is not None))
 
     async def chat(request: HTTPRequest) -> Response:
         return await answer(request, api.parse_chat)
@@ -198,9 +327,9 @@ def build_app(host: EngineHost, defaults: SamplingParams, settings: ServerSettin
             {"id": model, "object": "model", "created": STARTED, "owned_by": "swiftspec"}]})
 
     async def health(_request: HTTPRequest) -> Response:
-        state = host.state if host.state != "ok" or host.engine.alive else "restarting"
+        state = host.state if host.state != State.OK or host.engine.alive else State.RESTARTING
         return JSONResponse({"status": state, "busy": host.busy, "waiting": host.waiting},
-                            status_code=200 if state == "ok" else 503)
+                            status_code=200 if state == State.OK else 503)
 
     async def metrics_text(_request: HTTPRequest) -> Response:
         return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -209,19 +338,16 @@ def build_app(host: EngineHost, defaults: SamplingParams, settings: ServerSettin
         return JSONResponse({"engine": host.info.to_dict(), "defaults": dataclasses.asdict(defaults)})
 
     async def tokenize(request: HTTPRequest) -> Response:
-        body = await read_json(request)
-        messages = body.get("messages") if isinstance(body, dict) else None
-        if not isinstance(messages, list):
-            raise APIError(400, "messages must be an array", param="messages")
+        messages = [m.as_dict() for m in api.validated(api.TokenizeBody, await read_json(request)).messages]
         loop = asyncio.get_running_loop()
         return JSONResponse({"count": await loop.run_in_executor(None, host.count_tokens, messages)})
 
-    async def on_api_error(_request: HTTPRequest, error: APIError) -> Response:
-        return error_response(error, {"Retry-After": "1"} if error.status == 429 else None)
+    async def on_api_error(request: HTTPRequest, error: APIError) -> Response:
+        return error_response(error, request.scope)
 
-    async def on_http_error(_request: HTTPRequest, error: HTTPException) -> Response:
+    async def on_http_error(request: HTTPRequest, error: HTTPException) -> Response:
         return error_response(APIError(error.status_code, error.detail, code="not_found" if error.status_code == 404
-                                       else None), error.headers)
+                                       else None), request.scope, error.headers)
 
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
@@ -230,7 +356,9 @@ def build_app(host: EngineHost, defaults: SamplingParams, settings: ServerSettin
               Route("/metrics", metrics_text, methods=["GET"]),
               Route("/swiftspec/v1/info", info, methods=["GET"]),
               Route("/swiftspec/v1/tokenize", tokenize, methods=["POST"])]
-    middleware = [Middleware(Counted, metrics=metrics, paths={r.path for r in routes})]
+    middleware = [Middleware(Counted, metrics=metrics, paths={r.path for r in routes}), Middleware(RequestIds),
+                  Middleware(BrowserCheck, hosts=HostRules(settings.host, settings.allowed_hosts),
+                             origins=settings.cors_origins)]
     if settings.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                                      allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))

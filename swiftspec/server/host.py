@@ -1,7 +1,10 @@
 """One engine, one answer at a time: the requests wait in a bounded FIFO queue, a thread of its own feeds
 them to the engine and hands each answer's events to the request's event loop. A request that goes away
 (a client that hangs up, queued or mid-answer) is cancelled at once; a dead worker group fails the answer
-it was giving (503) and is started again, a bounded number of times in a row."""
+it was giving (503) and is started again, a bounded number of times in a row. ``drain`` is the server's
+graceful stop: the waiting requests get a 503, the running answer may finish within a grace period and
+is cut with an error otherwise. What the workers report goes to the server log under the request's id;
+a client's error never shows a path on the server's disk."""
 
 from __future__ import annotations
 
@@ -12,20 +15,32 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from enum import StrEnum
 
-from swiftspec.config import SamplingParams, StepEvent
-from swiftspec.engine.client import encode_chat, encode_prompt
-from swiftspec.engine.failures import EngineError
-from swiftspec.engine.protocol import EngineAPI, EngineInfo
+from swiftspec.engine.config import SamplingParams
+from swiftspec.engine.events import StepEvent
+from swiftspec.engine.host.encode import encode_chat, encode_prompt
+from swiftspec.engine.host.failures import EngineError
+from swiftspec.engine.host.protocol import EngineAPI, EngineInfo
 from swiftspec.server.api import APIError, Request, unavailable
 from swiftspec.server.metrics import Metrics
 
 log = logging.getLogger("swiftspec.serve")
 
-State = Literal["ok", "restarting", "failed", "closed"]
+
+
+class State(StrEnum):
+    """Where the host stands (``/health`` says it): answering, starting the engine again, draining for a
+    stop, given up after RESTARTS failed starts, or closed."""
+
+    OK = "ok"
+    RESTARTING = "restarting"
+    DRAINING = "draining"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
 RESTARTS = 3  # starts in a row that may fail before the server gives up (every request then gets a 503)
-IDLE_CHECK_S = 0.5  # how often an idle engine thread looks whether the workers still live
 Item = StepEvent | APIError
 
 
@@ -37,9 +52,12 @@ class Job:
     request: Request
     ids: list[int]
     loop: asyncio.AbstractEventLoop
+    request_id: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
+    cut: APIError | None = None  # why the server ended the answer (its last event, instead of "cancelled")
+    requeued: bool = False  # it waits (once) for a restart: the workers died before its answer began
 
     @property
     def params(self) -> SamplingParams:
@@ -58,12 +76,13 @@ class EngineHost:
 
     def __init__(self, engine: EngineAPI, start: Callable[[], EngineAPI], max_queue: int, metrics: Metrics):
         self.engine, self._start, self.max_queue, self.metrics = engine, start, max_queue, metrics
-        self.state: State = "ok"
+        self.state = State.OK
         self._queue: collections.deque[Job] = collections.deque()
         self._lock = threading.Condition()
         self._current: Job | None = None
         metrics.queue_length.set_function(lambda: len(self._queue))
-        metrics.engine_up.set_function(lambda: 1.0 if self.state == "ok" else 0.0)
+        metrics.engine_up.set_function(lambda: 1.0 if self.state == State.OK else 0.0)
+        engine.when_dead(self._wake)
         self._thread = threading.Thread(target=self._run, daemon=True, name="engine")
         self._thread.start()
 
@@ -88,7 +107,7 @@ class EngineHost:
             raise APIError(400, f"the prompt is {len(ids)} tokens, but the context length is "
                                 f"{self.info.context_length}", param="messages" if request.kind == "chat" else "prompt",
                            code="context_length_exceeded")
-        if request.params.mode != "ar" and self.info.draft == "none":
+        if request.params.mode != "ar" and not self.info.speculative:
             raise APIError(400, f"mode {request.params.mode} needs a draft; this server runs ar only",
                            param="swiftspec.mode")
         return ids
@@ -101,11 +120,12 @@ class EngineHost:
 
     def submit(self, job: Job) -> None:
         with self._lock:
-            if self.state in ("failed", "closed"):
-                raise unavailable(f"the engine is {'down: it failed to start again' if self.state == 'failed' else 'closed'}")
+            if self.state in (State.FAILED, State.CLOSED, State.DRAINING):
+                raise unavailable("the engine is down: it failed to start again" if self.state == State.FAILED
+                                  else "the server is shutting down")
             if len(self._queue) >= self.max_queue:
                 raise APIError(429, f"the queue is full ({self.max_queue} requests wait): try again shortly",
-                               "rate_limit_error", None, "queue_full")
+                               "rate_limit_error", None, "queue_full", retry_after=1)
             self._queue.append(job)
             self._lock.notify()
 
@@ -133,11 +153,11 @@ class EngineHost:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._queue and self.state != "closed":
-                    self._lock.wait(IDLE_CHECK_S)
-                    if not self._queue and self.state == "ok" and not self.engine.alive:
+                while not self._queue and self.state != State.CLOSED:
+                    if self.state == State.OK and not self.engine.alive:
                         break
-                if self.state == "closed":
+                    self._lock.wait()
+                if self.state == State.CLOSED:
                     return
                 job = self._queue.popleft() if self._queue else None
                 self._current = job
@@ -147,41 +167,50 @@ class EngineHost:
                 if job is not None:
                     self._answer(job)
             finally:
-                self._current = None
+                with self._lock:
+                    self._current = None
+                    self._lock.notify_all()
 
     def _answer(self, job: Job) -> None:
-        if self.state != "ok":
+        if self.state not in (State.OK, State.DRAINING):
             job.put(unavailable("the engine could not be started again"))
             return
         t0 = time.perf_counter()
         self.metrics.queue_seconds.observe(t0 - job.arrived)
         self.metrics.prompt_tokens.inc(len(job.ids))
-        first = True
+        first, begun = True, False
         try:
             for event in self.engine.generate_ids(job.ids, job.params):
+                begun = True
                 if job.cancelled:
                     self.engine.cancel()
                 if first and event.token_ids:
                     self.metrics.time_to_first_token.observe(time.perf_counter() - job.arrived)
                     first = False
                 self.metrics.step(event)
-                job.put(event)
+                job.put(job.cut if event.finish_reason == "cancelled" and job.cut is not None else event)
         except EngineError as e:
             if self.engine.alive:
                 job.put(APIError(400, str(e)))
                 return
-            log.error("the workers failed during an answer: %s", str(e).splitlines()[0])
-            job.put(unavailable(f"the engine failed during this answer and is being restarted: {e}"))
+            log.error("request %s: the workers failed during its answer: %s", job.request_id, e)
+            with self._lock:  # died before it began (while idle): it waits for the restart, once
+                requeue = not begun and not job.requeued and self.state == State.OK
+                if requeue:
+                    job.requeued = True
+                    self._queue.appendleft(job)
+            if not requeue:
+                job.put(unavailable("a worker failed during this answer; the engine is being started again"))
             self._restart("a worker failed")
-        except Exception as e:  # a bug of ours: the request still gets an answer, and the server lives
-            log.exception("an answer failed")
-            job.put(APIError(500, f"internal error: {e}", "server_error"))
+        except Exception:  # a bug of ours: the request still gets an answer, and the server lives
+            log.exception("request %s: its answer failed", job.request_id)
+            job.put(APIError(500, f"internal error (request id {job.request_id} in the server log)", "server_error"))
 
     def _restart(self, why: str) -> None:
         with self._lock:
-            if self.state == "closed":
+            if self.state in (State.CLOSED, State.DRAINING):  # a server going down starts no engine
                 return
-            self.state = "restarting"
+            self.state = State.RESTARTING
         self.metrics.restarts.inc()
         self.engine.close()
         for attempt in range(1, RESTARTS + 1):
@@ -189,27 +218,54 @@ class EngineHost:
             try:
                 engine = self._start()
             except Exception as e:
-                log.error("the engine failed to start: %s", str(e).splitlines()[0] if str(e) else e)
+                log.error("the engine failed to start: %s", e)
                 time.sleep(min(5.0, 0.5 * 2 ** attempt))
                 continue
             with self._lock:
-                if self.state == "closed":
+                if self.state in (State.CLOSED, State.DRAINING):
                     engine.close()
                     return
-                self.engine, self.state = engine, "ok"
+                self.engine, self.state = engine, State.OK
+            engine.when_dead(self._wake)
             log.warning("the engine is up again")
             return
         with self._lock:
-            self.state = "failed"
+            self.state = State.FAILED
             failed, self._queue = list(self._queue), collections.deque()
         log.error("the engine failed to start %d times in a row: every request gets a 503 now", RESTARTS)
         for job in failed:
             job.put(unavailable("the engine could not be started again"))
 
+    def _wake(self) -> None:
+        """The engine died (``Engine.when_dead``): the idle engine thread starts it again at once."""
+        with self._lock:
+            self._lock.notify_all()
+
+    def drain(self, grace_s: float) -> None:
+        """Refuses new requests and fails the waiting ones (503); gives the running answer ``grace_s`` to
+        finish, then cuts it (its stream ends with an error event)."""
+        with self._lock:
+            if self.state in (State.OK, State.RESTARTING):
+                self.state = State.DRAINING
+            waiting, self._queue = list(self._queue), collections.deque()
+        for job in waiting:
+            job.put(unavailable("the server is shutting down"))
+        with self._lock:
+            if self._lock.wait_for(lambda: self._current is None, grace_s):
+                return
+            job = self._current
+        self.cut(job, unavailable(f"the server is shutting down: the answer was cut after {grace_s:g} s"))
+
+    def cut(self, job: Job | None, error: APIError) -> None:
+        """Ends a running answer now, ``error`` its last event."""
+        if job is not None:
+            job.cut = error
+            self.cancel(job)
+
     def close(self) -> None:
         """Fails what waits (503), stops the current answer and ends the engine's processes."""
         with self._lock:
-            self.state = "closed"
+            self.state = State.CLOSED
             waiting, self._queue = list(self._queue), collections.deque()
             self._lock.notify_all()
         for job in waiting:

@@ -9,9 +9,10 @@ from collections.abc import Callable, Iterator
 
 import httpx
 
-from swiftspec.config import SamplingParams, StepEvent, StepStats
-from swiftspec.engine.failures import EngineError
-from swiftspec.engine.protocol import EngineInfo
+from swiftspec.engine.config import SamplingParams
+from swiftspec.engine.events import StepEvent, StepStats
+from swiftspec.engine.host.failures import EngineError
+from swiftspec.engine.host.protocol import EngineInfo
 from swiftspec.server.api import sampling_body
 
 CONNECT_TIMEOUT_S = 10.0

@@ -1,32 +1,38 @@
-"""Runs `swiftspec serve`: the engine first (a bad model fails here, before any port is taken), then
-uvicorn on the bound socket until Ctrl-C or SIGTERM, then every worker process ended."""
+"""Runs `swiftspec serve`: the socket bound first (a taken port fails at once, before any worker starts),
+then the engine, then uvicorn on that socket until SIGTERM or SIGINT, which drain (DrainingServer), then
+every worker process ended. Slow or idle connections are dropped and their number capped (Deadlines)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
-import ipaddress
+import json
 import logging
+import os
+import signal
 import socket
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
-from swiftspec.config import ConfigError, EngineConfig, SamplingParams
-from swiftspec.engine.startup import model_id
-from swiftspec.server.app import ServerSettings, build_app
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from swiftspec.engine.config import ConfigError, EngineConfig, SamplingParams
+from swiftspec.engine.host.startup import model_id
+from swiftspec.server import MAX_SHUTDOWN_TIMEOUT_S
+from swiftspec.server.api import APIError
+from swiftspec.server.app import ServerSettings, build_app, is_loopback
 from swiftspec.server.host import EngineHost
 from swiftspec.server.metrics import Metrics
 
 log = logging.getLogger("swiftspec.serve")
-SHUTDOWN_GRACE_S = 3  # open answers get this long at Ctrl-C before they are cut
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name: it may resolve anywhere
-        return False
+HEADERS_TIMEOUT_S = 10.0  # a connection that has not sent a request's headers by then is closed
+KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this long
+MAX_CONNECTIONS = 256  # open connections beyond this get a 503 and are closed at once
+FLUSH_S = 2.0  # after the drain, for a cut answer's last event to reach its client before uvicorn ends
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def check_settings(settings: ServerSettings) -> None:
@@ -38,31 +44,121 @@ def check_settings(settings: ServerSettings) -> None:
         raise ConfigError(f"--port must be in 0..65535, not {settings.port}")
     if settings.max_queue < 1:
         raise ConfigError(f"--max-queue must be at least 1, not {settings.max_queue}")
+    if not 0 <= settings.shutdown_timeout_s < MAX_SHUTDOWN_TIMEOUT_S:
+        raise ConfigError(f"--shutdown-timeout must be in [0, {MAX_SHUTDOWN_TIMEOUT_S:g}) seconds, "
+                          f"not {settings.shutdown_timeout_s}")
+
+
+class Deadlines(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with what it lacks against slow or idle clients: a deadline for each
+    request's headers (slowloris) and a cap on open connections (the rest of the limits: Config's)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > MAX_CONNECTIONS:
+            body = json.dumps(APIError(503, f"the server has {MAX_CONNECTIONS} connections open: try again shortly",
+                                       "server_error", None, "too_many_connections").body()).encode()
+            transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                            b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            transport.close()
+            return
+        self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._headers_due = self.loop.call_later(HEADERS_TIMEOUT_S, self._headers_late)
+
+    def _disarm(self) -> None:
+        if (due := getattr(self, "_headers_due", None)) is not None:
+            due.cancel()
+            self._headers_due = None
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not None and not self.cycle.response_complete:  # a request's headers came whole
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _headers_late(self) -> None:
+        if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+            self.transport.close()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, stopped the way process managers expect: the first SIGTERM or SIGINT drains the
+    EngineHost (the waiting requests, and every new one, get a 503 with Retry-After; the running answer
+    ``grace_s`` to finish before it is cut with an error event and ``[DONE]``), then uvicorn stops
+    accepting and ends; a second signal stops at once. The signal is not raised again on the way out:
+    ``serve`` ends the workers, then returns 128 + its number."""
+
+    def __init__(self, config: uvicorn.Config, host: EngineHost, grace_s: float):
+        super().__init__(config)
+        self.host, self.grace_s = host, grace_s
+        self.stopped_by: int | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.stopped_by is None:
+            self.stopped_by = sig
+            log.warning("stopping: the running answer has %g s to finish", self.grace_s)
+            # a thread of its own: a signal handler must not wait for the host's lock
+            threading.Thread(target=self._drain, name="drain", daemon=True).start()
+        else:
+            log.warning("stopping now")
+            threading.Thread(target=self.host.drain, args=(0,), name="drain-now", daemon=True).start()
+            self.should_exit = self.force_exit = True
+
+    def _drain(self) -> None:
+        self.host.drain(self.grace_s)
+        self.should_exit = True  # uvicorn's loop looks every 0.1 s
 
 
 def serve(config: EngineConfig, defaults: SamplingParams, settings: ServerSettings,
           say: Callable[[str], None]) -> int:
-    """Serves until interrupted; returns the exit code. Raises what Engine.start raises."""
-    import uvicorn
-
-    from swiftspec.engine.client import Engine
+    """Serves until stopped; returns the exit code (128 + the stopping signal). Raises what Engine.start
+    raises."""
+    from swiftspec.engine.host.client import Engine
 
     logging.basicConfig(level=logging.INFO, format="swiftspec: %(message)s", stream=sys.stderr)
     check_settings(settings)
     settings = dataclasses.replace(settings, model_id=model_id(config))
-    engine = Engine.start(config, progress=say)
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     try:
-        family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
         sock = socket.create_server((settings.host, settings.port), family=family)
     except OSError as e:
-        engine.close()
-        raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
+        raise ConfigError(f"--port: cannot listen on {settings.host}:{settings.port} ({os.strerror(e.errno) if e.errno else e}); a free "
+                          "port, or 0 for any") from None
+    try:
+        engine = Engine.start(config, progress=say)
+    except BaseException:
+        sock.close()
+        raise
     host = EngineHost(engine, lambda: Engine.start(config, progress=lambda line: log.info("%s", line)),
                       settings.max_queue, Metrics())
     try:
         app = build_app(host, defaults, settings)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                               timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+        server = DrainingServer(uvicorn.Config(
+            app, log_level="warning", lifespan="off", http=Deadlines, timeout_keep_alive=KEEP_ALIVE_S,
+            timeout_graceful_shutdown=FLUSH_S), host, settings.shutdown_timeout_s)
         port = sock.getsockname()[1]
         where = f"[{settings.host}]" if family == socket.AF_INET6 else settings.host
         say(f"serving {settings.model_id} on http://{where}:{port}/v1 (OpenAI API"
@@ -71,4 +167,4 @@ def serve(config: EngineConfig, defaults: SamplingParams, settings: ServerSettin
     finally:
         host.close()
         sock.close()
-    return 0
+    return 128 + server.stopped_by if server.stopped_by else 0

@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 from tiny_models import tiny_model_dir
 
-from swiftspec.config import EngineConfig, SamplingParams
-from swiftspec.engine import launcher, protocol
-from swiftspec.engine.client import Engine, encode_chat
-from swiftspec.engine.failures import WorkerOutput
+from swiftspec.engine.config import EngineConfig, SamplingParams
+from swiftspec.engine.host import launcher, protocol
+from swiftspec.engine.host.client import Engine
+from swiftspec.engine.host.encode import encode_chat
+from swiftspec.engine.host.failures import WorkerOutput
 
 PROMPTS = [
     [{"role": "user", "content": "What is 17 times 23?"}],
@@ -32,10 +33,10 @@ PENALISED = SamplingParams(repeat_penalty=1.5, repeat_last_n=24, frequency_penal
 def reference(model_dir, messages, n: int, params: SamplingParams = SamplingParams()) -> list[int]:
     """Greedy target-only decoding in this process (penalised as ``params`` says), one token per forward
     and no loop code of the engine's: what every mode must reproduce."""
-    from swiftspec.engine.decode import TargetState
-    from swiftspec.engine.loader import load_model
-    from swiftspec.engine.model_dir import load_tokenizer
-    from swiftspec.engine.sampling import Sampler
+    from swiftspec.engine.model.loader import load_model
+    from swiftspec.engine.model.model_dir import load_tokenizer
+    from swiftspec.engine.spec.decode import TargetState
+    from swiftspec.engine.spec.sampling import Sampler
 
     ids = encode_chat(load_tokenizer(model_dir), messages)
     target = TargetState(load_model(model_dir, max_slots=len(ids) + n + 16), len(ids) + n + 16)
@@ -63,8 +64,8 @@ def echo_head_dir(target_dir) -> Path:
     """A draft head for the tiny target that outputs its input feature (fc passes the feature through, the
     layer is zero): it proposes the target's own prediction from the position before the root, which only
     the target's features, sent over the workers' 16-bit wire, can give it."""
-    from swiftspec.engine.draft_head import DraftHead, HeadArgs, save_head
-    from swiftspec.engine.model_dir import read_args
+    from swiftspec.engine.model.model_dir import read_args
+    from swiftspec.engine.spec.draft_head import DraftHead, HeadArgs, save_head
 
     out = Path(target_dir) / "echo-head"
     if not out.is_dir():

@@ -8,8 +8,8 @@ import time
 from fake_engine import FakeEngine
 from rich.console import Console
 
-from swiftspec.config import SamplingParams
 from swiftspec.conversation import Conversation, Settings
+from swiftspec.engine.config import SamplingParams
 from swiftspec.tui.app import SwiftSpecApp
 from swiftspec.tui.screens import LoadingScreen
 from swiftspec.tui.widgets.chat_view import ChatView
@@ -49,6 +49,18 @@ async def idle(pilot, timeout: float = 10.0) -> None:
 async def type_and_send(pilot, text: str) -> None:
     pilot.app.query_one(PromptInput).load_text(text)
     await pilot.press("enter")
+
+
+async def send_each(pilot, *texts: str) -> None:
+    """Sends each text (a prompt or a command) once the app is idle again."""
+    for text in texts:
+        await type_and_send(pilot, text)
+        await idle(pilot)
+
+
+def notes(app) -> list[str]:
+    """The notifications' messages, oldest first."""
+    return [str(n.message) for n in app._notifications]
 
 
 def boxes(app) -> list[tuple[str, str]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from swiftspec.config import EngineConfig
+from swiftspec.engine.config import EngineConfig
 
 
 class ReplayEngine:
@@ -15,8 +15,8 @@ class ReplayEngine:
     def __init__(self, config: EngineConfig):
         from transformers import AutoModelForCausalLM
 
-        from swiftspec.engine.model_dir import load_tokenizer
-        from swiftspec.engine.protocol import EngineInfo, RankInfo
+        from swiftspec.engine.host.protocol import EngineInfo, RankInfo
+        from swiftspec.engine.model.model_dir import load_tokenizer
 
         self.tokenizer = load_tokenizer(Path(config.target))
         self.model = AutoModelForCausalLM.from_pretrained(config.target).eval()
@@ -38,8 +38,8 @@ class ReplayEngine:
     def generate(self, messages, params):
         import torch
 
-        from swiftspec.config import StepEvent, StepStats
-        from swiftspec.engine.client import encode_chat
+        from swiftspec.engine.events import StepEvent, StepStats
+        from swiftspec.engine.host.encode import encode_chat
 
         self.calls.append((messages, params.mode, params.max_new_tokens))
         ids = encode_chat(self.tokenizer, messages)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual.containers import VerticalScroll
 
 from swiftspec.conversation import Message
-from swiftspec.engine.answer import AnswerSummary
+from swiftspec.engine.host.answer import AnswerSummary
 from swiftspec.tui.widgets.message import MessageBox
 from swiftspec.tui.widgets.notice import Notice
 

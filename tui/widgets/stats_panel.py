@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from collections import deque
 
-from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Label, Sparkline, Static
 
-from swiftspec.config import StepStats
-from swiftspec.engine.protocol import EngineInfo
+from swiftspec.engine.config import Device
+from swiftspec.engine.events import StepStats
+from swiftspec.engine.host.protocol import EngineInfo, RankInfo
 
 SPARK_STEPS = 60  # recent steps drawn in the latency sparkline
 
@@ -26,24 +26,32 @@ def _grid(rows: list[tuple[str, str]]) -> Table:
     return grid
 
 
-def _layout_text(info: EngineInfo) -> Group:
-    """One line per group (wrapping when there are many ranks), e.g. 'target r0 cuda:0, r1 cuda:1', then
-    the model names, cut to the panel's width."""
-    ranks = Text()
+def _threads(info: EngineInfo, rank: RankInfo) -> str:
+    """A CPU rank's threads: a target's kernel threads by mode (profiling chose them), else its own."""
+    by_mode = info.kernel_threads if rank.role == "target" else {}
+    if not by_mode:
+        return f"{rank.threads} thread{'s' if rank.threads != 1 else ''}"
+    if len(set(by_mode.values())) == 1:
+        return f"kernels on {next(iter(by_mode.values()))} threads"
+    return "kernel threads " + ", ".join(f"{mode} {n}" for mode, n in by_mode.items())
+
+
+def _layout_text(info: EngineInfo) -> Table:
+    """One row per group, e.g. 'target r0 cuda:0, r1 cuda:1', then the models: the target with its
+    precision, and the draft. Each value wraps under itself, never cut, in a panel as wide as the terminal
+    allows."""
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column(overflow="fold")
     for role in ("target", "draft"):
         members = [r for r in info.ranks if r.role == role]
         if members:
-            where = ", ".join(f"r{r.rank} {r.device}" + (f" {r.threads}t" if r.device == "cpu" else "")
+            where = ", ".join(f"r{r.rank} {r.device}" + (f" · {_threads(info, r)}" if r.device == Device.CPU else "")
                               for r in members)
-            ranks.append(f"{role:<7}", style=f"bold {'green' if role == 'target' else 'cyan'}")
-            ranks.append(f"{where}\n")
-    models = Text(no_wrap=True, overflow="ellipsis")
-    models.append("model  ", style="dim")
-    models.append(f"{info.target}\n")
-    models.append("draft  ", style="dim")
-    models.append(info.draft)
-    ranks.rstrip()
-    return Group(ranks, models)
+            grid.add_row(Text(role, style=f"bold {'green' if role == 'target' else 'cyan'}"), where)
+    grid.add_row(Text("model", style="dim"), info.target)
+    grid.add_row(Text("draft", style="dim"), info.draft)
+    return grid
 
 
 class StatsPanel(VerticalScroll, can_focus=False):

@@ -1,0 +1,115 @@
+"""What the Engine knows when its workers fail: their output (kept in memory and in a log file), which
+worker failed first and how, in words a person can act on."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+
+class EngineError(RuntimeError):
+    """The engine cannot do what was asked: its workers failed, or the request is impossible."""
+
+
+TORCHRUN_REPORT_S = 3.0  # after a failure, for torchrun to find which worker failed and end the rest
+
+
+def worker_log_path() -> Path:
+    """Where this Engine's workers' whole output goes: named in every error, removed after a clean close."""
+    from swiftspec.engine.paths import cache_dir
+
+    return cache_dir() / "logs" / f"workers-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class WorkerOutput:
+    """Keeps the last lines the workers wrote (stdout and stderr together), read by a thread, and writes
+    every line to a log file for the full story."""
+
+    def __init__(self, stream, log_path: Path, n_target: int):
+        self.lines: deque[str] = deque(maxlen=400)
+        self.log_path, self.n_target = log_path, n_target
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("w", encoding="utf-8")
+        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True, name="worker-output")
+        self.thread.start()
+
+    def _read(self, stream) -> None:
+        with self._log:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode(errors="replace").rstrip("\n")
+                self.lines.append(line)
+                self._log.write(line + "\n")
+                self._log.flush()
+        stream.close()
+
+    def failed_worker(self) -> tuple[int, int] | None:
+        """(rank, exit code) of the worker that failed first, from torchrun's report. When one worker dies
+        its peers fail too, on a broken connection, so the likeliest cause is a worker killed by a signal
+        other than torchrun's own SIGTERM, then one that did not fail on a connection, then the one
+        torchrun names as the root cause."""
+        text = "\n".join(self.lines)
+        block = r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)"
+        root = [(int(r), int(c)) for r, c in re.findall(block, text.partition("Root Cause")[2])]
+        found = root + [(int(r), int(c)) for r, c in re.findall(block, text)]
+        found += [(int(r), int(c)) for c, r in re.findall(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", text)]
+        # a rank whose uncaught exception torch.distributed printed ("[rankN]: ...Error: ...") exited with 1,
+        # though torchrun, which reports the first failure it polls, may name another
+        found += [(int(r), 1) for r in dict.fromkeys(re.findall(r"^\[rank(\d+)\]: [\w.]+(?:Error|Exception): ", text, re.M))]
+
+        return min(found, key=self._unlikely) if found else None  # min keeps the first of equals: root first
+
+    def _unlikely(self, failure: tuple[int, int]) -> tuple[bool, bool]:
+        """How unlikely a failure is the cause: (not killed by a signal, failed on a lost connection)."""
+        rank, code = failure
+        head = self.headline(rank) or ""
+        return not (code < 0 and code != -signal.SIGTERM), "gloo" in head or "Connection" in head
+
+    def report(self, why: str, torchrun: subprocess.Popen) -> str:
+        """An error message: which worker failed and how (else what was noticed), its last exception line,
+        the log's path. First gives torchrun a moment to notice the failure itself and say which worker."""
+        for _ in range(2):  # once more while torchrun runs and all it has shown is a peer's lost connection
+            try:
+                torchrun.wait(timeout=TORCHRUN_REPORT_S)
+                exited = True
+            except subprocess.TimeoutExpired:
+                exited = False
+            self.thread.join(1.0)  # the workers' last words usually come right after a failure is noticed
+            failed = self.failed_worker()
+            if exited or failed is None or self._unlikely(failed) != (True, True):
+                break
+        if failed is None:
+            head = self.headline()
+            lines = [why] + ([head] if head and head not in why else [])
+        else:
+            rank, code = failed
+            role = "target" if rank < self.n_target else "draft"
+            when = " during start-up" if "start" in why else ""
+            head = self.headline(rank)
+            lines = [f"the {role} worker (rank {rank}) {describe_exit(code)}{when}"] + ([head] if head else [])
+        return "\n".join(lines + [f"the workers' full output: {self.log_path}"])
+
+    def headline(self, rank: int | None = None) -> str | None:
+        """An exception line, e.g. ``LoadError: ...``: of one rank (its lines start "[rank1]:") the last,
+        the outermost of a chain; of any rank the first, since the rank that failed first says why and the
+        others then only report their lost connections to it."""
+        prefix = "" if rank is None else f"[rank{rank}]:"
+        for line in (self.lines if rank is None else reversed(self.lines)):
+            m = re.search(r"\b(\w+(Error|Exception|Interrupt)): (.+)", line)
+            if m and line.startswith(prefix) and "ChildFailedError" not in m.group(1):
+                return f"{m.group(1)}: {m.group(3)}"
+        return None

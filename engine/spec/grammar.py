@@ -1,0 +1,180 @@
+"""A request's grammar through the token tree, on llguidance (chosen by measurement:
+benchmarks/grammar_libs.py): the grammar compiled and checked, the vocabulary as the library sees it,
+and ``Constraint``, the matcher state after the answer's tokens with the states along a tree's paths.
+
+Every node's state is its parent's, copied, plus its own token (a matcher copy costs microseconds), so a
+tree of n nodes costs n copies and n masks. The target masks every node's logits by its state; the draft
+drops the proposals its leaf's state refuses and proposes the token the state forces with probability 1.
+No torch here: the Engine's process checks grammars without it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+from llguidance.gbnf_to_lark import any_to_lark
+
+from swiftspec.engine.config import ConfigError, Grammar, GrammarKind
+
+# JSON as json.dumps writes it: one space after ':' and ',', none elsewhere. Fixed separators are tokens
+# the grammar forces (drafted for free), and a model cannot spend its answer on whitespace.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_OBJECT = {"type": "object"}
+
+
+class GrammarError(ConfigError):
+    """A grammar the library cannot compile, or an answer it refused; the message says why."""
+
+
+def library_grammar(grammar: Grammar) -> str:
+    """``grammar`` in llguidance's own form (not checked: ``check`` does)."""
+    try:
+        match grammar.kind:
+            case GrammarKind.JSON:
+                return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_OPTIONS)
+            case GrammarKind.JSON_SCHEMA:
+                return llguidance.LLMatcher.grammar_from_json_schema(json.loads(grammar.source), defaults=JSON_OPTIONS)
+            case GrammarKind.LARK:  # or llama.cpp's GBNF, which the library converts
+                return llguidance.LLMatcher.grammar_from_lark(any_to_lark(grammar.source))
+            case GrammarKind.REGEX:
+                return llguidance.LLMatcher.grammar_from_regex(grammar.source)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"the {grammar.kind} is not valid: {e}") from None
+
+
+def check(grammar: Grammar) -> str:
+    """The compiled grammar, or the GrammarError saying why the library refuses it."""
+    compiled = library_grammar(grammar)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(compiled)
+    if is_error:
+        raise GrammarError(f"the {grammar.kind} does not compile: {messages[0].strip()}")
+    return compiled
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """A model's tokenizer as llguidance will read it, once a grammar asks: its tokenizer.json, the ids
+    that end an answer and the mask's width (the logits'; None: the tokenizer's own)."""
+
+    tokenizer_json: Path
+    eos: tuple[int, ...]
+    n_vocab: int | None = None
+
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        return _tokenizer(self)
+
+
+@cache
+def _tokenizer(vocab: Vocabulary) -> llguidance.LLTokenizer:
+    """Built once a process: ~0.45 s for the embedded model's 49,152 tokens."""
+    if not vocab.tokenizer_json.is_file():
+        raise GrammarError("a grammar needs the model's tokenizer.json (a fast tokenizer), which it lacks")
+    return llguidance.LLTokenizer(vocab.tokenizer_json.read_text(), n_vocab=vocab.n_vocab, eos_token=list(vocab.eos))
+
+
+def single_token(masks: np.ndarray) -> np.ndarray:
+    """[n] bool: the bitmask rows that let exactly one token through (the grammar forces it)."""
+    words = masks.view(np.uint32)
+    one_word = np.count_nonzero(words, axis=1) == 1
+    word = words.max(axis=1)
+    return one_word & ((word & (word - 1)) == 0)
+
+
+def allowed(mask: np.ndarray, token: int) -> bool:
+    """Whether a bitmask row (int32 words, bit t of the row = token t) lets ``token`` through."""
+    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+
+class Constraint:
+    """One answer's grammar: ``matcher`` has consumed the tokens the answer holds so far (on the target,
+    every emitted token; on the draft, every verified one)."""
+
+    def __init__(self, vocab: Vocabulary, grammar: Grammar):
+        tokenizer = vocab.tokenizer()
+        self.eos = frozenset(tokenizer.eos_tokens)
+        self.matcher = llguidance.LLMatcher(tokenizer, check(grammar), log_level=0)
+        self._raise_on_error()
+        self.words = llguidance.numpy.get_bitmask_shape(1, tokenizer.vocab_size)[1]
+        self._after_path: dict[tuple[int, ...], llguidance.LLMatcher | None] = {}
+
+    def _raise_on_error(self) -> None:
+        if self.matcher.is_error():
+            raise GrammarError(f"the grammar failed: {self.matcher.get_error()}")
+
+    def _after(self, state: llguidance.LLMatcher, token: int) -> llguidance.LLMatcher | None:
+        """A copy of ``state`` past ``token``; None where the grammar refuses it. A complete grammar
+        allows only EOS, and stays as it is past one."""
+        if state.is_stopped():
+            return state if token in self.eos else None
+        state = state.deep_copy()
+        return state if state.consume_token(token) else None
+
+    def _state(self, path: tuple[int, ...]) -> llguidance.LLMatcher | None:
+        """The state past ``path`` from the answer's, kept until the answer advances: a leaf's path is its
+        parent's plus one token, so an expansion copies one state a leaf, not one a token of its path."""
+        if not path:
+            return self.matcher
+        if path not in self._after_path:
+            parent = self._state(path[:-1])
+            self._after_path[path] = None if parent is None else self._after(parent, path[-1])
+        return self._after_path[path]
+
+    def advance(self, tokens: list[int]) -> None:
+        """The answer's next tokens, each one the grammar allowed."""
+        self._after_path.clear()
+        for token in tokens:
+            if self.matcher.is_stopped() and token in self.eos:
+                continue
+            if not self.matcher.consume_token(token):
+                self._raise_on_error()
+                raise GrammarError(f"the grammar refused token {token}")
+
+    def states(self, tokens: list[int], parents: list[int]) -> list[llguidance.LLMatcher | None]:
+        """Each tree node's state after its path (node 0 is the current state: its token is consumed);
+        None for a node the grammar refuses, and for its descendants."""
+        out: list[llguidance.LLMatcher | None] = [self.matcher]
+        for i in range(1, len(tokens)):
+            parent = out[parents[i]]
+            out.append(None if parent is None else self._after(parent, tokens[i]))
+        return out
+
+    def masks(self, tokens: list[int], parents: list[int]) -> np.ndarray:
+        """[n, words] int32: node i's bitmask for the token after its path. A refused node (never reached:
+        its parent's choice obeys the grammar) lets every token through."""
+        masks = np.full((len(tokens), self.words), -1, dtype=np.int32)
+        for i, state in enumerate(self.states(tokens, parents)):
+            if state is not None:
+                llguidance.numpy.fill_next_token_bitmask(state, masks, i)
+        self._raise_on_error()
+        return masks
+
+    def proposals(self, paths: list[list[int]], proposed: list[list[tuple[int, float]]]
+                  ) -> list[list[tuple[int, float]]]:
+        """The draft's proposals under the grammar, per leaf (``paths``: its tokens from the root, root
+        included, after the verified ones): the token the leaf's state forces at probability 1 (log 0),
+        else the proposals it allows."""
+        out = []
+        mask = np.zeros((1, self.words), dtype=np.int32)
+        for path, props in zip(paths, proposed, strict=True):
+            state = self._state(tuple(path))
+            if state is None:
+                out.append([])
+                continue
+            forced = state.compute_ff_tokens()
+            if forced:
+                out.append([(forced[0], 0.0)])
+                continue
+            llguidance.numpy.fill_next_token_bitmask(state, mask, 0)
+            out.append([(t, logp) for t, logp in props if allowed(mask[0], t)])
+        return out
+
+    @property
+    def complete(self) -> bool:
+        """Whether the answer so far is a whole sentence of the grammar."""
+        return self.matcher.is_accepting()
