@@ -1,9 +1,17 @@
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+# The checkout's top-level folders are packages only as parts of swiftspec (pyproject's package-dir).
+# `python -m pytest` puts the checkout itself first on sys.path, where kernels/ hides the Hugging Face
+# package `kernels` that transformers imports; the test session and every process it starts leave it out.
+CHECKOUT = Path(__file__).resolve().parent.parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != CHECKOUT]
+os.environ["PYTHONSAFEPATH"] = "1"
 
 # Set at import, before any test module reads them (and inherited by every subprocess a test starts): the
 # whole session writes its converted models, profiles, worker logs and history into one temporary

@@ -113,6 +113,18 @@ def test_build_command():
         launcher.build_command(worker, 1, nnodes=2)
 
 
+
+def test_the_worker_group_never_imports_from_its_working_directory(tmp_path, monkeypatch):
+    """``python -m`` puts the directory it starts in first on sys.path; a folder there named like a library
+    (a checkout's kernels/ beside transformers' `kernels`) must not replace that library in a worker."""
+    (tmp_path / "json").mkdir()
+    (tmp_path / "json" / "__init__.py").write_text("raise SystemExit('the working directory was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
+    proc = launcher.spawn([sys.executable, "-m", "json.tool", "--help"], {}, tmp_path)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+
 def test_the_engine_resolves_the_models_and_plans_the_layout_without_torch(target_dir):
     """Importing torch costs ~1.5 s of start-up: the Engine's work before it spawns torchrun must not."""
     code = ("import sys; from swiftspec.engine.host import launcher, startup; from swiftspec.engine.model.model_dir import "

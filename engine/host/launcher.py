@@ -226,11 +226,14 @@ def spawn(cmd: list[str], env: dict[str, str], run_dir: Path) -> subprocess.Pope
     The workers of this node meet through a FileStore in ``run_dir`` and talk over the loopback interface
     (gloo, and NCCL's bootstrap). OpenMP threads sleep instead of spinning while they wait: spinning
     threads cost 8-25x in speed as soon as another process wants a core (benchmarks/contention.py).
+    No process of the group imports from the directory it was started in (PYTHONSAFEPATH: ``python -m``
+    would put it first on sys.path, where a folder named like a library, such as a checkout's kernels/,
+    would hide that library).
     """
     lo = _loopback_interface()
     full_env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo, ENV_STORE: str(run_dir / "store"),
-                ENV_ENGINE_PID: str(os.getpid()), **env}
+                "PYTHONSAFEPATH": "1", "GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo,
+                ENV_STORE: str(run_dir / "store"), ENV_ENGINE_PID: str(os.getpid()), **env}
     return subprocess.Popen(cmd, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -43,7 +43,7 @@ class LlamaCppRunner:
 
     def __init__(self, gguf: Path, tokenizer, eos: list[int], threads: int, n_ctx: int):
         self.tokenizer, self.eos, self.threads = tokenizer, eos, threads
-        cmd = [sys.executable, "-m", "swiftspec.bench.llamacpp", "--model", str(gguf), "--threads", str(threads),
+        cmd = [sys.executable, "-P", "-m", "swiftspec.bench.llamacpp", "--model", str(gguf), "--threads", str(threads),
                "--n-ctx", str(n_ctx)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
