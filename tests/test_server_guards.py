@@ -126,6 +126,9 @@ def test_the_host_rules():
         assert loopback.allows(header) and everywhere.allows(header) and named.allows(header)
     for header in ("", "[::1", "evil.example", "localhost.evil.example", "192.168.1.5"):
         assert not loopback.allows(header)
+    for header in ("evil.example\\@localhost", "evil.example@localhost", "localhost:80@evil.example", "localhost/x",
+                   "evil.example#@localhost", "localhost:", "localhost:8080:1", "[::1]x"):  # only host[:port]
+        assert not loopback.allows(header) and not everywhere.allows(header), header
     assert everywhere.allows("192.168.1.5:8080") and everywhere.allows("[fe80::1]")  # IP literals: not rebindable
     assert not everywhere.allows("evil.example") and named.allows("box.lan:8080") and not named.allows("10.0.0.1")
 

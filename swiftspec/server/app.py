@@ -10,11 +10,11 @@ import hmac
 import ipaddress
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import pydantic_core
 from starlette.applications import Starlette
@@ -107,6 +107,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+HOST_HEADER = re.compile(r"(?:\[(?P<ip6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9._-]+))(?::[0-9]{1,5})?")  # RFC 9110's Host
+
+
 @dataclass(frozen=True)
 class HostRules:
     """Which ``Host`` a request may name (DNS rebinding: a page whose name now resolves to this machine
@@ -117,10 +120,9 @@ class HostRules:
     names: tuple[str, ...] = ()
 
     def allows(self, header: str) -> bool:
-        try:
-            host = (urlsplit("//" + header).hostname or "").rstrip(".")
-        except ValueError:  # e.g. an unclosed "[::1"
+        if (match := HOST_HEADER.fullmatch(header)) is None:  # userinfo, a path, a stray character: refused
             return False
+        host = (match["ip6"] or match["name"]).lower().rstrip(".")
         bound = self.bound.strip("[]").lower()
         if not host:
             return False
