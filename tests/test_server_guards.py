@@ -233,20 +233,50 @@ def test_a_connection_that_sends_no_whole_headers_is_closed(monkeypatch):
         assert httpx.get(url + "/health").status_code == 200  # a whole request is answered
 
 
-def test_connections_beyond_the_cap_get_a_json_503(monkeypatch):
+def test_at_the_cap_a_new_connection_closes_the_longest_idle_one_and_only_busy_ones_make_it_a_json_503(monkeypatch):
     from swiftspec.server import serve
 
     monkeypatch.setattr(serve, "MAX_CONNECTIONS", 2)
     app = build_app(EngineHost(GatedEngine(None), lambda: None, 1, Metrics()), SamplingParams(), ServerSettings())
     with running(app, http=serve.Deadlines) as url:
         port = int(url.rsplit(":", 1)[1])
-        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        oldest = socket.create_connection(("127.0.0.1", port))
+        time.sleep(0.05)
+        idle = socket.create_connection(("127.0.0.1", port))
         time.sleep(0.2)
+        assert httpx.get(url + "/health").status_code == 200  # idle connections cannot lock a client out
+        oldest.settimeout(5)
+        idle.settimeout(0.3)
+        assert oldest.recv(100) == b""  # closed for it
+        with pytest.raises(TimeoutError):
+            idle.recv(100)
+        busy = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        for sock in busy:  # a request in progress: its body is still to come
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 9\r\n\r\n")
+            time.sleep(0.1)
         refused = httpx.get(url + "/health")
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "too_many_connections"
-        for sock in held:
+        assert refused.headers["retry-after"] == "1"
+        for sock in [oldest, idle, *busy]:
             sock.close()
         assert until(lambda: httpx.get(url + "/health").status_code == 200)
+
+
+@pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\n\r\n",
+                                 b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: -5\r\n\r\n"])
+def test_a_request_that_is_not_http_is_a_json_400(raw):
+    from swiftspec.server import serve
+
+    app = build_app(EngineHost(GatedEngine(None), lambda: None, 1, Metrics()), SamplingParams(), ServerSettings())
+    with running(app, http=serve.Deadlines) as url, socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(raw)
+        sock.settimeout(5)
+        answer = b""
+        while chunk := sock.recv(4096):  # until the server closes it
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n") and b"content-type: application/json" in head
+    assert json.loads(body)["error"]["code"] == "invalid_http"
 
 
 def test_a_group_that_dies_while_idle_is_started_again_at_once_and_the_next_request_waits_for_it(served):

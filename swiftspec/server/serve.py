@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from http import HTTPStatus
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -30,7 +31,7 @@ from swiftspec.server.metrics import Metrics
 log = logging.getLogger("swiftspec.serve")
 HEADERS_TIMEOUT_S = 10.0  # a connection that has not sent a request's headers by then is closed
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this long
-MAX_CONNECTIONS = 256  # open connections beyond this get a 503 and are closed at once
+MAX_CONNECTIONS = 256  # beyond this a new connection closes the longest idle one (a 503 when none is idle)
 FLUSH_S = 2.0  # after the drain, for a cut answer's last event to reach its client before uvicorn ends
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -51,18 +52,41 @@ def check_settings(settings: ServerSettings) -> None:
 
 class Deadlines(H11Protocol):
     """uvicorn's HTTP/1.1 protocol with what it lacks against slow or idle clients: a deadline for each
-    request's headers (slowloris) and a cap on open connections (the rest of the limits: Config's)."""
+    request's headers (slowloris) and a cap on open connections, at which a new connection closes the
+    longest idle one (no request in progress) so that idle connections cannot lock clients out, and only
+    with every connection busy is it a 503 (the rest of the limits: Config's). A request that is not HTTP
+    gets a JSON 400, not uvicorn's plain text."""
+
+    idle_since: float | None = None  # when its last response ended (or it connected); None while a request runs
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > MAX_CONNECTIONS:
-            body = json.dumps(APIError(503, f"the server has {MAX_CONNECTIONS} connections open: try again shortly",
-                                       "server_error", None, "too_many_connections").body()).encode()
-            transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                            b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-            transport.close()
+        self.idle_since = self.loop.time()
+        if len(self.connections) > MAX_CONNECTIONS and not self._close_longest_idle():
+            self._refuse(APIError(503, f"the server has {MAX_CONNECTIONS} requests in progress: try again shortly",
+                                  "server_error", None, "too_many_connections", retry_after=1))
             return
         self._arm()
+
+    def _close_longest_idle(self) -> bool:
+        idle = [c for c in self.connections if c is not self and getattr(c, "idle_since", None) is not None
+                and not c.transport.is_closing()]
+        if not idle:
+            return False
+        min(idle, key=lambda c: c.idle_since).transport.close()
+        return True
+
+    def _refuse(self, error: APIError) -> None:
+        """Answers ``error`` in JSON and closes the connection, whatever state its HTTP is in."""
+        body = json.dumps(error.body()).encode()
+        retry = b"retry-after: %d\r\n" % error.retry_after if error.retry_after is not None else b""
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n%sconnection: close\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (error.status, HTTPStatus(error.status).phrase.encode(),
+                                                               retry, len(body), body))
+        self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(APIError(400, "the request is not valid HTTP/1.1", code="invalid_http"))
 
     def _arm(self) -> None:
         self._disarm()
@@ -77,10 +101,12 @@ class Deadlines(H11Protocol):
         super().data_received(data)
         if self.cycle is not None and not self.cycle.response_complete:  # a request's headers came whole
             self._disarm()
+            self.idle_since = None
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self.idle_since = self.loop.time()
             self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
