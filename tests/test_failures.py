@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers.engines import PROMPTS, Exited, in_thread, start
+from helpers.processes import children_by_parent, descendants, listening_addresses
 
 from swiftspec.engine.config import ConfigError, EngineConfig, SamplingParams
 from swiftspec.engine.host import launcher, protocol
@@ -23,60 +24,6 @@ from swiftspec.engine.host.encode import encode_chat
 from swiftspec.engine.host.failures import WorkerOutput
 from swiftspec.engine.host.worker_spec import WorkerSpec
 from swiftspec.engine.worker.torchrun import WORKER_NAME
-
-
-def _children_by_parent() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                stat = Path(f"/proc/{entry.name}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat[stat.rindex(")") + 2:].split(" ")[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    return children
-
-
-def descendants(pid: int) -> set[int]:
-    """``pid`` and every live process below it (by parent pid, read from /proc)."""
-    children = _children_by_parent()
-    found, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        found.add(p)
-        todo += children.get(p, [])
-    return found
-
-
-def listening_addresses(pids: set[int]) -> list[tuple[int, str, int]]:
-    """(pid, address, port) of every TCP socket in LISTEN state held by one of ``pids``."""
-    listening = {}
-    for name, width in (("tcp", 4), ("tcp6", 16)):
-        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A":
-                continue
-            hex_ip, hex_port = local.split(":")
-            raw = bytes.fromhex(hex_ip)
-            # /proc/net prints the address as host-order 32-bit words
-            ip = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
-            listening[inode] = (str(ipaddress.ip_address(ip)), int(hex_port, 16))
-    found = []
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:[") and link[8:-1] in listening:
-                found.append((pid, *listening[link[8:-1]]))
-    return found
 
 
 def is_loopback(address: str) -> bool:
@@ -175,7 +122,7 @@ def gone_within(marker: str, seconds: float) -> set[int]:
 
 
 def children(pid: int) -> set[int]:
-    return set(_children_by_parent().get(pid, []))
+    return set(children_by_parent().get(pid, []))
 
 
 @pytest.mark.slow

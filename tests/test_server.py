@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -221,6 +222,52 @@ async def test_the_chat_attached_to_a_server_streams_with_live_figures_and_stops
     assert not served.health()["busy"]
     store.close()
     remote.close()
+
+
+def test_a_request_after_a_killed_draft_or_torchrun_is_answered_with_every_tcp_port_held(served):
+    """kill -9 of the draft, then of torchrun (the target: the test below), while idle connections are
+    held on every TCP port that the server and its workers listen on: more than the connection cap on the
+    server's own, and some on each port the new workers open while they restart. A request 0.3 s after
+    each kill is answered."""
+    from helpers.processes import children_by_parent, descendants, listening_addresses
+
+    from swiftspec.server.serve import MAX_CONNECTIONS
+
+    held, seen, stop = [], set(), threading.Event()
+    http_port = int(served.base.rsplit(":", 1)[1])
+
+    def hold():
+        while not stop.is_set():
+            for _, address, port in listening_addresses(descendants(served.proc.pid)):
+                if (address, port) in seen:
+                    continue
+                seen.add((address, port))
+                for _ in range(MAX_CONNECTIONS + 8 if port == http_port else 32):
+                    try:
+                        held.append(socket.create_connection((address, port), timeout=1))
+                    except OSError:  # a listener that closed meanwhile
+                        break
+            time.sleep(0.05)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert until_true(lambda: len(seen) >= 2 and len(held) > MAX_CONNECTIONS)  # the server's port and a worker's
+        at_first = len(seen)
+        for victim in ("draft", "torchrun"):
+            info = httpx.get(served.base + "/swiftspec/v1/info", headers=served.headers).json()["engine"]
+            ranks = {rank["role"]: rank["pid"] for rank in info["ranks"]}
+            (torchrun,) = [pid for pid in children_by_parent()[served.proc.pid] if ranks["draft"] in descendants(pid)]
+            os.kill(torchrun if victim == "torchrun" else ranks["draft"], signal.SIGKILL)
+            time.sleep(0.3)
+            assert served.ask(QUESTIONS[victim == "torchrun"]), victim  # a 200, after the restart
+        assert len(seen) > at_first  # the restarted workers' ports were held too
+    finally:
+        stop.set()
+        holder.join(5)
+        for sock in held:
+            sock.close()
+    assert served.wait_healthy()
 
 
 def test_killed_workers_are_survived_and_sigterm_drains_leaving_no_process_or_file(target_dir):

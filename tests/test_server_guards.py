@@ -4,7 +4,9 @@ engine of tests/helpers/gated.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import socket
 import threading
 import time
@@ -181,9 +183,9 @@ def test_an_answer_longer_than_the_grace_is_cut_with_an_error_event_and_done(ser
     assert '"engine_unavailable"' in rest[-2] and "shutting down" in rest[-2] and rest[-1] == "data: [DONE]"
 
 
-def test_a_stop_signal_keeps_answering_503s_through_the_grace_then_ends(tokenizer):
-    import signal
-
+@contextlib.contextmanager
+def stoppable(tokenizer, grace_s: float):
+    """A DrainingServer on a GatedEngine, run in a thread: the server, its host, engine, URL and thread."""
     import uvicorn
 
     from swiftspec.server.serve import DrainingServer
@@ -191,13 +193,21 @@ def test_a_stop_signal_keeps_answering_503s_through_the_grace_then_ends(tokenize
     engine = GatedEngine(tokenizer)
     host = EngineHost(engine, lambda: engine, max_queue=2, metrics=Metrics())
     app = build_app(host, SamplingParams(), ServerSettings(model_id="tiny"))
-    server = DrainingServer(uvicorn.Config(app, log_level="error", lifespan="off"), host, grace_s=30.0)
+    server = DrainingServer(uvicorn.Config(app, log_level="error", lifespan="off"), host, grace_s=grace_s)
     sock = socket.create_server(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     assert until(lambda: server.started)
     try:
+        yield server, host, engine, f"http://127.0.0.1:{sock.getsockname()[1]}", thread
+    finally:
+        server.should_exit = True
+        thread.join(5)
+        host.close()
+
+
+def test_a_stop_signal_keeps_answering_503s_through_the_grace_then_ends(tokenizer):
+    with stoppable(tokenizer, grace_s=30.0) as (server, host, engine, url, thread):
         with streaming(url, engine) as lines:
             queued = in_thread(post, url, {"messages": USER})
             assert until(lambda: host.waiting == 1)
@@ -211,10 +221,18 @@ def test_a_stop_signal_keeps_answering_503s_through_the_grace_then_ends(tokenize
         assert '"finish_reason": "length"' in rest[-2] and rest[-1] == "data: [DONE]"
         thread.join(10)
         assert not thread.is_alive() and server.stopped_by == signal.SIGTERM
-    finally:
-        server.should_exit = True
-        thread.join(5)
-        host.close()
+
+
+def test_a_second_stop_signal_cuts_the_answer_and_stops_at_once(tokenizer):
+    with stoppable(tokenizer, grace_s=30.0) as (server, host, engine, url, thread):
+        with streaming(url, engine) as lines:
+            server.handle_exit(signal.SIGTERM, None)
+            assert until(lambda: host.state == "draining")
+            server.handle_exit(signal.SIGTERM, None)  # within the grace, the answer still running
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert '"engine_unavailable"' in rest[-2] and rest[-1] == "data: [DONE]"
+        thread.join(3)
+        assert not thread.is_alive() and server.stopped_by == signal.SIGTERM
 
 
 # ------------------------------------------------------------------------------ connection limits
