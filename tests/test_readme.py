@@ -1,5 +1,6 @@
 """The README stays true: every swiftspec command it shows parses with the real command line (flags,
-values, subcommands), and it links nothing outside the repository."""
+values, subcommands), it links nothing outside the repository, and it and `serve --help` state the server's
+limits, shutdown and Host rules as the code has them."""
 
 from __future__ import annotations
 
@@ -94,3 +95,18 @@ def test_every_environment_variable_the_readme_names_is_read():
     for name in sorted(set(re.findall(r"SWIFTSPEC_[A-Z_]+", text))):
         assert name in settable or f'"{name}"' in source, name
     assert env_var("--save") in settable  # was: --save alone read no variable
+
+
+def test_serve_help_and_the_readme_state_the_limits_the_shutdown_and_the_host_rules():
+    from helpers.cli import invoke
+
+    from swiftspec.server.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_DEPTH
+    from swiftspec.server.serve import HEADERS_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS
+
+    facts = [f"{HEADERS_TIMEOUT_S:g} s", f"{KEEP_ALIVE_S:g} s", f"{BODY_TIMEOUT_S:g} s (408)", f"{MAX_CONNECTIONS} open connections",
+             f"{MAX_BODY_BYTES >> 20} MiB", f"{MAX_DEPTH} deep", "longest idle", "143 (SIGTERM)", "130 (Ctrl-C)",
+             "second signal stops at once", "--shutdown-timeout", "*.localhost", "--allowed-hosts", "421", "--cors-origin"]
+    server = README.read_text(encoding="utf-8").split("## The server", 1)[1]
+    help_text = " ".join(invoke(["serve", "--help"]).output.split())
+    for fact in facts:
+        assert fact in " ".join(server.split()) and fact in help_text, fact
