@@ -166,6 +166,13 @@ def test_bad_requests_get_openai_shaped_400s(served, request_kw, param):
     assert e.value.body["param"] == param and e.value.body["message"]
 
 
+def test_a_loop_guard_beyond_any_answer_is_answered_and_ends_no_worker(served):
+    pids = served.worker_pids()
+    for mode in ("ar", "async"):
+        assert served.ask(QUESTIONS[0], extra_body={"swiftspec": {"mode": mode, "loop_guard": 10**12}})
+    assert served.worker_pids() == pids
+
+
 def test_malformed_json_and_keys(served):
     bad = httpx.post(served.url + "/chat/completions", content=b'{"messages": [', headers=served.headers)
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"

@@ -468,6 +468,13 @@ class NothingDraft:
         return Subtree([self.root], [-1], expansions=1, expand_us=self.expand_us)
 
 
+def test_a_loop_guard_longer_than_the_answer_can_be_is_none_and_costs_nothing():
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True, loop_guard=10**12, loop_repeats=2)
+    fin = Finisher(Request(0, [1, 2, 3], params), 256, set(), lambda: False)
+    assert fin.guard is None and fin.cut([5] * 8) == ([5] * 8, None)
+    assert Finisher(Request(0, [1, 2, 3], replace(params, loop_guard=64)), 256, set(), lambda: False).guard
+
+
 @pytest.mark.parametrize("hold, expand_us", [(False, 100), (True, 100), (True, HOLD_BELOW_US)])
 def test_held_steps_reach_the_user_after_the_next_subtree_and_none_is_lost(tiny, hold, expand_us):
     """hold_steps emits each round's step once the next subtree is in, so the user's side works while the

@@ -117,7 +117,9 @@ class Finisher:
         self.cut_reason = "context" if self.budget < p.max_new_tokens else "length"
         self.cancelled = cancelled
         self.generated = 0
-        self.guard = LoopGuard(p.loop_guard, p.loop_repeats) if p.loop_guard else None
+        # a window longer than the answer may be never fills: no guard (a request's loop_guard of 10**12 would
+        # otherwise be a list of 10**12 / repeats counters, a MemoryError that ended the workers)
+        self.guard = LoopGuard(p.loop_guard, p.loop_repeats) if 0 < p.loop_guard <= self.budget else None
 
     def cut(self, tokens: list[int]) -> tuple[list[int], str | None]:
         """A step's tokens trimmed after EOS, a loop and at the budget, and the finish reason if any."""
