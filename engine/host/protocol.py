@@ -220,7 +220,7 @@ class RankInfo:
     device: str  # "cpu", "cuda:0", ...
     tp_rank: int
     tp_world: int
-    threads: int
+    torch_threads: int  # torch's threads; a CPU target's kernels run on EngineInfo.kernel_threads instead
     host: str
     pid: int
 
