@@ -250,6 +250,10 @@ class EngineInfo:
         """Whether a draft runs (``none``: ar only)."""
         return self.draft != DraftKind.NONE
 
+    def kernel_threads_by_mode(self) -> str:
+        """"ar 2, sync 2, async 1": the CPU kernels' threads as profiling chose them ("": no CPU kernels)."""
+        return ", ".join(f"{mode} {n}" for mode, n in self.kernel_threads.items())
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -33,7 +33,7 @@ def _threads(info: EngineInfo, rank: RankInfo) -> str:
         return f"{rank.torch_threads} thread{'s' if rank.torch_threads != 1 else ''}"
     if len(set(by_mode.values())) == 1:
         return f"kernels on {next(iter(by_mode.values()))} threads"
-    return "kernel threads " + ", ".join(f"{mode} {n}" for mode, n in by_mode.items())
+    return "kernel threads " + info.kernel_threads_by_mode()
 
 
 def _layout_text(info: EngineInfo) -> Table:
