@@ -44,7 +44,7 @@ def main() -> None:
     for policy in args.policies.split(","):
         os.environ["OMP_WAIT_POLICY"] = policy
         with Engine.start(EngineConfig(threads=args.threads)) as engine:
-            threads = engine.info.ranks[0].threads
+            threads = engine.info.ranks[0].torch_threads
             for mode in args.modes.split(","):
                 tokens_per_s(engine, mode, 8)  # warm-up
                 quiet, busy = [], []

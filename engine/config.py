@@ -106,12 +106,14 @@ class ConfigError(ValueError):
     setting: str | None = None
     accepted: str = ""
     value: Any = None
+    wrong: str = ""  # what is wrong with the value, when more than its range ("'x' cannot be read")
 
     @classmethod
-    def refused(cls, setting: str, accepted: str, value: Any) -> ConfigError:
-        """``setting`` (named as its flag, without dashes) must be ``accepted``, not ``value``."""
-        error = cls(f"{setting} must be {accepted}, not {value!r}")
-        error.setting, error.accepted, error.value = setting, accepted, value
+    def refused(cls, setting: str, accepted: str, value: Any, wrong: str = "") -> ConfigError:
+        """``setting`` (named as its flag, without dashes) must be ``accepted``, not ``value`` (of which
+        ``wrong`` says what is wrong)."""
+        error = cls(f"{setting}: {wrong}; {accepted}" if wrong else f"{setting} must be {accepted}, not {value!r}")
+        error.setting, error.accepted, error.value, error.wrong = setting, accepted, value, wrong
         return error
 
 
@@ -211,27 +213,27 @@ class SamplingParams:
         if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ConfigError.refused("temperature", "a finite number >= 0 (0 = greedy)", self.temperature)
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ConfigError.refused("top-p", "in (0, 1]", self.top_p)
+            raise ConfigError.refused("top-p", "a number in (0, 1]", self.top_p)
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise ConfigError.refused("top-k", "an integer >= 0 (0 = off)", self.top_k)
+            raise ConfigError.refused("top-k", "a whole number >= 0 (0 = off)", self.top_k)
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ConfigError.refused("min-p", "in [0, 1] (0 = off)", self.min_p)
+            raise ConfigError.refused("min-p", "a number in [0, 1] (0 = off)", self.min_p)
         if not _is_number(self.repeat_penalty) or not 0 < self.repeat_penalty < math.inf:
             raise ConfigError.refused("repeat-penalty", "a finite number > 0 (1 = off)", self.repeat_penalty)
         if not _is_int(self.repeat_last_n) or self.repeat_last_n < 1:
-            raise ConfigError.refused("repeat-last-n", "an integer >= 1", self.repeat_last_n)
+            raise ConfigError.refused("repeat-last-n", "a whole number >= 1", self.repeat_last_n)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
-                raise ConfigError.refused(name.replace("_", "-"), "in [-2, 2] (0 = off)", value)
+                raise ConfigError.refused(name.replace("_", "-"), "a number in [-2, 2] (0 = off)", value)
         if not _is_int(self.loop_guard) or self.loop_guard < 0:
-            raise ConfigError.refused("loop-guard", "an integer >= 0 (0 = off)", self.loop_guard)
+            raise ConfigError.refused("loop-guard", "a whole number >= 0 (0 = off)", self.loop_guard)
         if not _is_int(self.loop_repeats) or self.loop_repeats < 2:
-            raise ConfigError.refused("loop-repeats", "an integer >= 2", self.loop_repeats)
+            raise ConfigError.refused("loop-repeats", "a whole number >= 2", self.loop_repeats)
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise ConfigError.refused("seed", f"an integer in 0..{MAX_SEED}", self.seed)
+            raise ConfigError.refused("seed", f"a whole number in 0..{MAX_SEED}", self.seed)
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ConfigError.refused("max-new-tokens", "an integer >= 1", self.max_new_tokens)
+            raise ConfigError.refused("max-new-tokens", "a whole number >= 1", self.max_new_tokens)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise ConfigError("stop must be a list of strings")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
@@ -285,11 +287,11 @@ class TreeParams:
 
     def validate(self) -> TreeParams:
         if not 1 <= self.bs <= 64:
-            raise ConfigError.refused("bs", "in 1..64 (nodes verified per target forward)", self.bs)
+            raise ConfigError.refused("bs", "a whole number in 1..64 (nodes verified per target forward)", self.bs)
         if not 1 <= self.w <= 64:
-            raise ConfigError.refused("w", "in 1..64 (leaves expanded per draft forward)", self.w)
+            raise ConfigError.refused("w", "a whole number in 1..64 (leaves expanded per draft forward)", self.w)
         if self.d is not None and not 1 <= self.d <= 64:
-            raise ConfigError.refused("d", "in 1..64 (draft expansions per round)", self.d)
+            raise ConfigError.refused("d", "a whole number in 1..64 (draft expansions per round)", self.d)
         return self
 
 
@@ -336,14 +338,14 @@ class EngineConfig:
         self.tree.validate()
         for name in ("target_procs", "draft_procs"):
             if getattr(self, name) < 1:
-                raise ConfigError.refused(name.replace("_", "-"), ">= 1 (each group needs at least one process)",
+                raise ConfigError.refused(name.replace("_", "-"), "a whole number >= 1 (each group needs at least one process)",
                                           getattr(self, name))
         if self.gpus is not None and self.gpus < 2 and self.speculative:
-            raise ConfigError.refused("gpus", ">= 2 (one group for the target, one for the draft)", self.gpus)
+            raise ConfigError.refused("gpus", "a whole number >= 2 (one group for the target, one for the draft)", self.gpus)
         if self.threads is not None and self.threads < 1:
-            raise ConfigError.refused("threads", ">= 1", self.threads)
+            raise ConfigError.refused("threads", "a whole number >= 1", self.threads)
         if self.max_seq_len < 16:
-            raise ConfigError.refused("max-seq-len", ">= 16", self.max_seq_len)
+            raise ConfigError.refused("max-seq-len", "a whole number >= 16", self.max_seq_len)
         self.device = _parse(Device, self.device, "device")
         self.dtype = _parse(Dtype, self.dtype, "dtype")
         self.batch_invariant = _parse(BatchInvariance, self.batch_invariant, "batch-invariant")

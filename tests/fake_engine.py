@@ -28,8 +28,8 @@ ANSWER = (
 
 INFO = EngineInfo(
     target="fake-target · gguf (Q4_1 blocks) · int16 activations · AVX2", draft="suffix",  # as the workers say
-    ranks=[RankInfo(rank=0, role="target", device="cpu", tp_rank=0, tp_world=1, threads=1, host="local", pid=1),
-           RankInfo(rank=1, role="draft", device="cpu", tp_rank=0, tp_world=1, threads=1, host="local", pid=2)],
+    ranks=[RankInfo(rank=0, role="target", device="cpu", tp_rank=0, tp_world=1, torch_threads=1, host="local", pid=1),
+           RankInfo(rank=1, role="draft", device="cpu", tp_rank=0, tp_world=1, torch_threads=1, host="local", pid=2)],
     context_length=4096, backend="gloo", bs=8, w=8, d=4, d_auto=True, t_verify_ms=40.0, t_expand_ms=3.0,
     eos_token_ids=[999], max_context=8192, kernel_threads={"ar": 2, "sync": 2, "async": 1},
 )

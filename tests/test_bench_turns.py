@@ -77,7 +77,7 @@ def test_warm_prompts_come_from_the_sets_not_measured():
     assert len(warm) == 50 and "multiturn" not in {p.source for p in warm}
     with pytest.raises(BenchError, match="outside the measured ones"):
         warm_prompts(select_prompts(None, "all", None), 1)
-    with pytest.raises(BenchError, match="--turns"):
+    with pytest.raises(BenchError, match="turns must be"):
         bench_command(EngineConfig(), modes="ar", turns="some")
     with pytest.raises(BenchError, match="engine mode"):
         bench_command(EngineConfig(), modes="hf", warm=2)

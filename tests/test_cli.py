@@ -104,7 +104,7 @@ def test_chat_sampling_defaults_come_from_the_model(fake, data_dir, monkeypatch,
     (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "repetition_penalty": 1.2}))
     assert invoke(["chat", "-p", "hi", "-m", str(model)]).exit_code == 0
     assert (seen[-1].temperature, seen[-1].repeat_penalty) == (0.0, 1.2)  # no do_sample: greedy, penalised
-    for text, message in (("{", "cannot read"), ('{"do_sample": true, "top_p": 7}', "top-p must be in (0, 1]")):
+    for text, message in (("{", "cannot read"), ('{"do_sample": true, "top_p": 7}', "top-p must be a number in (0, 1]")):
         (model / "generation_config.json").write_text(text)
         result = invoke(["chat", "-p", "hi", "-m", str(model)])
         assert result.exit_code == 2 and message in result.stderr and "generation_config.json" in result.stderr

@@ -235,6 +235,8 @@ def test_every_node_masks_by_its_own_path(tiny):
     (Grammar(GrammarKind.JSON_SCHEMA, "{not json"), "not valid"),
     (Grammar(GrammarKind.REGEX, "[a-"), "unclosed"),
     (Grammar(GrammarKind.LARK, 'start: "a" b'), "unknown name"),
+    (Grammar(GrammarKind.LARK, ""), "No 'root' rule found"),  # was a traceback: the GBNF converter's Exception
+    (Grammar(GrammarKind.LARK, "GGUF"), "Expected ::="),
 ])
 def test_a_grammar_the_library_refuses_is_a_clear_error(grammar, words):
     with pytest.raises(GrammarError, match=words):

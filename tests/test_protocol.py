@@ -132,9 +132,20 @@ def test_start_up_error_names_the_rank_that_failed_first(tmp_path):
 
 
 def _info() -> EngineInfo:
-    rank = RankInfo(rank=0, role="target", device="cpu", tp_rank=0, tp_world=1, threads=1, host="h", pid=1)
+    rank = RankInfo(rank=0, role="target", device="cpu", tp_rank=0, tp_world=1, torch_threads=1, host="h", pid=1)
     return EngineInfo(target="t", draft="suffix", ranks=[rank], context_length=64, backend="gloo", bs=8, w=8,
                       d=2, d_auto=True, t_verify_ms=1.0, t_expand_ms=0.1)
+
+
+def test_the_engine_info_names_each_kind_of_threads_once():
+    """torch's threads per rank and the CPU kernels' threads per mode are different figures under different
+    names (bench --json, /swiftspec/v1/info): was `ranks[].threads` 1 beside `kernel_threads` 2."""
+    def keys(data):
+        if isinstance(data, dict):
+            return {k for k in data} | {k for v in data.values() for k in keys(v)}
+        return {k for v in data for k in keys(v)} if isinstance(data, list) else set()
+
+    assert {k for k in keys(_info().to_dict()) if "threads" in k} == {"torch_threads", "kernel_threads"}
 
 
 @pytest.mark.parametrize("frame", [

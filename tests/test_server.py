@@ -197,6 +197,18 @@ def test_completions_models_and_metrics(served):
     assert 'route="/v1/completions",status="200"' in metrics
 
 
+def test_metrics_label_what_runs_as_the_engine_info_says():
+    from fake_engine import INFO
+
+    from swiftspec.server.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.describe(lambda: INFO)
+    line = next(line for line in metrics.text().decode().splitlines() if line.startswith("swiftspec_engine_info"))
+    assert f'model="{INFO.target}"' in line and f'draft="{INFO.draft}"' in line
+    assert 'kernel_threads="ar 2, sync 2, async 1"' in line and 'ranks="target r0 cpu, draft r1 cpu"' in line
+
+
 async def test_the_chat_attached_to_a_server_streams_with_live_figures_and_stops_on_escape(served, tmp_path):
     from helpers.pilot import figures, idle, ready, type_and_send, wait_for
 

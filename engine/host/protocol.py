@@ -220,7 +220,7 @@ class RankInfo:
     device: str  # "cpu", "cuda:0", ...
     tp_rank: int
     tp_world: int
-    threads: int
+    torch_threads: int  # torch's threads; a CPU target's kernels run on EngineInfo.kernel_threads instead
     host: str
     pid: int
 
@@ -249,6 +249,10 @@ class EngineInfo:
     def speculative(self) -> bool:
         """Whether a draft runs (``none``: ar only)."""
         return self.draft != DraftKind.NONE
+
+    def kernel_threads_by_mode(self) -> str:
+        """"ar 2, sync 2, async 1": the CPU kernels' threads as profiling chose them ("": no CPU kernels)."""
+        return ", ".join(f"{mode} {n}" for mode, n in self.kernel_threads.items())
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -41,11 +41,20 @@ def library_grammar(grammar: Grammar) -> str:
             case GrammarKind.JSON_SCHEMA:
                 return llguidance.LLMatcher.grammar_from_json_schema(json.loads(grammar.source), defaults=JSON_OPTIONS)
             case GrammarKind.LARK:  # or llama.cpp's GBNF, which the library converts
-                return llguidance.LLMatcher.grammar_from_lark(any_to_lark(grammar.source))
+                return llguidance.LLMatcher.grammar_from_lark(_lark(grammar.source))
             case GrammarKind.REGEX:
                 return llguidance.LLMatcher.grammar_from_regex(grammar.source)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"the {grammar.kind} is not valid: {e}") from None
+
+
+def _lark(source: str) -> str:
+    """A Lark grammar as it is, llama.cpp's GBNF converted to Lark; a ValueError when the converter refuses
+    it (it raises bare Exceptions: "No 'root' rule found" for an empty file)."""
+    try:
+        return any_to_lark(source)
+    except Exception as e:
+        raise ValueError(str(e)) from None
 
 
 def check(grammar: Grammar) -> str:

@@ -151,7 +151,7 @@ class ScriptIO:
                   f"t_expand {info.t_expand_ms:.2f} ms)", flush=True)
             for r in info.ranks:
                 print(f"   rank {r.rank}: {r.role} tp {r.tp_rank}/{r.tp_world} on "
-                      f"{r.host} {r.device} ({r.threads} threads)", flush=True)
+                      f"{r.host} {r.device} ({r.torch_threads} torch threads)", flush=True)
 
     def flush(self) -> None:
         first = self.results[0]

@@ -193,7 +193,7 @@ def profile_path(ctx: Ctx, ranks: list[RankInfo]) -> Path | None:
         **_software_and_machine(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if torch.cuda.is_available() else [],
-        "ranks": [[r.role, r.device, r.threads, r.host] for r in ranks],
+        "ranks": [[r.role, r.device, r.torch_threads, r.host] for r in ranks],
         "kernel_threads": ctx.kernel_threads,  # what the verifications were timed on (choose_kernel_threads)
         "target": _files(spec.target_dir), "draft": _files(spec.draft_spec.path) if spec.draft_spec.path else spec.draft,
         "spec": {"config": {**settings, "dtype": ctx.dtype}, "layout": dataclasses.asdict(spec.layout),

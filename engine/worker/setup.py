@@ -166,7 +166,7 @@ def draft_shares_cores(ctx: Ctx, ranks: list[RankInfo]) -> bool:
     draft's threads, and the target's kernel threads for async (``Ctx.kernel_threads``, which may be all
     the cores) or its share. The draft's expansions during a verification then slow it down."""
     host = ranks[ctx.n_target].host
-    wanted = sum(ctx.kernel_threads.get("async", r.threads) if r.role == "target" else r.threads
+    wanted = sum(ctx.kernel_threads.get("async", r.torch_threads) if r.role == "target" else r.torch_threads
                  for r in ranks if r.host == host and r.device == Device.CPU)
     return wanted > len(os.sched_getaffinity(0))
 
@@ -251,7 +251,7 @@ def gather_ranks(ctx: Ctx) -> list[RankInfo]:
         tp_world = ctx.n_target if role == "target" else ctx.world - ctx.n_target
         device = "cpu" if report.cuda_index < 0 else f"cuda:{report.cuda_index}"
         ranks.append(RankInfo(rank=r, role=role, device=device, tp_rank=r - lead, tp_world=tp_world,
-                              threads=report.threads, host=report.host, pid=report.pid))
+                              torch_threads=report.threads, host=report.host, pid=report.pid))
     return ranks
 
 

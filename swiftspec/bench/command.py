@@ -50,16 +50,17 @@ from swiftspec.engine.host.protocol import EngineInfo
 
 
 def parse_modes(modes: str) -> list[str]:
+    accepted = f"comma-separated modes: {', '.join(ALL_MODES)}"
     out: list[str] = []
     for m in (x.strip() for x in modes.split(",")):
         if not m:
             continue
         if m not in ALL_MODES:
-            raise BenchError(f"unknown mode {m!r}; modes are {', '.join(ALL_MODES)}")
+            raise BenchError.refused("modes", accepted, modes, wrong=f"{m!r} is not a mode")
         if m not in out:
             out.append(m)
     if not out:
-        raise BenchError(f"no modes given; modes are {', '.join(ALL_MODES)}")
+        raise BenchError.refused("modes", accepted, modes, wrong="no mode given")
     return out
 
 
@@ -135,17 +136,19 @@ def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), pr
     mode_list = parse_modes(modes)
     selected = [dataclasses.replace(p, system=system) for p in select_prompts(prompts, prompt_set, limit)]
     if turns not in TURNS:
-        raise BenchError(f"--turns must be {' or '.join(TURNS)}")
+        raise BenchError.refused("turns", " or ".join(TURNS), turns)
     if warm < 0:
-        raise BenchError("--warm must be >= 0")
+        raise BenchError.refused("warm", "a whole number >= 0", warm)
     if warm and not any(m in ENGINE_MODES for m in mode_list):
-        raise BenchError("--warm teaches the engine's suffix drafter: run an engine mode (ar, sync, async)")
+        raise BenchError.refused("warm", "0 unless --modes runs an engine mode (ar, sync, async)", warm,
+                                 wrong="teaches the engine's suffix drafter, and no engine mode runs")
     warming = [dataclasses.replace(p, system=system) for p in warm_prompts(selected, warm)] if warm else []
     if plot_path is not None:
         pyplot()
-    for out in (json_path, plot_path):
+    for setting, out in (("json", json_path), ("plot", plot_path)):
         if out is not None and not Path(out).parent.is_dir():
-            raise BenchError(f"cannot write {out}: {Path(out).parent} is not a directory")
+            raise BenchError.refused(setting, "a file in an existing directory", out,
+                                     wrong=f"cannot write {str(out)!r}: {Path(out).parent} is not a directory")
     config.validate()
     assist = hf_assist(config) if "hf-assisted" in mode_list else None
     if "llama.cpp" in mode_list:

@@ -99,16 +99,18 @@ def select_prompts(prompts: Path | None, prompt_set: str | list[str] | None, lim
         elif name in BUILTIN_SETS:
             groups.append(builtin_prompts(name))
         else:
-            raise BenchError(f"unknown prompt set {name!r}; sets are {', '.join(BUILTIN_SETS)}, all, {HUMANEVAL}")
+            raise BenchError.refused("set", f"comma-separated sets: {', '.join(BUILTIN_SETS)}, all, {HUMANEVAL}",
+                                     prompt_set, wrong=f"{name!r} is not a prompt set")
     if prompts is not None:
         try:
             text = Path(prompts).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise BenchError(f"cannot read the prompts file {prompts}: {e}") from None
+            raise BenchError.refused("prompts", "a JSONL file of prompts", prompts,
+                                     wrong=f"{str(prompts)!r} cannot be read ({getattr(e, 'strerror', None) or e})") from None
         groups.append(parse_jsonl(text, Path(prompts).stem))
     if limit is not None:
         if limit < 1:
-            raise BenchError("--limit must be >= 1")
+            raise BenchError.refused("limit", "a whole number >= 1", limit)
         groups = [g[:limit] for g in groups]
     longest = max(len(g) for g in groups)
     return [g[i] for i in range(longest) for g in groups if i < len(g)]
@@ -129,5 +131,6 @@ def warm_prompts(measured: list[Prompt], n: int) -> list[Prompt]:
     others = [name for name in BUILTIN_SETS if name not in {p.source for p in measured}]
     warm = select_prompts(None, others, None)[:n] if others else []
     if len(warm) < n:
-        raise BenchError(f"--warm {n}: the built-in sets outside the measured ones hold {len(warm)} prompts")
+        raise BenchError.refused("warm", f"at most {len(warm)}, the prompts of the built-in sets outside the measured "
+                                 "ones", n, wrong=f"{n} is more than those sets hold")
     return warm

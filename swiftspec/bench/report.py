@@ -247,7 +247,7 @@ def engine_threads(info: EngineInfo, mode: str) -> str:
         ranks = [r for r in info.ranks if r.role == role]
         if ranks:
             each = info.kernel_threads.get(mode) if role == "target" else None
-            parts.append(f"{role} {len(ranks)} × {each or max(r.threads for r in ranks)}")
+            parts.append(f"{role} {len(ranks)} × {each or max(r.torch_threads for r in ranks)}")
     return " + ".join(parts)
 
 

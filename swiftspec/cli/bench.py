@@ -27,8 +27,8 @@ from swiftspec.cli.options import (
     exit_with,
     sources,
 )
-from swiftspec.cli.usage import choice, whole_number
-from swiftspec.engine.config import EngineConfig, SamplingParams
+from swiftspec.cli.usage import choice, refusal, whole_number
+from swiftspec.engine.config import ConfigError, EngineConfig, SamplingParams
 
 BENCH = "Benchmark"
 
@@ -94,7 +94,7 @@ def bench(
                                sampling=sampling, system=system, json_path=json_path, plot_path=plot_path,
                                turns=turns, warm=warm)
     except (ValueError, FileNotFoundError) as e:  # bad options, prompts or model paths
-        raise exit_with(str(e), 2) from None
+        raise exit_with(refusal(ctx, e) if isinstance(e, ConfigError) else str(e), 2) from None
     except KeyboardInterrupt:
         raise exit_with("interrupted before every mode had finished a prompt: nothing to report", 130) from None
     if report.get("partial"):

@@ -189,7 +189,7 @@ def chat(
             conversation_id = store.latest().id if resume == "latest" else resume
             conversation = Conversation.resume(store, conversation_id, defaults, prefer=given_params(ctx))
         except HistoryError as e:
-            raise exit_with(str(e), 2) from None
+            raise exit_with(f"{typed_name(ctx, 'resume')}: {e}; {RESUME_ACCEPTS}", 2) from None
         for warning in conversation.take_warnings():
             typer.echo(f"swiftspec: #{conversation.id}: {warning}", err=True)
     conversation = conversation or Conversation(store if (save or not scripted) else None, defaults)

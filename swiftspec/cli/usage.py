@@ -181,19 +181,21 @@ DEVICES = Parser(device_list, GPU_INDICES)
 
 def typed_name(ctx: typer.Context, name: str) -> str:
     """How the user gave parameter ``name``: the flag as typed (-m, not --model), the environment variable,
-    or the config file and key; a flag left out is named by its first long name."""
+    or the config file and key; a flag left out is named by its first long name. ``name``: the parameter's,
+    or its long flag's without dashes (set, for --set's prompt_set)."""
     from swiftspec.settings import config_path
 
-    param = next((p for p in ctx.command.params if p.name == name), None)
+    flag = "--" + name.replace("_", "-")
+    param = next((p for p in ctx.command.params if p.name == name or flag in p.opts), None)
     if param is None:
-        return "--" + name.replace("_", "-")
+        return flag
     if param.param_type_name == "argument":
         return param.metavar or param.name.upper()
     source = ctx.get_parameter_source(name)
     if source is not None and source.name == "ENVIRONMENT" and param.envvar:
         return str(param.envvar)
     if source is not None and source.name == "DEFAULT_MAP":
-        return f"{config_path()}: {name.replace('_', '-')}"
+        return f"{config_path()}: {param.name.replace('_', '-')}"
     names = [*param.opts, *param.secondary_opts]
     for arg in ctx.meta.get(ARGS, ()):
         if arg.split("=", 1)[0] in names:
@@ -211,7 +213,7 @@ def refusal(ctx: typer.Context, error: ConfigError) -> str:
     if error.setting is None:
         return str(error)
     name = error.setting.replace("-", "_")
-    return f"{typed_name(ctx, name)}: {_out_of_range(error.value)}; {error.accepted}"
+    return f"{typed_name(ctx, name)}: {error.wrong or _out_of_range(error.value)}; {error.accepted}"
 
 
 def usage_line(error: UsageError) -> str:

@@ -82,6 +82,7 @@ class EngineHost:
         self._current: Job | None = None
         metrics.queue_length.set_function(lambda: len(self._queue))
         metrics.engine_up.set_function(lambda: 1.0 if self.state == State.OK else 0.0)
+        metrics.describe(lambda: self.engine.info)
         engine.when_dead(self._wake)
         self._thread = threading.Thread(target=self._run, daemon=True, name="engine")
         self._thread.start()

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import InfoMetricFamily
+from prometheus_client.registry import Collector
 
 from swiftspec.engine.events import StepEvent
+from swiftspec.engine.host.protocol import EngineInfo
 
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -37,6 +42,10 @@ class Metrics:
         self.token_latency = Histogram("swiftspec_token_latency_seconds", "Time per generated token",
                                        buckets=LATENCY_BUCKETS, registry=r)
 
+    def describe(self, info: Callable[[], EngineInfo]) -> None:
+        """``swiftspec_engine_info``: what runs, read from ``info`` at each scrape (a restart's new ranks)."""
+        self.registry.register(_Described(info))
+
     def step(self, event: StepEvent) -> None:
         s, n = event.stats, len(event.token_ids)
         self.generated_tokens.inc(n)
@@ -49,3 +58,18 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Described(Collector):
+    """The engine info's labels, as the TUI's Layout box and /swiftspec/v1/info name them."""
+
+    def __init__(self, info: Callable[[], EngineInfo]):
+        self.info = info
+
+    def collect(self):
+        info = self.info()
+        yield InfoMetricFamily("swiftspec_engine", "What runs: the target and its precision, the draft, the ranks "
+                               "and the CPU kernels' threads by mode", value={
+                                   "model": info.target, "draft": info.draft,
+                                   "ranks": ", ".join(f"{r.role} r{r.rank} {r.device}" for r in info.ranks),
+                                   "kernel_threads": info.kernel_threads_by_mode()})

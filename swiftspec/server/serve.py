@@ -39,15 +39,15 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def check_settings(settings: ServerSettings) -> None:
     """A server reachable from other machines needs a key (ConfigError otherwise)."""
     if not is_loopback(settings.host) and not settings.api_key:
-        raise ConfigError(f"--host {settings.host} is reachable from other machines: give an --api-key (or "
-                          "SWIFTSPEC_API_KEY) too, or serve on 127.0.0.1")
+        raise ConfigError.refused("host", "give an --api-key (or SWIFTSPEC_API_KEY) too, or serve on 127.0.0.1",
+                                  settings.host, wrong=f"{settings.host} is reachable from other machines")
     if not 0 <= settings.port <= 65535:
-        raise ConfigError(f"--port must be in 0..65535, not {settings.port}")
+        raise ConfigError.refused("port", "a whole number in 0..65535", settings.port)
     if settings.max_queue < 1:
-        raise ConfigError(f"--max-queue must be at least 1, not {settings.max_queue}")
+        raise ConfigError.refused("max-queue", "a whole number >= 1", settings.max_queue)
     if not 0 <= settings.shutdown_timeout_s < MAX_SHUTDOWN_TIMEOUT_S:
-        raise ConfigError(f"--shutdown-timeout must be in [0, {MAX_SHUTDOWN_TIMEOUT_S:g}) seconds, "
-                          f"not {settings.shutdown_timeout_s}")
+        raise ConfigError.refused("shutdown-timeout", f"a number in [0, {MAX_SHUTDOWN_TIMEOUT_S:g}) (seconds)",
+                                  settings.shutdown_timeout_s)
 
 
 class Deadlines(H11Protocol):
@@ -171,8 +171,8 @@ def serve(config: EngineConfig, defaults: SamplingParams, settings: ServerSettin
     try:
         sock = socket.create_server((settings.host, settings.port), family=family)
     except OSError as e:
-        raise ConfigError(f"--port: cannot listen on {settings.host}:{settings.port} ({os.strerror(e.errno) if e.errno else e}); a free "
-                          "port, or 0 for any") from None
+        raise ConfigError.refused("port", "a free port, or 0 for any", settings.port, wrong=f"cannot listen on "
+                                  f"{settings.host}:{settings.port} ({os.strerror(e.errno) if e.errno else e})") from None
     try:
         engine = Engine.start(config, progress=say)
     except BaseException:

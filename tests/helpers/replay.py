@@ -22,7 +22,7 @@ class ReplayEngine:
         self.model = AutoModelForCausalLM.from_pretrained(config.target).eval()
         self.info = EngineInfo(target="tiny", draft=config.draft, context_length=config.max_seq_len,
                                ranks=[RankInfo(rank=0, role="target", device="cpu", tp_rank=0, tp_world=1,
-                                               threads=1, host="h", pid=1)],
+                                               torch_threads=1, host="h", pid=1)],
                                backend="gloo", bs=config.tree.bs, w=config.tree.w, d=2, d_auto=True,
                                t_verify_ms=9.0, t_expand_ms=1.0)
         self.config = config

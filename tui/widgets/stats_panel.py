@@ -30,10 +30,10 @@ def _threads(info: EngineInfo, rank: RankInfo) -> str:
     """A CPU rank's threads: a target's kernel threads by mode (profiling chose them), else its own."""
     by_mode = info.kernel_threads if rank.role == "target" else {}
     if not by_mode:
-        return f"{rank.threads} thread{'s' if rank.threads != 1 else ''}"
+        return f"{rank.torch_threads} thread{'s' if rank.torch_threads != 1 else ''}"
     if len(set(by_mode.values())) == 1:
         return f"kernels on {next(iter(by_mode.values()))} threads"
-    return "kernel threads " + ", ".join(f"{mode} {n}" for mode, n in by_mode.items())
+    return "kernel threads " + info.kernel_threads_by_mode()
 
 
 def _layout_text(info: EngineInfo) -> Table:
