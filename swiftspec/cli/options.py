@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from swiftspec import __version__
 from swiftspec.cli.usage import (
     DEVICES,
     CommandLine,
@@ -297,7 +298,7 @@ def chat_defaults(target: str | None) -> SamplingParams:
     """The chat's sampling defaults: a model directory's generation_config.json over CHAT_DEFAULTS (measured
     on the embedded model: its loop guard and its penalty window stay), CHAT_DEFAULTS for the embedded
     default, a GGUF file and a directory without the file."""
-    from swiftspec.engine.model.model_dir import generation_defaults
+    from swiftspec.engine.model.model_dir import generation_defaults  # model files' modules: not for --help
 
     path = Path(target).expanduser() if target else None
     found = generation_defaults(path) if path is not None and path.is_dir() else None
@@ -354,8 +355,6 @@ def option_source(ctx: typer.Context, name: str) -> str | None:
 
 def _version(value: bool) -> None:
     if value:
-        from swiftspec import __version__
-
         typer.echo(f"swiftspec {__version__}")
         raise typer.Exit()
 

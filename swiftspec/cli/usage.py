@@ -29,6 +29,7 @@ from typer._click.exceptions import (
 from typer.core import TyperCommand, TyperGroup
 
 from swiftspec.engine.config import ConfigError
+from swiftspec.settings import config_path
 
 EXIT_USAGE = 2
 ARGS = "swiftspec.args"  # ctx.meta: the command line as typed, to name a flag the way the user did
@@ -182,8 +183,6 @@ DEVICES = Parser(device_list, GPU_INDICES)
 def typed_name(ctx: typer.Context, name: str) -> str:
     """How the user gave parameter ``name``: the flag as typed (-m, not --model), the environment variable,
     or the config file and key; a flag left out is named by its first long name."""
-    from swiftspec.settings import config_path
-
     param = next((p for p in ctx.command.params if p.name == name), None)
     if param is None:
         return "--" + name.replace("_", "-")
