@@ -109,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerSpec, HandRun | Non
                    help="without --spec: a draft model directory, 'suffix', 'int8', or 'none'")
     p.add_argument("--target-procs", type=int, default=defaults.target_procs,
                    help="without --spec: ranks 0..N-1 form the target group")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=defaults.device,
+    p.add_argument("--device", choices=list(Device), default=defaults.device,
                    help="without --spec: cuda puts each rank on cuda:LOCAL_RANK (several nodes)")
     p.add_argument("--threads", type=int, default=defaults.threads,
                    help="without --spec: CPU threads per node, all ranks together")

@@ -32,6 +32,7 @@ from swiftspec.engine.config import (
     BUILTIN_DRAFTS,
     DTYPES,
     ConfigError,
+    Device,
     EngineConfig,
     SamplingParams,
     TreeParams,
@@ -84,7 +85,7 @@ def cli_option(*names: str, panel: str, metavar: str | None = None, **kwargs) ->
 # The options, defined once and shared by `chat` and `bench`, each with its parser (swiftspec.cli.usage):
 # a dataclass field's range is checked by its dataclass (field_value), which says what a value means
 # ("a finite number >= 0 (0 = greedy)").
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DEVICE_CHOICES = tuple(Device)
 TargetOpt = Annotated[str | None, cli_option(
     "-m", "--model", "--target", panel=MODEL, metavar="PATH",
     help="Target model: a Hugging Face model directory or a .gguf file (--target is the same flag). "
