@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name in ("Engine", "EngineError"):
-        from swiftspec.engine.host import client
+        from swiftspec.engine.host import client  # the Engine's modules only once it is asked for
 
         return getattr(client, name)
     raise AttributeError(name)

@@ -263,6 +263,7 @@ class HistoryStore:
     def append_tokens(self, message_id: int, vocab: str, tokens: list[int]) -> None:
         """Adds a finished answer's token ids to what the suffix drafter learns from (after those it
         already has, for a continued answer, when the same tokenizer wrote them)."""
+        # numpy and the tokenizers' tables: only for a store whose answers feed the suffix drafter
         from swiftspec.engine.spec.history_corpus import TABLE, decode_tokens, encode_tokens
 
         with self._lock:

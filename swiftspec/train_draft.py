@@ -31,8 +31,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from swiftspec import kernels
+from swiftspec.engine.host.encode import encode_chat
+from swiftspec.engine.model.fp16_linear import fbgemm_available, pack_fp16_linears
+from swiftspec.engine.model.loader import load_hf_model, load_model
+from swiftspec.engine.model.model_dir import eos_token_ids, load_tokenizer
 from swiftspec.engine.spec.corpus import save_corpus
-from swiftspec.engine.spec.draft_head import DraftHead, HeadArgs, save_head
+from swiftspec.engine.spec.draft_head import DraftHead, HeadArgs, load_head, save_head
 
 DATA_FORMAT = 1
 CORPUS_FILE = "corpus.safetensors"
@@ -66,9 +70,6 @@ def _hf_model(target_dir: Path, device: torch.device):
     """transformers' model of the target: its batched ``generate`` answers many prompts at once. On the CPU
     its linears take fp16 weights (FBGEMM, fp32 math, as ``--dtype float16`` runs the target): SmolLM2
     answers 32 prompts at ~190 instead of ~150 tokens/s, and the features move by fp16 rounding only."""
-    from swiftspec.engine.model.fp16_linear import fbgemm_available, pack_fp16_linears
-    from swiftspec.engine.model.loader import load_hf_model
-
     model = load_hf_model(target_dir, torch.float32).to(device).eval()
     if device.type == "cpu" and fbgemm_available():
         pack_fp16_linears(model)
@@ -139,8 +140,6 @@ def make_data(target_dir: Path, tok, eos: list[int], prompts: list[str], out: Pa
               device: torch.device, progress) -> list[Sequence]:
     """The self-distillation data, generated once into ``out/data`` (shards; reruns skip existing ones);
     ``tok`` and ``eos``: the target's tokenizer and EOS ids."""
-    from swiftspec.engine.host.encode import encode_chat
-
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     meta = {"format": DATA_FORMAT, "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
@@ -351,9 +350,6 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, prompts: list[str], dev
     agreement curve (none with ``corpus_only``: the data and the corpus only)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from swiftspec.engine.model.loader import load_model
-    from swiftspec.engine.model.model_dir import eos_token_ids, load_tokenizer
-
     torch.manual_seed(cfg.seed)
     tok = load_tokenizer(target_dir)
     eos = eos_token_ids(target_dir)
@@ -383,8 +379,6 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, prompts: list[str], dev
     first_epoch, curve = 0, []
     if state_path.is_file():
         from safetensors.torch import load_file
-
-        from swiftspec.engine.spec.draft_head import load_head
 
         st = json.loads(state_path.read_text())
         if {**st["config"], "epochs": cfg.epochs} != asdict(cfg):  # more epochs may be asked for

@@ -42,8 +42,10 @@ from swiftspec.engine.host.startup import (
     wait_ready,
 )
 from swiftspec.engine.host.worker_spec import WorkerSpec
-from swiftspec.engine.model.model_dir import LoadError
+from swiftspec.engine.model.model_dir import LoadError, load_tokenizer
 from swiftspec.engine.spec import grammar
+from swiftspec.engine.spec.corpus import check_corpus
+from swiftspec.engine.spec.history_corpus import summarise, tokenizer_fingerprint
 
 CLOSE_GRACE_S = 1.0  # for a clean exit after "shutdown", before signals
 # After Ctrl-C or an abandoned answer, the workers stop at their next step; not stopped after this long,
@@ -93,9 +95,6 @@ class Engine:
         another vocabulary (before any process starts), LoadError for a tokenizer that cannot be loaded
         (it loads while the workers start; they are ended), EngineError if the workers fail.
         """
-        from swiftspec.engine.model.model_dir import load_tokenizer
-        from swiftspec.engine.spec.history_corpus import summarise, tokenizer_fingerprint
-
         config = (config or EngineConfig()).validate()
         say = progress or (lambda _text: None)
         say("resolving the models")
@@ -111,8 +110,6 @@ class Engine:
             vocab_size = check_vocab_compatible(tokenizer, load_tokenizer(draft.model_dir, config.trust_remote_code))
         corpus = draft_corpus(config)
         if corpus is not None and config.draft_corpus != "auto":  # the shipped one is the embedded model's
-            from swiftspec.engine.spec.corpus import check_corpus
-
             tokenizer = tokenizer or load_tokenizer(target_dir, config.trust_remote_code)
             check_corpus(corpus, tokenizer)
         layout = launcher.plan_layout(config, launcher.visible_gpus(config.device))
@@ -167,8 +164,6 @@ class Engine:
         """The context a started engine would have, from the tokenizer and the model files alone (how
         messages count, the context's length, the models' limit): an over-long prompt is refused in a
         second instead of after the workers' start."""
-        from swiftspec.engine.model.model_dir import load_tokenizer
-
         target_dir, _, limit = resolve_models(config.validate(), progress or (lambda _text: None))
         tokenizer = load_tokenizer(target_dir, config.trust_remote_code)
         return lambda messages: len(encode_chat(tokenizer, messages)), min(config.max_seq_len, limit), limit

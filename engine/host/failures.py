@@ -12,6 +12,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+from swiftspec.engine.paths import cache_dir
+
 
 class EngineError(RuntimeError):
     """The engine cannot do what was asked: its workers failed, or the request is impossible."""
@@ -22,8 +24,6 @@ TORCHRUN_REPORT_S = 3.0  # after a failure, for torchrun to find which worker fa
 
 def worker_log_path() -> Path:
     """Where this Engine's workers' whole output goes: named in every error, removed after a clean close."""
-    from swiftspec.engine.paths import cache_dir
-
     return cache_dir() / "logs" / f"workers-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
 
 

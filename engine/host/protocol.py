@@ -28,13 +28,10 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from swiftspec.engine.config import DraftKind
-
-if TYPE_CHECKING:
-    from swiftspec.engine.config import Role, SamplingParams
-    from swiftspec.engine.events import StepEvent
+from swiftspec.engine.config import DraftKind, Role, SamplingParams
+from swiftspec.engine.events import StepEvent
 
 VERSION = 1
 ENV_ADDR = "SWIFTSPEC_ENGINE_ADDR"  # the Engine's listening socket: unix:PATH on one machine, else host:port

@@ -19,6 +19,7 @@ from swiftspec.engine.host import frames, protocol
 from swiftspec.engine.host.failures import EngineError, WorkerOutput
 from swiftspec.engine.host.frames import Failure, Hello, Progress, Ready
 from swiftspec.engine.host.protocol import EngineInfo
+from swiftspec.engine.model.embedded import EMBEDDED_ID, EMBEDDED_NAME
 from swiftspec.engine.model.model_dir import read_args, resolve_model_dir
 from swiftspec.engine.spec.draft_spec import DraftSpec
 
@@ -48,15 +49,11 @@ def resolve_draft(draft: str, target_dir: Path, progress: Callable[[str], None] 
 
 def target_name(config: EngineConfig) -> str:
     """What the title bar calls the target (the workers add the precision it runs at)."""
-    from swiftspec.engine.model.embedded import EMBEDDED_NAME
-
     return EMBEDDED_NAME if config.target is None else Path(config.target).name
 
 
 def model_id(config: EngineConfig) -> str:
     """The target's name as a server lists it (/v1/models): a file's stem or a directory's name."""
-    from swiftspec.engine.model.embedded import EMBEDDED_ID
-
     return EMBEDDED_ID if config.target is None else Path(config.target).expanduser().resolve().stem
 
 
@@ -67,7 +64,7 @@ def draft_corpus(config: EngineConfig) -> Path | None:
         return None
     if config.draft_corpus != "auto":
         return Path(config.draft_corpus).expanduser()
-    from swiftspec.engine.spec.corpus import builtin_corpus
+    from swiftspec.engine.spec.corpus import builtin_corpus  # numpy: only for the suffix drafter's corpus
 
     shipped = builtin_corpus()
     return shipped if config.target is None and shipped.is_file() else None

@@ -22,7 +22,9 @@ from torch import Tensor, nn
 
 from swiftspec.engine.config import Dtype
 from swiftspec.engine.model.cpu_blocks import Blocks, narrow_scales
+from swiftspec.engine.model.tp import shard_layout
 from swiftspec.engine.model.transformer import LayerInputs, Layers, TransformerBlock
+from swiftspec.engine.paths import cache_dir
 from swiftspec.engine.timing import CleanTimer
 from swiftspec.kernels import cpu_linear
 from swiftspec.kernels.cpu_linear import Format, KernelsUnavailable
@@ -33,16 +35,12 @@ CPU_BACKENDS = (*FLOAT_FORMATS, Dtype.GGUF)
 
 def library() -> ctypes.CDLL:
     """The kernels, built on first use into the cache (KernelsUnavailable without a C compiler)."""
-    from swiftspec.engine.paths import cache_dir
-
     return cpu_linear.load(cache_dir() / "kernels")
 
 
 def kernels_available(args=None, tp_world: int = 1) -> str | None:
     """None when the kernels can be built here (and run a model of ``args``' shapes), else why not."""
     if args is not None:
-        from swiftspec.engine.model.tp import shard_layout
-
         lay = shard_layout(args, tp_world)
         widths = {"hidden size": args.dim, "MLP width per rank": lay.intermediate,
                   "attention width per rank": lay.n_heads * args.head_dim}

@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from swiftspec import kernels
+from swiftspec.engine.model.allreduce import all_reduce
 from swiftspec.engine.model.model_args import ModelArgs
+from swiftspec.engine.model.tp import shard_layout
 from swiftspec.kernels import KeyList
 
 
@@ -107,7 +109,7 @@ class InvariantLinear(nn.Module):
         self.weight, self.bias = lin.weight, lin.bias
 
     def forward(self, x: Tensor) -> Tensor:
-        from swiftspec.kernels import triton_kernels
+        from swiftspec.kernels import triton_kernels  # triton: imported where a CUDA kernel first runs
 
         return triton_kernels.linear(x, self.weight, self.bias)
 
@@ -117,7 +119,7 @@ class InvariantGateUp(InvariantLinear):
     (triton_kernels.swiglu with fixed 16-row tiles)."""
 
     def swiglu(self, x: Tensor, inter: int) -> Tensor:
-        from swiftspec.kernels import triton_kernels
+        from swiftspec.kernels import triton_kernels  # triton: imported where a CUDA kernel first runs
 
         return triton_kernels.swiglu(x, self.weight, inter, invariant=True)
 
@@ -128,7 +130,7 @@ class InvariantQKV(InvariantLinear):
 
     def rotate_and_write(self, x: Tensor, rope: RotateHalf, slots: Tensor, k_cache: Tensor, v_cache: Tensor,
                          n_heads: int, n_kv_heads: int) -> Tensor:
-        from swiftspec.kernels import triton_kernels
+        from swiftspec.kernels import triton_kernels  # triton: imported where a CUDA kernel first runs
 
         qkv = self(x).view(x.shape[0], n_heads + 2 * n_kv_heads, -1)
         return triton_kernels.rope_kv_write(qkv, rope.cos, rope.sin, slots, k_cache, v_cache, n_heads, n_kv_heads)
@@ -171,7 +173,7 @@ class NormedQKV(InvariantQKV):
     residual add and the QKV projection, where add_rms_norm + linear take two."""
 
     def forward(self, x: NormedRows) -> Tensor:
-        from swiftspec.kernels import triton_kernels
+        from swiftspec.kernels import triton_kernels  # triton: imported where a CUDA kernel first runs
 
         return triton_kernels.rms_norm_linear(x.x, x.residual, x.weight, x.eps, self.weight, self.bias,
                                               residual_out=x.new_residual)[0]
@@ -182,7 +184,7 @@ class NormedGateUp(InvariantGateUp):
     in one launch, where add_rms_norm + swiglu take two."""
 
     def swiglu(self, x: NormedRows, inter: int) -> Tensor:
-        from swiftspec.kernels import triton_kernels
+        from swiftspec.kernels import triton_kernels  # triton: imported where a CUDA kernel first runs
 
         assert self.weight.shape[0] == 2 * inter, (self.weight.shape, inter)
         return triton_kernels.rms_norm_linear(x.x, x.residual, x.weight, x.eps, self.weight, swiglu=True,
@@ -251,8 +253,6 @@ class Transformer(nn.Module):
 
     def __init__(self, args: ModelArgs, tp_group: dist.ProcessGroup | None = None, tp_world: int = 1):
         super().__init__()
-        from swiftspec.engine.model.tp import shard_layout
-
         self.args, self.tp_group, self.tp_world = args, tp_group, tp_world
         lay = shard_layout(args, tp_world)
         # _weight skips the random init: on the meta device that init alone imports ~1.5 s of torch._refs.
@@ -343,8 +343,6 @@ class Transformer(nn.Module):
         if not x.is_cuda:
             dist.all_reduce(x, group=self.tp_group)
             return x
-        from swiftspec.engine.model.allreduce import all_reduce
-
         return all_reduce(x, self.tp_group)
 
     @torch.inference_mode()

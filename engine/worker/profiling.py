@@ -26,7 +26,8 @@ import torch
 
 from swiftspec.engine.config import DraftKind, Dtype, SamplingParams
 from swiftspec.engine.host.protocol import RankInfo
-from swiftspec.engine.model.model_dir import read_args
+from swiftspec.engine.model import cpu_backends, cpu_blocks
+from swiftspec.engine.model.model_dir import gguf_block_kinds, read_args, stored_float_dtype
 from swiftspec.engine.paths import cache_dir
 from swiftspec.engine.spec.decode import profile_verify_cost, tree_forward_ms
 from swiftspec.engine.spec.draft_io import Features
@@ -294,9 +295,6 @@ def choose_cpu_backend(ctx: Ctx, say: Callable[[str], None]) -> str:
     measured step and verification costs (cpu_backends.synthetic_costs) and the drafter's expected
     acceptance. Measured once per machine, model shape, threads and drafter, then read from the cache.
     Decided on the target leader and broadcast to the target group."""
-    from swiftspec.engine.model import cpu_backends, cpu_blocks
-    from swiftspec.engine.model.model_dir import gguf_block_kinds, stored_float_dtype
-
     spec = ctx.spec
     model_args = read_args(Path(spec.target_dir))
     if cpu_backends.kernels_available(model_args, ctx.tp_world) is not None:

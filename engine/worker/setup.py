@@ -17,15 +17,18 @@ from swiftspec.engine.config import ConfigError, Device, EngineConfig, Role, Sam
 from swiftspec.engine.host import launcher
 from swiftspec.engine.host.protocol import RankInfo
 from swiftspec.engine.host.worker_spec import WorkerSpec
+from swiftspec.engine.model.cpu_backends import kernels_available, library
 from swiftspec.engine.model.cuda_graphs import GraphedModel
+from swiftspec.engine.model.gguf_io import precision_label
 from swiftspec.engine.model.loader import default_dtype, load_model
-from swiftspec.engine.model.model_dir import eos_token_ids, read_args
+from swiftspec.engine.model.model_dir import default_dtype_name, eos_token_ids, read_args
 from swiftspec.engine.spec.decode import DraftState, TargetState
 from swiftspec.engine.spec.draft_spec import DraftSpec
 from swiftspec.engine.spec.drafters import make_drafter
 from swiftspec.engine.spec.grammar import Vocabulary
 from swiftspec.engine.spec.messages import FollowerStep, Wire
 from swiftspec.engine.worker.collectives import RankReport, any_rank
+from swiftspec.kernels import cpu_linear
 
 PG_TIMEOUT = timedelta(days=3650)  # followers wait in a broadcast while the chat is idle
 INIT_TIMEOUT = timedelta(seconds=120)  # for every rank to reach init_process_group and new_group
@@ -106,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerSpec, HandRun | Non
                    help="without --spec: a draft model directory, 'suffix', 'int8', or 'none'")
     p.add_argument("--target-procs", type=int, default=defaults.target_procs,
                    help="without --spec: ranks 0..N-1 form the target group")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=defaults.device,
+    p.add_argument("--device", choices=list(Device), default=defaults.device,
                    help="without --spec: cuda puts each rank on cuda:LOCAL_RANK (several nodes)")
     p.add_argument("--threads", type=int, default=defaults.threads,
                    help="without --spec: CPU threads per node, all ranks together")
@@ -177,9 +180,6 @@ def uses_cpu_kernels(ctx: Ctx) -> bool:
 
 
 def set_kernel_threads(n: int) -> None:
-    from swiftspec.engine.model.cpu_backends import library
-    from swiftspec.kernels import cpu_linear
-
     cpu_linear.set_threads(library(), n)
 
 
@@ -287,8 +287,6 @@ def load(ctx: Ctx) -> None:
                                Path(spec.corpus) if spec.corpus else None, spec.vocab_size,
                                Path(config.history_db) if config.drafts_from_store else None)
         if ctx.device.type == "cpu" and spec.draft_spec.own_model:
-            from swiftspec.engine.model.cpu_backends import kernels_available
-
             if kernels_available() is None:  # a draft model runs the kernels too, on its share of the cores
                 set_kernel_threads(ctx.threads)
         if drafter.wants_features and ctx.tp_world > 1:
@@ -305,9 +303,6 @@ def agree_on_features(ctx: Ctx) -> None:
 def target_precision(ctx: Ctx) -> str:
     """What the title bar says the target runs at: the CPU backend's label ("gguf (Q4_1 blocks) · int16
     activations · AVX2"), else the dtype, and for a converted GGUF the type its blocks came in."""
-    from swiftspec.engine.model.gguf_io import precision_label
-    from swiftspec.engine.model.model_dir import default_dtype_name
-
     model = getattr(ctx.target.model, "model", ctx.target.model)  # through a CUDA-graphs wrapper
     if model.precision:
         return model.precision

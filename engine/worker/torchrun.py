@@ -111,7 +111,7 @@ def forked_worker(*argv: str) -> None:
     name_process(f"{WORKER_NAME}{os.environ.get('RANK', '')}")  # a fork shares torchrun's command line: ps, top
     for stream in (sys.stdout, sys.stderr):  # as `python -u`: a killed worker's last words reach the log
         stream.reconfigure(write_through=True)
-    from swiftspec.engine.worker.serve import main as serve
+    from swiftspec.engine.worker.serve import main as serve  # imported before the fork (_launch): a lookup
 
     try:
         code = serve(list(argv))
@@ -136,7 +136,9 @@ def _launch(argv: list[str] | None) -> None:
     if args.start_method != "fork":
         run.run(args)
         return
-    import swiftspec.engine.worker.serve  # noqa: F401  (imported here, before the fork, for every worker)
+    # torch and the worker's modules, once, before the fork for every worker; the GPUs' torchrun starts
+    # its workers as programs and never needs them
+    import swiftspec.engine.worker.serve  # noqa: F401
 
     config, _, cmd_args = run.config_from_args(args)
     worker_args = cmd_args[cmd_args.index(args.training_script) + 1:]

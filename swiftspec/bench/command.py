@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from swiftspec.bench import llamacpp
 from swiftspec.bench.prompts import (
     TURNS,
     WARMUP,
@@ -47,6 +48,8 @@ from swiftspec.bench.runners import (
 )
 from swiftspec.engine.config import EngineConfig, SamplingParams
 from swiftspec.engine.host.protocol import EngineInfo
+from swiftspec.engine.model import embedded, model_dir
+from swiftspec.history import HistoryStore
 
 
 def parse_modes(modes: str) -> list[str]:
@@ -66,8 +69,6 @@ def parse_modes(modes: str) -> list[str]:
 
 def llamacpp_gguf(config: EngineConfig) -> Path:
     """The GGUF file llama.cpp reads: the embedded default's, or the --target file."""
-    from swiftspec.engine.model import embedded
-
     if config.target is None:
         return embedded.embedded_gguf_path()
     path = Path(config.target).expanduser()
@@ -80,7 +81,7 @@ def _start_engine(config: EngineConfig, err, history_db: Path | None = None):
     """One Engine for every engine mode, its suffix drafter without session history: with it, the second
     mode to answer a prompt would find the first one's answer and accept nearly all of it. ``history_db``
     (--warm): the drafter learns from that history only, which holds the warm-up answers alone."""
-    from swiftspec import Engine
+    from swiftspec import Engine  # the engine's client: only for the engine's modes
 
     config = dataclasses.replace(config, draft_history=history_db is not None,
                                  history_db=None if history_db is None else str(history_db))
@@ -152,8 +153,6 @@ def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), pr
     config.validate()
     assist = hf_assist(config) if "hf-assisted" in mode_list else None
     if "llama.cpp" in mode_list:
-        from swiftspec.bench import llamacpp
-
         if (why := llamacpp.available()) is not None:
             raise BenchError(why)
         gguf = llamacpp_gguf(config)
@@ -168,33 +167,29 @@ def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), pr
         if not err.is_terminal:
             err.print(f"swiftspec bench: {line}", highlight=False)
 
-    from swiftspec.engine.model.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir
-
     samples: dict[str, list[Sample]] = {}
     crashed: dict[str, str] = {}
     interrupted = False
     with contextlib.ExitStack() as stack:
         info: EngineInfo | None = None
         runners: dict[str, Runner] = {}
-        model_dir = resolve_model_dir(config.target, say)
-        tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
-        eos = eos_token_ids(model_dir, config.trust_remote_code)
+        target_dir = model_dir.resolve_model_dir(config.target, say)
+        tokenizer = model_dir.load_tokenizer(target_dir, trust_remote_code=config.trust_remote_code)
+        eos = model_dir.eos_token_ids(target_dir, config.trust_remote_code)
         threads: dict[str, str] = {}
         if any(m in HF_MODES for m in mode_list):
             say("loading the target into transformers for the hf baselines")
             with err.status("loading the target into transformers for the hf baselines"):
-                runners.update(hf_runners(model_dir, tokenizer, eos, config, mode_list, assist))
+                runners.update(hf_runners(target_dir, tokenizer, eos, config, mode_list, assist))
             import torch
 
             threads.update({m: str(torch.get_num_threads()) for m in mode_list if m in HF_MODES})
         if "llama.cpp" in mode_list:
-            from swiftspec.bench.llamacpp import LlamaCppRunner
-
             say("starting llama.cpp")
             n = config.threads or llamacpp.default_threads()
             try:
                 with err.status("starting llama.cpp"):
-                    peer = LlamaCppRunner(gguf, tokenizer, eos, n, config.max_seq_len)
+                    peer = llamacpp.LlamaCppRunner(gguf, tokenizer, eos, n, config.max_seq_len)
                 stack.callback(peer.close)
                 runners["llama.cpp"] = peer
             except PeerCrashed as e:
@@ -205,8 +200,6 @@ def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), pr
             store = None
             if warming:
                 import tempfile
-
-                from swiftspec.history import HistoryStore
 
                 store = HistoryStore(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "history.sqlite3")
                 stack.callback(store.close)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from swiftspec.bench.runners import PeerCrashed, Sample
+from swiftspec.engine.host.encode import encode_chat
 
 MODE = "llama.cpp"
 INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" '
@@ -73,8 +74,6 @@ class LlamaCppRunner:
         return f"llama.cpp {how}{hint}" + (f" ({' / '.join(tail)})" if tail else "")
 
     def __call__(self, messages, params):
-        from swiftspec.engine.host.encode import encode_chat
-
         ids = encode_chat(self.tokenizer, messages)
         try:
             self.proc.stdin.write(json.dumps({"type": "generate", "ids": ids, "max_new_tokens": params.max_new_tokens,

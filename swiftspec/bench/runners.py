@@ -14,7 +14,9 @@ from typing import Any
 
 from swiftspec.bench.prompts import Prompt, turns_of
 from swiftspec.engine.config import Device, DraftKind, EngineConfig, SamplingParams
+from swiftspec.engine.host.encode import encode_chat
 from swiftspec.engine.host.protocol import EngineAPI
+from swiftspec.engine.model import model_dir
 
 HF_MODES = ("hf", "hf-assisted")
 PEER_MODES = HF_MODES + ("llama.cpp",)  # other engines: their own kernels, so their tokens may differ
@@ -131,8 +133,7 @@ class HFRunner:
         import torch
         from transformers import GenerationConfig
 
-        from swiftspec.engine.host.encode import encode_chat
-        from swiftspec.engine.spec.sampling import Sampler
+        from swiftspec.engine.spec.sampling import Sampler  # torch: only for the hf modes
 
         sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p,
                                              "top_k": params.top_k, "min_p": params.min_p or None}
@@ -288,9 +289,7 @@ def hf_assist(config: EngineConfig) -> dict[str, Any]:
     (chains of bs-1 tokens, so both verify bs tokens per target forward)."""
     if config.builtin_draft is DraftKind.SUFFIX:
         return {"prompt_lookup_num_tokens": max(1, config.tree.bs - 1)}
-    from swiftspec.engine.model.model_dir import resolve_model_dir
-
-    return {"assistant_model": str(resolve_model_dir(config.draft))}
+    return {"assistant_model": str(model_dir.resolve_model_dir(config.draft))}
 
 
 def hf_device(config: EngineConfig) -> tuple[str, str]:
@@ -299,18 +298,18 @@ def hf_device(config: EngineConfig) -> tuple[str, str]:
     compared with transformers in fp32: the same math on weights that were not rounded."""
     import torch
 
-    from swiftspec.engine.model.loader import default_dtype
+    from swiftspec.engine.model.loader import default_dtype  # torch: only for the hf modes
 
     device = "cuda" if config.device != Device.CPU and torch.cuda.is_available() else "cpu"
     return device, str(default_dtype(torch.device(device), config.dtype)).removeprefix("torch.")
 
 
-def hf_runners(model_dir: Path, tokenizer, eos: list[int], config: EngineConfig, modes: list[str],
+def hf_runners(target_dir: Path, tokenizer, eos: list[int], config: EngineConfig, modes: list[str],
                assist: dict[str, Any] | None) -> dict[str, Runner]:
     import torch
     import transformers
 
-    from swiftspec.engine.model.loader import load_hf_model
+    from swiftspec.engine.model.loader import load_hf_model  # torch: only for the hf modes
 
     transformers.utils.logging.disable_progress_bar()
     if config.threads:
@@ -321,7 +320,7 @@ def hf_runners(model_dir: Path, tokenizer, eos: list[int], config: EngineConfig,
         model = load_hf_model(Path(path), getattr(torch, dtype), config.trust_remote_code)
         return model.to(device).eval()
 
-    model = load(model_dir)
+    model = load(target_dir)
     runners: dict[str, Runner] = {}
     if "hf" in modes:
         runners["hf"] = HFRunner(model, tokenizer, eos)

@@ -87,7 +87,7 @@ def bench(
                               repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                               seed=seed, max_new_tokens=max_new_tokens)
-    from swiftspec.bench import bench_command
+    from swiftspec.bench import bench_command  # the bench and its runners: --help imports none of them
 
     try:
         report = bench_command(config=config, modes=modes, prompts=prompts, prompt_set=prompt_set, limit=limit,

@@ -8,6 +8,7 @@ import typer
 
 from swiftspec.cli.options import app, exit_with
 from swiftspec.cli.usage import CommandLine
+from swiftspec.engine.paths import cache_dir
 
 cache_app = CommandLine(help="What the cache holds (converted GGUF models, profiled step times, logs of "
                         "failed workers) and its size; clear it to free the space.", no_args_is_help=True)
@@ -17,9 +18,7 @@ app.add_typer(cache_app, name="cache")
 @cache_app.command("list")
 def cache_list() -> None:
     """List the cache's entries with their sizes."""
-    from swiftspec.cache import entries, human_size
-    from swiftspec.engine.paths import cache_dir
-
+    from swiftspec.cache import entries, human_size  # the GGUF reader: --help imports none of it
     found = entries()
     typer.echo(f"{cache_dir()} (SWIFTSPEC_CACHE moves it)")
     width = max((len(e.name) for e in found), default=0)
@@ -34,7 +33,7 @@ def cache_clear(
         metavar="NAME", show_default=False, help="The entry to remove, as cache list names it. Default: all.")] = None,
 ) -> None:
     """Remove one cache entry, or all of them. A converted model is converted again when next used."""
-    from swiftspec.cache import CacheError, clear, human_size
+    from swiftspec.cache import CacheError, clear, human_size  # the GGUF reader: --help imports none of it
 
     try:
         removed = clear(name)

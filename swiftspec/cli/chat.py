@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from swiftspec import window
 from swiftspec.cli.options import (
     CHAT_SAMPLING,
     DECODING,
@@ -42,6 +43,7 @@ from swiftspec.engine.config import (
     GrammarKind,
     SamplingParams,
 )
+from swiftspec.engine.host.failures import EngineError
 from swiftspec.engine.spec.draft_spec import DraftSpec
 
 SCRIPTED = "Scripted mode"
@@ -155,6 +157,7 @@ def chat(
     if prompt_arg is not None and prompt is not None:
         raise exit_with(f"{typed_name(ctx, 'prompt')}: given with a PROMPT argument too; give the prompt one way", 2)
     prompt = prompt_arg if prompt is None else prompt
+    # the conversation, its store (sqlite3) and below: --help imports none of them
     from swiftspec.conversation import Conversation, Settings
     from swiftspec.history import HistoryError, HistoryStore
 
@@ -169,8 +172,7 @@ def chat(
         if local:
             raise exit_with(f"{typed_name(ctx, local[0])}: has no effect with --server; leave the model options "
                             "to the server, whose engine answers", 2)
-        from swiftspec.engine.host.failures import EngineError
-        from swiftspec.server.remote import RemoteEngine
+        from swiftspec.server.remote import RemoteEngine  # httpx: only to attach to a server
 
         try:
             remote = RemoteEngine.connect(server, api_key)
@@ -214,7 +216,7 @@ def chat(
             _prepare_models(config)
     except (ValueError, FileNotFoundError) as e:
         raise exit_with(str(e), 2) from None
-    from swiftspec.tui.app import SwiftSpecApp
+    from swiftspec.tui.app import SwiftSpecApp  # textual: only for the chat app
 
     tui = SwiftSpecApp(connect, defaults, store=store, conversation=conversation,
                        model_line=f"server {server}" if server else _model_line(config))
@@ -228,7 +230,7 @@ def _interactive() -> bool:
 def _chat_scripted(config, conversation, prompt, each_line, jsonl, quiet, connect, local: bool) -> int:
     """``connect(progress)`` gives the engine: a started one, or a server's (``local`` False: no model
     files here to count a prompt with before it)."""
-    from swiftspec import scripted, window
+    from swiftspec import scripted  # the conversation and its store: --help imports none of them
 
     data = b""
     if not (prompt is not None and sys.stdin.isatty()):
@@ -243,7 +245,7 @@ def _chat_scripted(config, conversation, prompt, each_line, jsonl, quiet, connec
     say = (lambda line: None) if quiet else (lambda line: typer.echo(f"swiftspec: {line}", err=True))
     try:
         if local and _may_not_fit(prompts, conversation, config):  # then tell now, not after the workers' start
-            from swiftspec.engine.host.client import Engine
+            from swiftspec.engine.host.client import Engine  # the Engine's modules: not for --help
 
             context = window.Context(*Engine.context(config, say))
             for text in prompts:
@@ -281,8 +283,6 @@ def _chat_scripted(config, conversation, prompt, each_line, jsonl, quiet, connec
 def _may_not_fit(prompts: list[str], conversation, config: EngineConfig) -> bool:
     """False when every prompt surely fits: a token is at least one byte, and a chat template adds far
     fewer than TEMPLATE_ROOM tokens."""
-    from swiftspec import window
-
     system = len((conversation.settings.system or "").encode())
     room = window.answer_room(conversation.params.max_new_tokens, config.max_seq_len)
     return any(len(p.encode()) + system + TEMPLATE_ROOM + room > config.max_seq_len for p in prompts)
@@ -294,6 +294,7 @@ TEMPLATE_ROOM = 256
 def _prepare_models(config: EngineConfig) -> None:
     """Before the TUI takes the terminal: a missing or broken model is a usage error, and a GGUF file (the
     embedded default included) is converted now, once, its stages shown on stderr, rather than unseen."""
+    # the model files' modules (transformers' tokenizers, GGUF): --help imports none of them
     from swiftspec.engine.host.startup import resolve_draft
     from swiftspec.engine.model.model_dir import resolve_model_dir
 
@@ -302,7 +303,7 @@ def _prepare_models(config: EngineConfig) -> None:
 
 
 def _start_engine(config: EngineConfig, progress):
-    from swiftspec import Engine
+    from swiftspec import Engine  # the Engine's modules: --help imports none of them
 
     return Engine.start(config, progress=progress)
 

@@ -22,7 +22,7 @@ app.add_typer(history_app, name="history")
 
 def _history_store():
     """The store, or exit 1 saying why it cannot be read."""
-    from swiftspec.history import HistoryStore
+    from swiftspec.history import HistoryStore  # sqlite3: --help imports none of it
 
     store = HistoryStore()
     if store.notice:
@@ -34,7 +34,7 @@ def _history_store():
 
 def _conversation(store, conversation_id: int):
     """The conversation an ID argument names."""
-    from swiftspec.history import HistoryError
+    from swiftspec.history import HistoryError  # sqlite3: --help imports none of it
 
     try:
         return store.get(conversation_id)
@@ -62,7 +62,7 @@ def history_list(
                                        help="At most N, newest first.")] = 50,
 ) -> None:
     """List saved conversations: id, date, turns, tokens generated, title."""
-    from swiftspec.history import local_time
+    from swiftspec.history import local_time  # sqlite3: --help imports none of it
 
     store = _history_store()
     conversations = store.list(limit)

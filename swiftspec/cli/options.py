@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from swiftspec import __version__
 from swiftspec.cli.usage import (
     DEVICES,
     CommandLine,
@@ -31,6 +32,7 @@ from swiftspec.engine.config import (
     BUILTIN_DRAFTS,
     DTYPES,
     ConfigError,
+    Device,
     EngineConfig,
     SamplingParams,
     TreeParams,
@@ -83,7 +85,7 @@ def cli_option(*names: str, panel: str, metavar: str | None = None, **kwargs) ->
 # The options, defined once and shared by `chat` and `bench`, each with its parser (swiftspec.cli.usage):
 # a dataclass field's range is checked by its dataclass (field_value), which says what a value means
 # ("a finite number >= 0 (0 = greedy)").
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DEVICE_CHOICES = tuple(Device)
 TargetOpt = Annotated[str | None, cli_option(
     "-m", "--model", "--target", panel=MODEL, metavar="PATH",
     help="Target model: a Hugging Face model directory or a .gguf file (--target is the same flag). "
@@ -297,7 +299,7 @@ def chat_defaults(target: str | None) -> SamplingParams:
     """The chat's sampling defaults: a model directory's generation_config.json over CHAT_DEFAULTS (measured
     on the embedded model: its loop guard and its penalty window stay), CHAT_DEFAULTS for the embedded
     default, a GGUF file and a directory without the file."""
-    from swiftspec.engine.model.model_dir import generation_defaults
+    from swiftspec.engine.model.model_dir import generation_defaults  # model files' modules: not for --help
 
     path = Path(target).expanduser() if target else None
     found = generation_defaults(path) if path is not None and path.is_dir() else None
@@ -354,8 +356,6 @@ def option_source(ctx: typer.Context, name: str) -> str | None:
 
 def _version(value: bool) -> None:
     if value:
-        from swiftspec import __version__
-
         typer.echo(f"swiftspec {__version__}")
         raise typer.Exit()
 

@@ -70,6 +70,7 @@ def serve(
 
     Examples: [bold]swiftspec serve[/bold] · [bold]swiftspec serve --port 0 --mode sync[/bold] · [bold]SWIFTSPEC_API_KEY=secret swiftspec serve --host 0.0.0.0[/bold]
     """
+    # starlette, uvicorn and the Engine: --help imports none of them
     from swiftspec.server.app import ServerSettings
     from swiftspec.server.serve import serve as run_server
 

@@ -22,6 +22,8 @@ from swiftspec.cli.options import (
     sources,
 )
 from swiftspec.cli.usage import positive_number, whole_number
+from swiftspec.engine.config import Device
+from swiftspec.train_prompts import training_prompts
 
 TRAIN = "Training"
 
@@ -68,12 +70,10 @@ def train_draft(
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning threads crawl when a core is busy elsewhere
     import torch
 
+    # torch and the training's modules: --help imports none of them
     from swiftspec.bench import parse_jsonl
-    from swiftspec.engine.config import Device
     from swiftspec.engine.model.model_dir import resolve_model_dir
     from swiftspec.train_draft import TrainConfig, train
-    from swiftspec.train_prompts import training_prompts
-
     if threads:
         torch.set_num_threads(threads)
     dev = torch.device("cuda" if device == Device.CUDA or (device == Device.AUTO and torch.cuda.is_available()) else "cpu")

@@ -29,6 +29,7 @@ from typer._click.exceptions import (
 from typer.core import TyperCommand, TyperGroup
 
 from swiftspec.engine.config import ConfigError
+from swiftspec.settings import config_path
 
 EXIT_USAGE = 2
 ARGS = "swiftspec.args"  # ctx.meta: the command line as typed, to name a flag the way the user did
@@ -183,15 +184,13 @@ def typed_name(ctx: typer.Context, name: str) -> str:
     """How the user gave parameter ``name``: the flag as typed (-m, not --model), the environment variable,
     or the config file and key; a flag left out is named by its first long name. ``name``: the parameter's,
     or its long flag's without dashes (set, for --set's prompt_set)."""
-    from swiftspec.settings import config_path
-
     flag = "--" + name.replace("_", "-")
     param = next((p for p in ctx.command.params if p.name == name or flag in p.opts), None)
     if param is None:
         return flag
     if param.param_type_name == "argument":
         return param.metavar or param.name.upper()
-    source = ctx.get_parameter_source(name)
+    source = ctx.get_parameter_source(param.name)
     if source is not None and source.name == "ENVIRONMENT" and param.envvar:
         return str(param.envvar)
     if source is not None and source.name == "DEFAULT_MAP":

@@ -21,6 +21,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from swiftspec.engine.config import ConfigError, EngineConfig, SamplingParams
+from swiftspec.engine.host.client import Engine
 from swiftspec.engine.host.startup import model_id
 from swiftspec.server import MAX_SHUTDOWN_TIMEOUT_S
 from swiftspec.server.api import APIError
@@ -162,8 +163,6 @@ def serve(config: EngineConfig, defaults: SamplingParams, settings: ServerSettin
           say: Callable[[str], None]) -> int:
     """Serves until stopped; returns the exit code (128 + the stopping signal). Raises what Engine.start
     raises."""
-    from swiftspec.engine.host.client import Engine
-
     logging.basicConfig(level=logging.INFO, format="swiftspec: %(message)s", stream=sys.stderr)
     check_settings(settings)
     settings = dataclasses.replace(settings, model_id=model_id(config))
