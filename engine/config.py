@@ -95,7 +95,7 @@ class GrammarKind(StrEnum):
     REGEX = "regex"
 
 
-MAX_GRAMMAR_CHARS = 100_000  # a schema, grammar or regex; the library's own limits bound its compile and masks
+MAX_GRAMMAR_CHARS = 100_000  # a schema, grammar or regex; grammar.LIMITS bound its compile and masks
 
 
 class ConfigError(ValueError):

@@ -235,10 +235,48 @@ def test_every_node_masks_by_its_own_path(tiny):
     (Grammar(GrammarKind.JSON_SCHEMA, "{not json"), "not valid"),
     (Grammar(GrammarKind.REGEX, "[a-"), "unclosed"),
     (Grammar(GrammarKind.LARK, 'start: "a" b'), "unknown name"),
+    (Grammar(GrammarKind.JSON_SCHEMA, "[" * 50_000), "not valid"),  # deeper than Python's json reads
 ])
 def test_a_grammar_the_library_refuses_is_a_clear_error(grammar, words):
     with pytest.raises(GrammarError, match=words):
         check(grammar)
+
+
+# A grammar whose Earley row, after its first "a", holds one item per alternative: more than the limit.
+WIDE = Grammar(GrammarKind.LARK, "start: " + " | ".join(f"x{i}" for i in range(2100)) + "\n"
+               + "\n".join(f'x{i}: "a" "b{i}"' for i in range(2100)))
+
+
+def test_a_grammar_past_the_librarys_limits_fails_mid_answer_with_a_clear_error(tiny, monkeypatch):
+    a = tiny["tokenizer"].convert_tokens_to_ids("a")
+    constraint = Constraint(tiny["vocab"], WIDE)  # compiles: the limit is reached while answering
+    with pytest.raises(GrammarError, match=r"the grammar failed: .*2100 items; max is 2000;"):
+        constraint.advance([a])
+    # the limit, not the grammar, is what failed it
+    monkeypatch.setattr(grammar_module, "LIMITS", grammar_module.llguidance.LLParserLimits(max_items_in_row=3000))
+    Constraint(tiny["vocab"], WIDE).advance([a])
+
+
+def test_a_grammar_nested_as_deep_as_the_size_cap_allows_compiles_without_crashing(tmp_path):
+    """A chain of $refs within MAX_GRAMMAR_CHARS: the library's recursive compile of it crashed the process
+    (SIGSEGV: a server killed by one request) on a default 8 MB stack. Run apart, so a crash fails only
+    this test."""
+    import subprocess
+    import sys
+
+    from swiftspec.engine.config import MAX_GRAMMAR_CHARS
+
+    n = 2000
+    defs = {str(i): {"items": {"$ref": f"#/$defs/{i + 1}"}} for i in range(n)} | {str(n): {"type": "integer"}}
+    schema = json.dumps({"$defs": defs, "$ref": "#/$defs/0"}, separators=(",", ":"))
+    assert len(schema) <= MAX_GRAMMAR_CHARS
+    (tmp_path / "schema.json").write_text(schema)
+    code = ("import sys; from pathlib import Path; from swiftspec.engine.config import Grammar;"
+            "from swiftspec.engine.spec.grammar import check;"
+            "check(Grammar('json_schema', Path(sys.argv[1]).read_text())); print('compiled')")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "schema.json")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "compiled", (done.returncode, done.stderr[-500:])
 
 
 def test_grammar_settings_are_validated():
