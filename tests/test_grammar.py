@@ -126,9 +126,12 @@ def test_sampled_constrained_answers_obey_the_grammar(tiny):
             Record.model_validate_json(text_of(tiny, tokens))
 
 
-def test_the_draft_prunes_refused_tokens_and_proposes_forced_ones_for_certain(tiny):
+@pytest.mark.parametrize("draft_forced", [True, False])
+def test_the_draft_prunes_refused_tokens_and_proposes_forced_ones_for_certain(tiny, draft_forced):
+    """... unless told not to (SamplingParams.draft_forced, the bench's -noforce modes): then a forced
+    token is proposed only where the drafter itself proposes it, at the drafter's probability."""
     ds = DraftState(tiny["self"](), TreeParams(bs=8, w=4), vocab=tiny["vocab"])
-    ds.prefill(PROMPTS[0], grammar=SCHEMA)
+    ds.prefill(PROMPTS[0], grammar=SCHEMA, draft_forced=draft_forced)
     root = tiny["tokenizer"].encode("{")[0]
     ds.start(root)  # nothing verified yet: the root's token starts every path
     for _ in range(6):
@@ -136,16 +139,17 @@ def test_the_draft_prunes_refused_tokens_and_proposes_forced_ones_for_certain(ti
             ds.expand()
     tree, probe = ds.tree, Constraint(tiny["vocab"], SCHEMA)
     probe.advance([root])
-    forced = 0
+    certain = 0  # nodes where the grammar forces a token, proposed for certain as their parent's only child
     for i in range(1, tree.size):
         path = [tree.token[a] for a in tree.path_to(i)]
         state = probe.states(path, list(range(-1, len(path) - 1)))
         assert state[-1] is not None, f"node {i} breaks the grammar"
-        parent = state[-2]
-        if parent.compute_ff_tokens():
-            assert tree.value[i] == 0.0 and len(tree.children[tree.parent[i]]) == 1
-            forced += 1
-    assert forced >= 3  # '"name": "' is forced after the '{'
+        if state[-2].compute_ff_tokens():
+            certain += tree.value[i] == 0.0 and len(tree.children[tree.parent[i]]) == 1
+    if draft_forced:
+        assert certain >= 3  # '"name": "' is forced after the '{'
+    else:
+        assert certain == 0
 
 
 # Constrained sampling through one verification, against the masked target law.
@@ -284,6 +288,8 @@ def test_grammar_settings_are_validated():
         SamplingParams(grammar={"kind": "xml", "source": "x"}).validate()
     with pytest.raises(ConfigError, match="no source"):
         SamplingParams(grammar={"kind": "json", "source": "{}"}).validate()
+    with pytest.raises(ConfigError, match="draft-forced must be true or false"):
+        SamplingParams(draft_forced="no").validate()
     params = SamplingParams(grammar={"kind": "regex", "source": "a+"}).validate()
     assert params.grammar == Grammar(GrammarKind.REGEX, "a+")
     assert SamplingParams.from_dict(json.loads(json.dumps(params.to_dict()))) == params

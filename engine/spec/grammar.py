@@ -141,9 +141,11 @@ def allowed(mask: np.ndarray, token: int) -> bool:
 
 class Constraint:
     """One answer's grammar: ``matcher`` has consumed the tokens the answer holds so far (on the target,
-    every emitted token; on the draft, every verified one)."""
+    every emitted token; on the draft, every verified one). ``draft_forced``: the draft's proposals
+    include the tokens the grammar forces."""
 
-    def __init__(self, vocab: Vocabulary, grammar: Grammar):
+    def __init__(self, vocab: Vocabulary, grammar: Grammar, draft_forced: bool = True):
+        self.draft_forced = draft_forced
         tokenizer = vocab.tokenizer()
         self.eos = frozenset(tokenizer.eos_tokens)
         source = check(grammar)
@@ -216,7 +218,7 @@ class Constraint:
             if state is None:
                 out.append([])
                 continue
-            forced = state.compute_ff_tokens()
+            forced = state.compute_ff_tokens() if self.draft_forced else []
             if forced:
                 out.append([(forced[0], 0.0)])
                 continue
