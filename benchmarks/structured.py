@@ -65,7 +65,6 @@ def main() -> None:
     vocab = grammar.Vocabulary(model_dir / "tokenizer.json", tuple(sorted(eos)), read_args(model_dir).vocab_size)
     target = TargetState(load_model(model_dir, "cpu", "float32", max_slots=2048), 2048, vocab)
     tokenizer = load_tokenizer(model_dir)
-    forced = grammar.llguidance.LLMatcher.compute_ff_tokens
     runs = {"ar": ("ar", True, True), "sync": ("sync", True, True), "sync, no forced drafts": ("sync", True, False),
             "async": ("async", True, True), "free ar": ("ar", False, True), "free sync": ("sync", False, True),
             "free async": ("async", False, True)}
@@ -78,9 +77,9 @@ def main() -> None:
         out = {}
         for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
             mode, constrained, drafts_forced = runs[name]
-            params = SamplingParams(mode=mode, max_new_tokens=args.tokens, grammar=g if constrained else None)
+            params = SamplingParams(mode=mode, max_new_tokens=args.tokens, grammar=g if constrained else None,
+                                    draft_forced=drafts_forced)
             draft = None if mode == "ar" else DraftState(SuffixDrafter(), TreeParams(bs=args.bs, w=8), vocab=vocab)
-            grammar.llguidance.LLMatcher.compute_ff_tokens = forced if drafts_forced else lambda self: []
             t0 = time.perf_counter()
             steps = generate(target, draft, ids, params, args.d, eos=set(eos))
             seconds = time.perf_counter() - t0 - steps[0].target_ms / 1e3  # the prefill left out
@@ -88,7 +87,6 @@ def main() -> None:
             out[name] = (tokens, len(tokens) / seconds, steps)
             if mode != "ar":
                 per_verify[name].append(len(tokens[1:]) / max(len(steps) - 1, 1))
-        grammar.llguidance.LLMatcher.compute_ff_tokens = forced
         for name in runs:
             speed[name].append(out[name][1] / out["ar"][1])
         text = tokenizer.decode(out["ar"][0], skip_special_tokens=True)

@@ -95,7 +95,7 @@ class GrammarKind(StrEnum):
     REGEX = "regex"
 
 
-MAX_GRAMMAR_CHARS = 100_000  # a schema, grammar or regex; the library's own limits bound its compile and masks
+MAX_GRAMMAR_CHARS = 100_000  # a schema, grammar or regex; grammar.LIMITS bound its compile and masks
 
 
 class ConfigError(ValueError):
@@ -186,6 +186,8 @@ class SamplingParams:
     tokens are one span repeated ``loop_repeats`` times or more (engine/spec/loop.py, LoopGuard).
     ``grammar``: the answer's tokens are the ones it allows, each tree node masked by its own path's
     state after the penalties (engine/spec/grammar.py), so that speculation stays exact and lossless.
+    ``draft_forced`` False: the draft does not propose the tokens the grammar forces (only to measure what
+    proposing them gains: the bench's ``-noforce`` modes).
     """
 
     mode: Mode = "async"
@@ -204,6 +206,7 @@ class SamplingParams:
     loop_guard: int = 0
     loop_repeats: int = 3
     grammar: Grammar | None = None
+    draft_forced: bool = True
 
     def validate(self) -> SamplingParams:
         """Every entry point (TUI, CLI, bench, Engine.generate, the worker) checks a request here, before
@@ -240,6 +243,8 @@ class SamplingParams:
             raise ConfigError(f"a stop string may be at most {MAX_STOP_CHARS} characters long")
         if self.grammar is not None:
             self.grammar = Grammar.parse(self.grammar)
+        if not isinstance(self.draft_forced, bool):
+            raise ConfigError.refused("draft-forced", "true or false", self.draft_forced)
         return self
 
     @property

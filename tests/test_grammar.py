@@ -126,9 +126,12 @@ def test_sampled_constrained_answers_obey_the_grammar(tiny):
             Record.model_validate_json(text_of(tiny, tokens))
 
 
-def test_the_draft_prunes_refused_tokens_and_proposes_forced_ones_for_certain(tiny):
+@pytest.mark.parametrize("draft_forced", [True, False])
+def test_the_draft_prunes_refused_tokens_and_proposes_forced_ones_for_certain(tiny, draft_forced):
+    """... unless told not to (SamplingParams.draft_forced, the bench's -noforce modes): then a forced
+    token is proposed only where the drafter itself proposes it, at the drafter's probability."""
     ds = DraftState(tiny["self"](), TreeParams(bs=8, w=4), vocab=tiny["vocab"])
-    ds.prefill(PROMPTS[0], grammar=SCHEMA)
+    ds.prefill(PROMPTS[0], grammar=SCHEMA, draft_forced=draft_forced)
     root = tiny["tokenizer"].encode("{")[0]
     ds.start(root)  # nothing verified yet: the root's token starts every path
     for _ in range(6):
@@ -136,16 +139,17 @@ def test_the_draft_prunes_refused_tokens_and_proposes_forced_ones_for_certain(ti
             ds.expand()
     tree, probe = ds.tree, Constraint(tiny["vocab"], SCHEMA)
     probe.advance([root])
-    forced = 0
+    certain = 0  # nodes where the grammar forces a token, proposed for certain as their parent's only child
     for i in range(1, tree.size):
         path = [tree.token[a] for a in tree.path_to(i)]
         state = probe.states(path, list(range(-1, len(path) - 1)))
         assert state[-1] is not None, f"node {i} breaks the grammar"
-        parent = state[-2]
-        if parent.compute_ff_tokens():
-            assert tree.value[i] == 0.0 and len(tree.children[tree.parent[i]]) == 1
-            forced += 1
-    assert forced >= 3  # '"name": "' is forced after the '{'
+        if state[-2].compute_ff_tokens():
+            certain += tree.value[i] == 0.0 and len(tree.children[tree.parent[i]]) == 1
+    if draft_forced:
+        assert certain >= 3  # '"name": "' is forced after the '{'
+    else:
+        assert certain == 0
 
 
 # Constrained sampling through one verification, against the masked target law.
@@ -235,12 +239,50 @@ def test_every_node_masks_by_its_own_path(tiny):
     (Grammar(GrammarKind.JSON_SCHEMA, "{not json"), "not valid"),
     (Grammar(GrammarKind.REGEX, "[a-"), "unclosed"),
     (Grammar(GrammarKind.LARK, 'start: "a" b'), "unknown name"),
-    (Grammar(GrammarKind.LARK, ""), "No 'root' rule found"),  # was a traceback: the GBNF converter's Exception
+    (Grammar(GrammarKind.LARK, ""), "No 'root' rule found"),  # the GBNF converter raises a bare Exception
     (Grammar(GrammarKind.LARK, "GGUF"), "Expected ::="),
+    (Grammar(GrammarKind.JSON_SCHEMA, "[" * 50_000), "not valid"),  # deeper than Python's json reads
 ])
 def test_a_grammar_the_library_refuses_is_a_clear_error(grammar, words):
     with pytest.raises(GrammarError, match=words):
         check(grammar)
+
+
+# A grammar whose Earley row, after its first "a", holds one item per alternative: more than the limit.
+WIDE = Grammar(GrammarKind.LARK, "start: " + " | ".join(f"x{i}" for i in range(2100)) + "\n"
+               + "\n".join(f'x{i}: "a" "b{i}"' for i in range(2100)))
+
+
+def test_a_grammar_past_the_librarys_limits_fails_mid_answer_with_a_clear_error(tiny, monkeypatch):
+    a = tiny["tokenizer"].convert_tokens_to_ids("a")
+    constraint = Constraint(tiny["vocab"], WIDE)  # compiles: the limit is reached while answering
+    with pytest.raises(GrammarError, match=r"the grammar failed: .*2100 items; max is 2000;"):
+        constraint.advance([a])
+    # the limit, not the grammar, is what failed it
+    monkeypatch.setattr(grammar_module, "LIMITS", grammar_module.llguidance.LLParserLimits(max_items_in_row=3000))
+    Constraint(tiny["vocab"], WIDE).advance([a])
+
+
+def test_a_grammar_nested_as_deep_as_the_size_cap_allows_compiles_without_crashing(tmp_path):
+    """A chain of $refs within MAX_GRAMMAR_CHARS: the library's recursive compile of it crashed the process
+    (SIGSEGV: a server killed by one request) on a default 8 MB stack. Run apart, so a crash fails only
+    this test."""
+    import subprocess
+    import sys
+
+    from swiftspec.engine.config import MAX_GRAMMAR_CHARS
+
+    n = 2000
+    defs = {str(i): {"items": {"$ref": f"#/$defs/{i + 1}"}} for i in range(n)} | {str(n): {"type": "integer"}}
+    schema = json.dumps({"$defs": defs, "$ref": "#/$defs/0"}, separators=(",", ":"))
+    assert len(schema) <= MAX_GRAMMAR_CHARS
+    (tmp_path / "schema.json").write_text(schema)
+    code = ("import sys; from pathlib import Path; from swiftspec.engine.config import Grammar;"
+            "from swiftspec.engine.spec.grammar import check;"
+            "check(Grammar('json_schema', Path(sys.argv[1]).read_text())); print('compiled')")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "schema.json")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "compiled", (done.returncode, done.stderr[-500:])
 
 
 def test_grammar_settings_are_validated():
@@ -248,6 +290,8 @@ def test_grammar_settings_are_validated():
         SamplingParams(grammar={"kind": "xml", "source": "x"}).validate()
     with pytest.raises(ConfigError, match="no source"):
         SamplingParams(grammar={"kind": "json", "source": "{}"}).validate()
+    with pytest.raises(ConfigError, match="draft-forced must be true or false"):
+        SamplingParams(draft_forced="no").validate()
     params = SamplingParams(grammar={"kind": "regex", "source": "a+"}).validate()
     assert params.grammar == Grammar(GrammarKind.REGEX, "a+")
     assert SamplingParams.from_dict(json.loads(json.dumps(params.to_dict()))) == params

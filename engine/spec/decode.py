@@ -172,11 +172,12 @@ class DraftState:
         self.vocab = vocab
         self.constraint: Constraint | None = None
 
-    def prefill(self, prompt_ids: list[int], features: Features | None = None, grammar: Grammar | None = None) -> None:
-        """A new answer to ``prompt_ids``, under ``grammar`` if any."""
+    def prefill(self, prompt_ids: list[int], features: Features | None = None, grammar: Grammar | None = None,
+                draft_forced: bool = True) -> None:
+        """A new answer to ``prompt_ids``, under ``grammar`` if any (``draft_forced``: SamplingParams')."""
         if grammar is not None and self.vocab is None:
             raise ConfigError("this draft takes no grammar: its tokenizer is unknown")
-        self.constraint = None if grammar is None else Constraint(self.vocab, grammar)
+        self.constraint = None if grammar is None else Constraint(self.vocab, grammar, draft_forced)
         reuse = common_prefix(self.committed[:self.cache.prefix_len], prompt_ids)
         self.drafter.prefill(prompt_ids, reuse, features)
         self.committed = list(prompt_ids)

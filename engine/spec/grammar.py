@@ -6,11 +6,17 @@ Every node's state is its parent's, copied, plus its own token (a matcher copy c
 tree of n nodes costs n copies and n masks. The target masks every node's logits by its state; the draft
 drops the proposals its leaf's state refuses and proposes the token the state forces with probability 1.
 No torch here: the Engine's process checks grammars without it.
+
+A pathological grammar costs bounded time and memory: the library's limits (``LIMITS``) end a compile or
+a mask that would cost more with a GrammarError, and the library compiles on a stack deep enough for any
+grammar ``MAX_GRAMMAR_CHARS`` lets through (``compiled``), where a default one would crash the process.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -22,6 +28,24 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from swiftspec.engine.config import ConfigError, Grammar, GrammarKind
 
+# The library's limits, each a bound on time or memory (its own rates on a desktop core; its defaults, but
+# the states, whose default of 250,000 could hold ~0.5 GB). A grammar that reaches one fails with the
+# library's reason: at compile (a 400 on the server) or at a mask mid-answer (the answer fails).
+LIMITS = llguidance.LLParserLimits(
+    initial_lexer_fuel=1_000_000,  # building the lexer's regexes at compile: ~20 ms
+    step_lexer_fuel=200_000,  # the lexer's work for one mask: ~14 ms
+    step_max_items=50_000,  # the parser's Earley items for one mask: ~2.5 ms
+    max_items_in_row=2_000,  # Earley items in one row: the grammar's branching at one point
+    max_lexer_states=50_000,  # lexer states kept for an answer: ~100 MB
+    max_grammar_size=500_000,  # symbols in the compiled grammar
+    verbose_errors=False,  # one line, not a dump of the parser's state and the grammar
+)
+# The library compiles recursively, up to ~6 KB of stack a level of nesting (a chain of $refs or of Lark
+# rules): the MAX_GRAMMAR_CHARS characters hold ~2,500 levels of $refs or ~6,000 of rules, ~25 MB of stack,
+# where a default 8 MB stack crashes the process (SIGSEGV) at ~1,200 $refs.
+COMPILE_STACK_BYTES = 256 << 20
+_stack_size = threading.Lock()
+
 # JSON as json.dumps writes it: one space after ':' and ',', none elsewhere. Fixed separators are tokens
 # the grammar forces (drafted for free), and a model cannot spend its answer on whitespace.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -30,6 +54,30 @@ ANY_OBJECT = {"type": "object"}
 
 class GrammarError(ConfigError):
     """A grammar the library cannot compile, or an answer it refused; the message says why."""
+
+
+def compiled(build: Callable[[], object]):
+    """``build()``, a call that compiles a grammar, run on a thread with a stack of COMPILE_STACK_BYTES;
+    its exception, if any, raised here."""
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = build()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            out["error"] = e
+
+    with _stack_size:  # the size applies to every thread started meanwhile: only this one
+        before = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="grammar compile")
+            thread.start()
+        finally:
+            threading.stack_size(before)
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def library_grammar(grammar: Grammar) -> str:
@@ -44,7 +92,7 @@ def library_grammar(grammar: Grammar) -> str:
                 return llguidance.LLMatcher.grammar_from_lark(_lark(grammar.source))
             case GrammarKind.REGEX:
                 return llguidance.LLMatcher.grammar_from_regex(grammar.source)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RecursionError) as e:  # RecursionError: JSON nested too deep to read
         raise GrammarError(f"the {grammar.kind} is not valid: {e}") from None
 
 
@@ -59,11 +107,11 @@ def _lark(source: str) -> str:
 
 def check(grammar: Grammar) -> str:
     """The compiled grammar, or the GrammarError saying why the library refuses it."""
-    compiled = library_grammar(grammar)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(compiled)
+    source = library_grammar(grammar)
+    is_error, messages = compiled(lambda: llguidance.LLMatcher.validate_grammar_with_warnings(source, limits=LIMITS))
     if is_error:
         raise GrammarError(f"the {grammar.kind} does not compile: {messages[0].strip()}")
-    return compiled
+    return source
 
 
 @dataclass(frozen=True)
@@ -102,19 +150,23 @@ def allowed(mask: np.ndarray, token: int) -> bool:
 
 class Constraint:
     """One answer's grammar: ``matcher`` has consumed the tokens the answer holds so far (on the target,
-    every emitted token; on the draft, every verified one)."""
+    every emitted token; on the draft, every verified one). ``draft_forced``: the draft's proposals
+    include the tokens the grammar forces."""
 
-    def __init__(self, vocab: Vocabulary, grammar: Grammar):
+    def __init__(self, vocab: Vocabulary, grammar: Grammar, draft_forced: bool = True):
+        self.draft_forced = draft_forced
         tokenizer = vocab.tokenizer()
         self.eos = frozenset(tokenizer.eos_tokens)
-        self.matcher = llguidance.LLMatcher(tokenizer, check(grammar), log_level=0)
+        source = check(grammar)
+        self.matcher = compiled(lambda: llguidance.LLMatcher(tokenizer, source, log_level=0, limits=LIMITS))
         self._raise_on_error()
         self.words = llguidance.numpy.get_bitmask_shape(1, tokenizer.vocab_size)[1]
         self._after_path: dict[tuple[int, ...], llguidance.LLMatcher | None] = {}
 
     def _raise_on_error(self) -> None:
         if self.matcher.is_error():
-            raise GrammarError(f"the grammar failed: {self.matcher.get_error()}")
+            error = self.matcher.get_error().replace("<non-verbose/>", "").strip()  # LIMITS' short form
+            raise GrammarError(f"the grammar failed: {error}")
 
     def _after(self, state: llguidance.LLMatcher, token: int) -> llguidance.LLMatcher | None:
         """A copy of ``state`` past ``token``; None where the grammar refuses it. A complete grammar
@@ -175,7 +227,7 @@ class Constraint:
             if state is None:
                 out.append([])
                 continue
-            forced = state.compute_ff_tokens()
+            forced = state.compute_ff_tokens() if self.draft_forced else []
             if forced:
                 out.append([(forced[0], 0.0)])
                 continue

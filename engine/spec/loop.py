@@ -212,9 +212,9 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
     round drafts and when its expansions stop (engine/spec/draft_policy.py). A drafter that reads the
     target's features prefills once it has them; others prefill while the target does."""
     wants = ds.drafter.wants_features
-    grammar = req.params.grammar
+    grammar, draft_forced = req.params.grammar, req.params.draft_forced
     if not wants:
-        ds.prefill(req.prompt, grammar=grammar)
+        ds.prefill(req.prompt, grammar=grammar, draft_forced=draft_forced)
     match link.recv():
         case Verdict(last=True):  # the answer was over at its first token
             tell(FollowerStep(Follow.END))
@@ -224,7 +224,8 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
         case msg:
             raise unexpected(msg, "the start of an answer" + (" with features" if wants else ""))
     if wants:
-        ds.prefill(req.prompt, Features(reuse, link.recv_features(len(req.prompt) - reuse, dim)), grammar)
+        ds.prefill(req.prompt, Features(reuse, link.recv_features(len(req.prompt) - reuse, dim)), grammar,
+                   draft_forced)
     tell(FollowerStep(Follow.START, [root]))
     ds.start(root)
     asynchronous, bs = req.params.mode == "async", ds.params.bs

@@ -62,7 +62,7 @@ def follow_target(target: TargetState, req: Request, next_step: Callable[[], Fol
 
 def follow_draft(ds: DraftState, req: Request, next_step: Callable[[], FollowerStep]) -> None:
     """A draft TP follower's part of one answer (the leader's subtree choice needs no model call)."""
-    ds.prefill(req.prompt, grammar=req.params.grammar)
+    ds.prefill(req.prompt, grammar=req.params.grammar, draft_forced=req.params.draft_forced)
     while True:
         match next_step():
             case FollowerStep(Follow.END):

@@ -23,6 +23,7 @@ from swiftspec.bench.prompts import (
 )
 from swiftspec.bench.report import (
     engine_threads,
+    jsonschema_module,
     load_warning,
     pyplot,
     render_table,
@@ -37,6 +38,8 @@ from swiftspec.bench.runners import (
     DEFAULT_MODES,
     ENGINE_MODES,
     HF_MODES,
+    SCHEMA_MODES,
+    STRUCTURED_MODES,
     EngineRunner,
     PeerCrashed,
     Runner,
@@ -110,14 +113,28 @@ def _duration(seconds: float) -> str:
     return f"{m} min {s:02d} s" if m else f"{s} s"
 
 
-def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), prompts: Path | None = None,
+def check_schema_modes(mode_list: list[str], selected: list[Prompt]) -> None:
+    """Prompts with a schema go to the modes that apply it (the -free ones drop it): never to hf, which
+    cannot; the -free and -noforce modes differ from theirs only with a schema."""
+    if any(p.schema is not None for p in selected):
+        if hf := [m for m in mode_list if m in HF_MODES]:
+            raise BenchError(f"--modes {','.join(hf)}: transformers cannot hold an answer to a schema; prompts "
+                             f"with one (--set structured) take {', '.join(m for m in ALL_MODES if m not in HF_MODES)}")
+        jsonschema_module()
+    elif variants := [m for m in mode_list if m in SCHEMA_MODES]:
+        raise BenchError(f"--modes {','.join(variants)}: these modes differ from theirs only on prompts with a "
+                         "schema (--set structured, or a 'schema' in the prompts file)")
+
+
+def bench_command(config: EngineConfig, modes: str | None = None, prompts: Path | None = None,
                   prompt_set: str | list[str] | None = None, limit: int | None = None,
                   sampling: SamplingParams | None = None, system: str | None = None, json_path: Path | None = None,
                   plot_path: Path | None = None, console=None, err=None, turns: str = "first",
                   warm: int = 0) -> dict[str, Any]:
     """Runs the benchmark, prints the table, writes the JSON and the plot if asked; returns the report.
     ``turns`` "all" runs each record's turns as one conversation; ``warm`` N answers N prompts of other
-    sets first, whose answers (only) the suffix drafter then learns from.
+    sets first, whose answers (only) the suffix drafter then learns from. ``modes`` None: DEFAULT_MODES,
+    or STRUCTURED_MODES where a prompt has a schema.
 
     Every option is checked before any model loads, so a typo does not cost a model start. Ctrl-C during
     the timed prompts reports the prompts every mode finished, with ``partial`` set in the report; before
@@ -134,8 +151,10 @@ def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), pr
     )
 
     params = (sampling or SamplingParams(max_new_tokens=128)).validate()
-    mode_list = parse_modes(modes)
     selected = [dataclasses.replace(p, system=system) for p in select_prompts(prompts, prompt_set, limit)]
+    schemas = any(p.schema is not None for p in selected)
+    mode_list = parse_modes(modes or ",".join(STRUCTURED_MODES if schemas else DEFAULT_MODES))
+    check_schema_modes(mode_list, selected)
     if turns not in TURNS:
         raise BenchError.refused("turns", " or ".join(TURNS), turns)
     if warm < 0:
@@ -208,7 +227,7 @@ def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), pr
             info = engine.info
             for mode in (m for m in mode_list if m in ENGINE_MODES):
                 runners[mode] = EngineRunner(engine, mode, eos)
-                threads[mode] = engine_threads(info, mode)
+                threads[mode] = engine_threads(info, ENGINE_MODES[mode].mode)
             if warming:
                 sets = ", ".join(dict.fromkeys(p.source for p in warming))
                 say(f"warming the suffix drafter's history: {warm} answers of {sets}")
@@ -253,7 +272,8 @@ def bench_command(config: EngineConfig, modes: str = ",".join(DEFAULT_MODES), pr
         raise KeyboardInterrupt
     samples = {m: samples[m][:finished] for m in ran}
     rows = turn_rows(selected, turns)[:finished]
-    results, speedup = summarise(samples, rows, params.greedy)
+    texts = {m: [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in ss] for m, ss in samples.items()}
+    results, speedup = summarise(samples, rows, params.greedy, texts if schemas else None)
     warnings += [w for w in [load_warning("end")] if w]
     report = {"config": report_config(config, info, mode_list, rows, params, assist, threads, warnings, turns,
                                       warming),

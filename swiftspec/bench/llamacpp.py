@@ -4,7 +4,9 @@ this machine (every core), timed token by token.
 llama.cpp runs in a child process of its own (``python -m swiftspec.bench.llamacpp``) that answers one
 JSON request per line: a build whose kernels this CPU lacks dies with SIGILL, and that must show as a
 crashed peer in the report, not take the bench down or read as a failed run of ours. The prompt goes in
-as token ids from our own tokenizer and chat template, so both engines answer exactly the same input.
+as token ids from our own tokenizer and chat template, so both engines answer exactly the same input. A
+prompt's JSON Schema goes along, and llama.cpp holds its answer to it through its own grammar path
+(``LlamaGrammar.from_json_schema``, what its ``response_format`` with a schema uses).
 """
 
 from __future__ import annotations
@@ -76,8 +78,9 @@ class LlamaCppRunner:
     def __call__(self, messages, params):
         ids = encode_chat(self.tokenizer, messages)
         try:
+            schema = params.grammar.source if params.grammar is not None else None  # a JSON Schema's text
             self.proc.stdin.write(json.dumps({"type": "generate", "ids": ids, "max_new_tokens": params.max_new_tokens,
-                                              "eos": self.eos}) + "\n")
+                                              "eos": self.eos, "schema": schema}) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             self.proc.wait(timeout=30)
@@ -98,7 +101,7 @@ class LlamaCppRunner:
 
 def _serve(model: str, threads: int, n_ctx: int) -> None:
     """The child: loads the GGUF and answers requests until stdin closes."""
-    from llama_cpp import Llama
+    from llama_cpp import Llama, LlamaGrammar
 
     out = os.fdopen(os.dup(1), "w")  # the replies' own descriptor: llama.cpp's prints (C or Python) go to stderr
     os.dup2(2, 1)
@@ -114,8 +117,10 @@ def _serve(model: str, threads: int, n_ctx: int) -> None:
         req = json.loads(line)
         eos = set(req["eos"]) | {llm.token_eos()}
         ids, times = [], []
-        t0 = time.perf_counter()
-        for tok in llm.generate(req["ids"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        t0 = time.perf_counter()  # the schema's compile counts, as the Engine's does
+        grammar = LlamaGrammar.from_json_schema(req["schema"], verbose=False) if req["schema"] else None
+        for tok in llm.generate(req["ids"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True,
+                                grammar=grammar):
             if tok in eos:
                 break
             ids.append(int(tok))

@@ -1,5 +1,6 @@
-"""The bench's prompts: the built-in sets, a JSONL file's and HumanEval's, the turns of a record, and the
-prompts that warm up a mode (outside every set) or the drafter's history (--warm: sets not measured).
+"""The bench's prompts: the built-in sets, a JSONL file's and HumanEval's, the turns of a record, a
+prompt's JSON Schema (its answer is held to it), and the prompts that warm up a mode (outside every set)
+or the drafter's history (--warm: sets not measured).
 
 The lowest layer of the bench (it imports nothing else of it), so ``BenchError`` lives here too.
 """
@@ -12,9 +13,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from swiftspec.engine.config import ConfigError
+from swiftspec.engine.config import ConfigError, Grammar, GrammarKind, SamplingParams
 
 BUILTIN_SETS = ("chat", "code", "math", "qa", "summarisation", "extraction", "fresh", "multiturn")
+STRUCTURED = "structured"  # extraction prompts each with a JSON Schema; named only, not in "all"
 TURNS = ("first", "all")  # --turns: the first turn of each record, or every turn as one conversation
 HUMANEVAL = "humaneval"
 WARMUP_TOKENS = 8
@@ -33,16 +35,24 @@ class Prompt:
     system: str | None = None
     later: tuple[str, ...] = ()  # the turns after the first (MT-Bench-style records)
     turn: int = 1  # in a report's rows: which turn of the record this row is
+    schema: dict | None = None  # a JSON Schema the answer is held to (the modes that apply one)
 
     @property
     def messages(self) -> list[dict[str, str]]:
         system = [{"role": "system", "content": self.system}] if self.system else []
         return system + [{"role": "user", "content": self.text}]
 
+    def params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` for this prompt: with its schema as the grammar, as the server sets a
+        ``response_format`` (each mode's runner applies it or not)."""
+        if self.schema is None:
+            return params
+        return dataclasses.replace(params, grammar=Grammar(GrammarKind.JSON_SCHEMA, json.dumps(self.schema)))
+
 
 def parse_jsonl(text: str, source: str) -> list[Prompt]:
     """Reads prompts from JSONL: a ``prompt`` string, or MT-Bench-style ``turns`` (``--turns all`` runs
-    them all as one conversation, else the first)."""
+    them all as one conversation, else the first), and optionally a ``schema`` (a JSON Schema object)."""
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -57,8 +67,11 @@ def parse_jsonl(text: str, source: str) -> list[Prompt]:
             prompt, *later = rec["turns"]
         if not all(isinstance(t, str) and t.strip() for t in [prompt, *later]):
             raise BenchError(f"{source}, line {n}: needs a non-empty 'prompt' string or a 'turns' list")
+        schema = rec.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise BenchError(f"{source}, line {n}: 'schema' must be a JSON Schema object")
         pid = rec.get("id", rec.get("question_id", rec.get("task_id", n)))
-        out.append(Prompt(source, str(pid), prompt, later=tuple(later)))
+        out.append(Prompt(source, str(pid), prompt, later=tuple(later), schema=schema))
     if not out:
         raise BenchError(f"{source}: no prompts in it")
     return out
@@ -81,8 +94,8 @@ def humaneval_prompts() -> list[Prompt]:
 def select_prompts(prompts: Path | None, prompt_set: str | list[str] | None, limit: int | None) -> list[Prompt]:
     """Prompts from the named sets and the file, at most ``limit`` from each, interleaved set by set.
 
-    Set names are comma-separated; ``all`` names every built-in set. With neither sets nor a file, every
-    built-in set is used.
+    Set names are comma-separated; ``all`` names every built-in set but ``structured``. With neither sets
+    nor a file, ``all`` is used.
     """
     names: list[str] = []
     for item in [prompt_set] if isinstance(prompt_set, str) else prompt_set or []:
@@ -96,11 +109,11 @@ def select_prompts(prompts: Path | None, prompt_set: str | list[str] | None, lim
     for name in names:
         if name == HUMANEVAL:
             groups.append(humaneval_prompts())
-        elif name in BUILTIN_SETS:
+        elif name in (*BUILTIN_SETS, STRUCTURED):
             groups.append(builtin_prompts(name))
         else:
-            raise BenchError.refused("set", f"comma-separated sets: {', '.join(BUILTIN_SETS)}, all, {HUMANEVAL}",
-                                     prompt_set, wrong=f"{name!r} is not a prompt set")
+            accepted = f"comma-separated sets: {', '.join(BUILTIN_SETS)}, all, {STRUCTURED}, {HUMANEVAL}"
+            raise BenchError.refused("set", accepted, prompt_set, wrong=f"{name!r} is not a prompt set")
     if prompts is not None:
         try:
             text = Path(prompts).read_text(encoding="utf-8")

@@ -13,15 +13,41 @@ from pathlib import Path
 from typing import Any
 
 from swiftspec.bench.prompts import WARMUP_TOKENS, BenchError, Prompt
-from swiftspec.bench.runners import ALL_MODES, PEER_MODES, Sample, hf_device
+from swiftspec.bench.runners import ALL_MODES, ENGINE_MODES, PEER_MODES, Sample, hf_device
 from swiftspec.engine.config import EngineConfig, SamplingParams
 from swiftspec.engine.host.protocol import EngineInfo
 
-SPEEDUP_BASELINES = ("hf", "llama.cpp", "ar")
+SPEEDUP_BASELINES = ("hf", "llama.cpp", "ar", "async-free")
 TOKENS_PER_S = "total generated tokens / total wall time (request to last token), over all prompts"
 SPEEDUP = "this mode's tok/s / the other mode's tok/s (the tok/s column's ratio)"
 STEP_MS = ("draft/target ms: median over forwards (prefill excluded); step ms: wall time per target forward "
            "after the first token, median over prompts")
+VALID = ("valid: the answers that parse as JSON and validate against their prompt's schema (jsonschema; one cut "
+         "by --max-new-tokens is incomplete, so not valid); -free modes answer without the schema, -noforce ones "
+         "do not draft the tokens it forces")
+
+
+def jsonschema_module():
+    try:
+        import jsonschema
+    except ImportError:
+        raise BenchError("prompts with a schema need jsonschema to check the answers: pip install jsonschema "
+                         "(or pip install 'swiftspec[dev]')") from None
+    return jsonschema
+
+
+def validates(text: str, schema: dict) -> bool:
+    """Whether ``text`` is JSON valid against ``schema``."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return jsonschema_module().Draft202012Validator(schema).is_valid(value)
+
+
+def applies_schema(mode: str) -> bool:
+    """Whether a mode holds its answers to their prompts' schemas: the constrained engine modes and llama.cpp."""
+    return mode == "llama.cpp" or mode in ENGINE_MODES and ENGINE_MODES[mode].constrained
 
 
 def _median(xs: list[float]) -> float | None:
@@ -35,23 +61,28 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def reference_mode(modes: list[str]) -> str | None:
-    """The target-only greedy output that every mode must equal: ``ar`` if run, else ``hf``."""
+def reference_mode(modes: list[str], mode: str | None = None) -> str | None:
+    """The target-only greedy output that every mode (or ``mode``) must equal: ``ar`` if run, else ``hf``;
+    for a ``-free`` mode (answers without their schemas), ``ar-free`` if run."""
+    if mode in ENGINE_MODES and not ENGINE_MODES[mode].constrained:
+        return "ar-free" if "ar-free" in modes else None
     return next((m for m in ("ar", "hf") if m in modes), None)
 
 
-def summarise(samples: dict[str, list[Sample]], prompts: list[Prompt],
-              greedy: bool = True) -> tuple[list[dict], dict[str, float]]:
+def summarise(samples: dict[str, list[Sample]], prompts: list[Prompt], greedy: bool = True,
+              texts: dict[str, list[str]] | None = None) -> tuple[list[dict], dict[str, float]]:
     """Per-mode results and speedups, all computed from this run's samples. Sampled answers differ by
-    design, so without ``greedy`` no mode is compared with the target's tokens."""
+    design, so without ``greedy`` no mode is compared with the target's tokens. ``texts``: each mode's
+    answers as text, checked against their prompts' schemas where the mode applies them."""
     import numpy as np
 
     modes = list(samples)
-    ref = reference_mode(modes) if greedy else None
     hf = "hf" if greedy and "hf" in samples else None
+    schemas = any(p.schema is not None for p in prompts)
     results = []
     for mode in modes:
         ss = samples[mode]
+        ref = reference_mode(modes, mode) if greedy else None
         lat = [x for s in ss for x in s.latencies_ms()]
         ttft = [s.ttft_ms for s in ss if s.ttft_ms is not None]
         p50, p95 = (float(v) for v in np.percentile(lat, [50, 95])) if lat else (None, None)
@@ -61,6 +92,8 @@ def summarise(samples: dict[str, list[Sample]], prompts: list[Prompt],
                                    "seconds": round(s.seconds, 4),
                                    "tokens_per_s": len(s.token_ids) / s.seconds if s.seconds else None,
                                    "verifications": s.verifications, "step_ms": s.step_ms}
+            if schemas and texts is not None and applies_schema(mode) and p.schema is not None:
+                row["valid"] = validates(texts[mode][i], p.schema)
             for other, base in (("target", ref), ("hf", hf)):
                 if base is not None:
                     diff = _first_diff(s.token_ids, samples[base][i].token_ids)
@@ -82,6 +115,9 @@ def summarise(samples: dict[str, list[Sample]], prompts: list[Prompt],
             "identical_to_target": all(r["identical_to_target"] for r in per_prompt) if ref else None,
             "identical_to_hf": all(r["identical_to_hf"] for r in per_prompt) if hf else None,
             "identical_prompts": sum(r.get("identical_to_target", False) for r in per_prompt),
+            "valid": sum(r["valid"] for r in per_prompt if "valid" in r) if any("valid" in r for r in per_prompt)
+            else None,
+            "checked": sum("valid" in r for r in per_prompt),
             "prompts": len(ss),
             "prefill_tokens": sum(s.prefill_tokens for s in ss),
             "tokens": figures["tokens"],
@@ -120,10 +156,14 @@ def render_table(report: dict[str, Any]):
     modes = [r["mode"] for r in results]
     ref = cfg["reference"] or ("(no target-only mode run)" if "greedy" in cfg["decoding"] else
                                "(not compared: sampled answers differ by design)")
+    schemas = any(r["valid"] is not None for r in results)
+    ref += "; -free modes: as ar-free" if any(m in ENGINE_MODES and not ENGINE_MODES[m].constrained
+                                              for m in modes) else ""
     caption = [f"tok/s = {TOKENS_PER_S}; {cfg['decoding']}.", f"× = {SPEEDUP}.",
                f"{STEP_MS}.", f"= target: same tokens as {ref} on every prompt (peers, with kernels of their "
                               "own, show how many prompts agree).",
                "threads: " + ", ".join(f"{m} {t}" for m, t in cfg.get("threads", {}).items()) + "."]
+    caption += [f"{VALID}."] if schemas else []
     caption += [f"[red]WARNING: {w}[/]" for w in cfg.get("warnings", [])]
     caption += [f"[red]{m}: {why}[/]" for m, why in report.get("crashed", {}).items()]
     ar = next((r for r in results if r["mode"] == "ar"), None)
@@ -139,6 +179,8 @@ def render_table(report: dict[str, Any]):
         if base in modes:
             table.add_column(f"× {base}", justify="right")
     table.add_column("= target", justify="center")
+    if schemas:
+        table.add_column("valid", justify="right")
     for r in results:
         same = r["identical_to_target"]
         cells = [r["mode"], _fmt(r["tokens_per_s"]), _fmt(r["ms_per_token_p50"]), _fmt(r["ms_per_token_p95"]),
@@ -154,6 +196,10 @@ def render_table(report: dict[str, Any]):
         else:
             cells.append("–" if same is None else "[green]yes[/]" if same else
                          f"[red]NO ({r['identical_prompts']}/{r['prompts']})[/]")
+        if schemas:
+            valid = r["valid"]
+            cells.append("–" if valid is None else f"[{'green' if valid == r['checked'] else 'red'}]"
+                                                   f"{valid}/{r['checked']}[/]")
         table.add_row(*cells)
     for mode in report.get("crashed", {}):
         table.add_row(mode, "[red]crashed[/]", *[""] * (len(table.columns) - 2))
@@ -293,6 +339,8 @@ def report_config(config: EngineConfig, info: EngineInfo | None, modes: list[str
         "warm": {"prompts": len(warming), "sets": list(dict.fromkeys(p.source for p in warming))} if warming
         else None,
         "reference": reference_mode(modes) if params.greedy else None,
+        "schemas": sum(p.schema is not None for p in prompts),
+        "valid": VALID if any(p.schema is not None for p in prompts) else None,
         "hf_assisted": assist,
         "hf_device": "/".join(hf_device(config)),
         "hf_threads": torch.get_num_threads(),

@@ -1,5 +1,7 @@
 """The bench's modes: what answers a prompt in each (transformers, the Engine, a peer's process) and the
-interleaved run of them all, timed the same way in every mode.
+interleaved run of them all, timed the same way in every mode. A prompt with a JSON Schema reaches every
+runner as its SamplingParams' grammar: the Engine's modes and llama.cpp hold the answer to it (the
+Engine's ``-free`` modes drop it), the hf modes cannot.
 """
 
 from __future__ import annotations
@@ -13,16 +15,36 @@ from pathlib import Path
 from typing import Any
 
 from swiftspec.bench.prompts import Prompt, turns_of
-from swiftspec.engine.config import Device, DraftKind, EngineConfig, SamplingParams
+from swiftspec.engine.config import Device, DraftKind, EngineConfig, Mode, SamplingParams
 from swiftspec.engine.host.encode import encode_chat
 from swiftspec.engine.host.protocol import EngineAPI
 from swiftspec.engine.model import model_dir
 
+
+@dataclass(frozen=True)
+class EngineMode:
+    """How a bench mode runs the Engine: its decoding ``mode``; whether a prompt's schema holds the answer
+    (``constrained``; the ``-free`` modes: the same prompts unconstrained) and whether the draft proposes
+    the tokens the schema forces (``draft_forced``; the ``-noforce`` modes: what that gains)."""
+
+    mode: Mode
+    constrained: bool = True
+    draft_forced: bool = True
+
+
 HF_MODES = ("hf", "hf-assisted")
 PEER_MODES = HF_MODES + ("llama.cpp",)  # other engines: their own kernels, so their tokens may differ
-ENGINE_MODES = ("ar", "sync", "async")
-ALL_MODES = PEER_MODES + ENGINE_MODES
-DEFAULT_MODES = HF_MODES + ENGINE_MODES  # llama.cpp only when asked: it is installed by hand
+ENGINE_MODES = {  # in the order speedups are taken: a later mode over an earlier one
+    "ar-free": EngineMode("ar", constrained=False), "sync-free": EngineMode("sync", constrained=False),
+    "async-free": EngineMode("async", constrained=False),
+    "ar": EngineMode("ar"),
+    "sync-noforce": EngineMode("sync", draft_forced=False), "async-noforce": EngineMode("async", draft_forced=False),
+    "sync": EngineMode("sync"), "async": EngineMode("async"),
+}
+SCHEMA_MODES = tuple(m for m, how in ENGINE_MODES.items() if not how.constrained or not how.draft_forced)
+ALL_MODES = PEER_MODES + tuple(ENGINE_MODES)
+DEFAULT_MODES = HF_MODES + ("ar", "sync", "async")  # llama.cpp only when asked: it is installed by hand
+STRUCTURED_MODES = ("ar", "sync", "async", "sync-noforce", "async-noforce", "async-free")  # schema prompts' default
 FORGET = ([{"role": "system", "content": "-"}, {"role": "user", "content": "-"}], [{"role": "user", "content": "-"}])
 
 
@@ -194,9 +216,9 @@ class PenaltyProcessor:
 
 @dataclass
 class EngineRunner:
-    """One of the Engine's modes. The Engine streams one event per step: the first is the prefill, each
-    later one a verification (or, in ``ar``, one decode step) with its own accepted count and timings.
-    A final EOS is streamed too, and stripped here as in ``hf``."""
+    """One of the Engine's modes (a name of ENGINE_MODES). The Engine streams one event per step: the
+    first is the prefill, each later one a verification (or, in ``ar``, one decode step) with its own
+    accepted count and timings. A final EOS is streamed too, and stripped here as in ``hf``."""
 
     engine: EngineAPI
     mode: str
@@ -204,7 +226,9 @@ class EngineRunner:
 
     def __call__(self, messages: list[dict[str, str]], params: SamplingParams) -> Sample:
         self.forget()
-        params = dataclasses.replace(params, mode=self.mode)
+        how = ENGINE_MODES[self.mode]
+        params = dataclasses.replace(params, mode=how.mode, draft_forced=how.draft_forced,
+                                     grammar=params.grammar if how.constrained else None)
         s = Sample([], 0.0, [])
         prefill = True
         t0 = time.perf_counter()
@@ -249,8 +273,8 @@ def run_interleaved(runners: dict[str, Runner], prompts: list[Prompt], params: S
                     turns: str = "first", decode: Callable[[list[int]], str] | None = None) -> None:
     """Every mode on prompt i before prompt i+1; the mode order rotates by one per prompt. With ``turns``
     "all" a mode answers every turn of a record in turn, each after its own earlier answers (``decode``
-    makes their text). ``samples`` is filled as answers finish, one per turn, so that an interrupted run
-    still holds every finished one. A peer that crashes (PeerCrashed) leaves the run: its samples go,
+    makes their text). Each prompt's schema, if any, goes in its ``params`` (Prompt.params). ``samples``
+    is filled as answers finish, one per turn, so that an interrupted run still holds every finished one. A peer that crashes (PeerCrashed) leaves the run: its samples go,
     ``crashed`` says why."""
     modes = list(runners)
     for i, prompt in enumerate(prompts):
@@ -267,7 +291,7 @@ def run_interleaved(runners: dict[str, Runner], prompts: list[Prompt], params: S
                         earlier = decode(samples[mode][-1].token_ids)
                         messages = messages + [{"role": "assistant", "content": earlier},
                                                {"role": "user", "content": text}]
-                    samples.setdefault(mode, []).append(runners[mode](messages, params))
+                    samples.setdefault(mode, []).append(runners[mode](messages, prompt.params(params)))
             except PeerCrashed as e:
                 if crashed is None:
                     raise

@@ -49,18 +49,24 @@ def bench(
     seed: SeedOpt = None,
     system: SystemOpt = None,
     max_new_tokens: MaxNewTokensOpt = 128,
-    modes: Annotated[str, cli_option(
+    modes: Annotated[str | None, cli_option(
         "--modes", panel=BENCH, metavar="MODES",
         help="Comma-separated: hf, hf-assisted, llama.cpp, ar, sync, async. llama.cpp runs the same GGUF "
-             "through llama-cpp-python (installed by hand, see the README) on every core.")] = "hf,hf-assisted,ar,sync,async",
+             "through llama-cpp-python (installed by hand, see the README) on every core. Prompts with a JSON "
+             "Schema (--set structured) are answered held to it (not by hf), and take the modes "
+             "sync-noforce, async-noforce (the tokens the schema forces not drafted) and ar-free, sync-free, "
+             "async-free (the same prompts without the schema). Default: hf,hf-assisted,ar,sync,async; with "
+             "schemas ar,sync,async,sync-noforce,async-noforce,async-free.")] = None,
     prompts: Annotated[Path | None, cli_option(
         "--prompts", panel=BENCH, metavar="FILE",
-        help="Prompts from a JSONL file with a 'prompt' field or MT-Bench-style 'turns'.")] = None,
+        help="Prompts from a JSONL file with a 'prompt' field or MT-Bench-style 'turns', and optionally a "
+             "'schema' (a JSON Schema the answer is held to).")] = None,
     prompt_set: Annotated[str | None, cli_option(
         "--set", panel=BENCH, metavar="SETS",
         help="Built-in prompt sets, comma-separated: chat, code, math, qa, summarisation, "
         "extraction, fresh (everyday questions no built-in training prompt shares a topic with), multiturn "
-        "(two-turn conversations, for --turns all); and humaneval when installed. Default: all built-in sets.")] = None,
+        "(two-turn conversations, for --turns all), all (every one of those); structured (extraction "
+        "prompts each with a JSON Schema); and humaneval when installed. Default: all.")] = None,
     turns: Annotated[str, cli_option(
         "--turns", parser=choice(("first", "all"), "turns value"), panel=BENCH, metavar="TURNS", autocompletion=complete_choices("first", "all"),
         help="first: each record's first turn; all: every turn of an MT-Bench-style record as one conversation, "
