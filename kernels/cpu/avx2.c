@@ -16,12 +16,16 @@ static inline __attribute__((always_inline)) __m256i dpwssd(__m256i acc, __m256i
     __asm__("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "xm"(b));
     return acc;
 }
-#define DPWSSD(acc, a, b) dpwssd((acc), (a), (b))
+/* lo += a . x, hi += b . y: two chains, so that each vpdpwssd waits on one of its own latency */
+#define DOT_PAIRS(lo, hi, a, x, b, y) ((lo) = dpwssd((lo), (a), (x)), (hi) = dpwssd((hi), (b), (y)))
 #else
 #define PATH ss_path_avx2
 #define NAME "AVX2"
 #define NEEDS SS_CPU_AVX2
-#define DPWSSD(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+/* lo += a . x + b . y (hi stays 0): the integer sums are exact in any order, and one accumulator a row
+ * leaves enough registers to keep a whole tile out of memory */
+#define DOT_PAIRS(lo, hi, a, x, b, y) \
+    ((lo) = _mm256_add_epi32((lo), _mm256_add_epi32(_mm256_madd_epi16((a), (x)), _mm256_madd_epi16((b), (y)))))
 #endif
 #define INLINE static inline __attribute__((always_inline))
 #define MAX_R 4 /* rows per tile */
@@ -83,8 +87,7 @@ INLINE void int_tile(const job_t *j, const int fmt, const int R, int r0, int h, 
             const int second = fmt == FMT_Q4 ? i + 8 : i + 1;
             for (int r = 0; r < R; r++) {
                 const int32_t *x = qx + ((size_t)r * nb + b) * 16;
-                lo[r] = DPWSSD(lo[r], wa, _mm256_set1_epi32(x[i]));
-                hi[r] = DPWSSD(hi[r], wb, _mm256_set1_epi32(x[second]));
+                DOT_PAIRS(lo[r], hi[r], wa, _mm256_set1_epi32(x[i]), wb, _mm256_set1_epi32(x[second]));
             }
         }
         const __m256 d8 = scales8(j, dp, b * SS_PANEL + half);
