@@ -30,7 +30,8 @@ from swiftspec.engine.config import SamplingParams
 from swiftspec.engine.events import StepEvent
 from swiftspec.engine.host.answer import AnswerSummary
 from swiftspec.server import SHUTDOWN_TIMEOUT_S, api
-from swiftspec.server.api import APIError, Reply, Request
+from swiftspec.server.answers import Reply, step_extension
+from swiftspec.server.api import APIError, Request
 from swiftspec.server.host import EngineHost, Job, State
 from swiftspec.server.tools import CallStream
 
@@ -277,7 +278,7 @@ class AnswerResponse(Response):
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     async def _event(self, send: Send, event: StepEvent, first: bool) -> None:
-        extra = (api.step_extension(event.token_ids, event.stats, event.finish_reason)
+        extra = (step_extension(event.token_ids, event.stats, event.finish_reason)
                  if self.request.stream_stats else None)
         if self.calls is not None:  # text or tool calls: the deltas as each is known
             if first:
