@@ -372,6 +372,20 @@ def test_serve_binds_its_port_before_any_worker_starts_and_hands_it_to_uvicorn(m
     assert len(started) == 1 and served == [("127.0.0.1", port)]
 
 
+
+def test_a_taken_port_is_refused_before_the_server_or_torch_is_imported():
+    """What makes a taken port fail in a fraction of a second: nothing heavy is imported before the bind."""
+    import socket
+
+    code = ("import sys\nfrom swiftspec.cli import main\nsys.argv = ['swiftspec', 'serve', '--port', sys.argv[1]]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n"
+            "    print(e.code, sorted(m for m in ('uvicorn', 'starlette', 'torch') if m in sys.modules))")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        out = subprocess.run([sys.executable, "-c", code, str(taken.getsockname()[1])], capture_output=True,
+                             text=True, timeout=60)
+    assert out.stdout.strip() == "2 []", out.stderr
+    assert "--port: cannot listen" in out.stderr
+
 def test_grammar_flags_reach_the_engine_and_bad_files_are_usage_errors(fake, data_dir, monkeypatch, tmp_path):
     from swiftspec.engine.config import Grammar, GrammarKind
 

@@ -24,7 +24,7 @@ from swiftspec.cli.options import (
 )
 from swiftspec.cli.usage import choice, number_below, refusal, whole_number
 from swiftspec.engine.config import MODES, ConfigError, DraftKind, EngineConfig, SamplingParams
-from swiftspec.server import MAX_SHUTDOWN_TIMEOUT_S, SHUTDOWN_TIMEOUT_S
+from swiftspec.server import MAX_SHUTDOWN_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, listen
 
 
 @app.command(epilog=CHAT_SAMPLING.replace("bench stays", "A request's own fields win; bench stays") + "\n\n" + sources())
@@ -70,19 +70,23 @@ def serve(
 
     Examples: [bold]swiftspec serve[/bold] · [bold]swiftspec serve --port 0 --mode sync[/bold] · [bold]SWIFTSPEC_API_KEY=secret swiftspec serve --host 0.0.0.0[/bold]
     """
-    # starlette, uvicorn and the Engine: --help imports none of them
+    params = sampling_params(ctx, config, None, mode=mode, max_new_tokens=max_new_tokens, **sampling)
+    try:
+        sock = listen(host, port)  # before the server's imports: a taken port is refused at once
+    except ConfigError as e:
+        raise exit_with(refusal(ctx, e), 2) from None
+    # starlette, uvicorn and the Engine: --help and a taken port import none of them
     from swiftspec.server.app import ServerSettings
     from swiftspec.server.serve import serve as run_server
 
-    params = sampling_params(ctx, config, None, mode=mode, max_new_tokens=max_new_tokens, **sampling)
     if params.mode == "ar":  # nothing would ever ask the draft for a token
         config = dataclasses.replace(config, draft=DraftKind.NONE, draft_corpus="none")
     settings = ServerSettings(host, port, api_key, max_queue, tuple(cors_origin or ()), log_prompts,
                               tuple(allowed_host or ()), shutdown_timeout)
     say = lambda line: typer.echo(f"swiftspec: {line}", err=True)
     try:
-        code = run_server(config, params, settings, say)
-    except (ValueError, FileNotFoundError) as e:  # bad settings, model paths, a port in use
+        code = run_server(config, params, settings, sock, say)
+    except (ValueError, FileNotFoundError) as e:  # bad settings, model paths
         raise exit_with(refusal(ctx, e) if isinstance(e, ConfigError) else str(e), 2) from None
     except KeyboardInterrupt:
         code = 130

@@ -1,6 +1,6 @@
-"""Runs `swiftspec serve`: the socket bound first (a taken port fails at once, before any worker starts),
-then the engine, then uvicorn on that socket until SIGTERM or SIGINT, which drain (DrainingServer), then
-every worker process ended. Slow or idle connections are dropped and their number capped (Deadlines)."""
+"""Runs `swiftspec serve` on the socket the command bound first (``swiftspec.server.listen``): the engine,
+then uvicorn on that socket until SIGTERM or SIGINT, which drain (DrainingServer), then every worker
+process ended. Slow or idle connections are dropped and their number capped (Deadlines)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -159,20 +158,14 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True  # uvicorn's loop looks every 0.1 s
 
 
-def serve(config: EngineConfig, defaults: SamplingParams, settings: ServerSettings,
+def serve(config: EngineConfig, defaults: SamplingParams, settings: ServerSettings, sock: socket.socket,
           say: Callable[[str], None]) -> int:
-    """Serves until stopped; returns the exit code (128 + the stopping signal). Raises what Engine.start
-    raises."""
+    """Serves on ``sock`` (``listen``'s) until stopped, and closes it; returns the exit code (128 + the
+    stopping signal). Raises what Engine.start raises."""
     logging.basicConfig(level=logging.INFO, format="swiftspec: %(message)s", stream=sys.stderr)
-    check_settings(settings)
-    settings = dataclasses.replace(settings, model_id=model_id(config))
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     try:
-        sock = socket.create_server((settings.host, settings.port), family=family)
-    except OSError as e:
-        raise ConfigError.refused("port", "a free port, or 0 for any", settings.port, wrong=f"cannot listen on "
-                                  f"{settings.host}:{settings.port} ({os.strerror(e.errno) if e.errno else e})") from None
-    try:
+        check_settings(settings)
+        settings = dataclasses.replace(settings, model_id=model_id(config))
         engine = Engine.start(config, progress=say)
     except BaseException:
         sock.close()
@@ -185,7 +178,7 @@ def serve(config: EngineConfig, defaults: SamplingParams, settings: ServerSettin
             app, log_level="warning", lifespan="off", http=Deadlines, timeout_keep_alive=KEEP_ALIVE_S,
             timeout_graceful_shutdown=FLUSH_S), host, settings.shutdown_timeout_s)
         port = sock.getsockname()[1]
-        where = f"[{settings.host}]" if family == socket.AF_INET6 else settings.host
+        where = f"[{settings.host}]" if sock.family == socket.AF_INET6 else settings.host
         say(f"serving {settings.model_id} on http://{where}:{port}/v1 (OpenAI API"
             f"{', key required' if settings.api_key else ''}); Ctrl-C stops")
         server.run(sockets=[sock])
