@@ -104,7 +104,7 @@ class _Draft:
     def __init__(self):
         self.calls = []
 
-    def prefill(self, prompt, grammar=None):
+    def prefill(self, prompt, grammar=None, draft_forced=True):
         self.calls.append(("prefill",))
 
     def start(self, root):
