@@ -32,7 +32,7 @@ class Step:
     complete: bool | None = None  # on the last step of an answer with a grammar: whether it is complete
 
     def to_dict(self) -> dict[str, Any]:
-        """Its fields as they are (flat, so no deep copy: asdict's cost ~10x as much, once a step)."""
+        """Its fields as they are (flat, so no deep copy: asdict's would cost far more, once a step)."""
         return dict(vars(self))
 
     @classmethod

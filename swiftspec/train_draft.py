@@ -68,8 +68,8 @@ class Sequence:
 
 def _hf_model(target_dir: Path, device: torch.device):
     """transformers' model of the target: its batched ``generate`` answers many prompts at once. On the CPU
-    its linears take fp16 weights (FBGEMM, fp32 math, as ``--dtype float16`` runs the target): SmolLM2
-    answers 32 prompts at ~190 instead of ~150 tokens/s, and the features move by fp16 rounding only."""
+    its linears take fp16 weights (FBGEMM, fp32 math, as ``--dtype float16`` runs the target): a batch of
+    answers is faster, and the features move by fp16 rounding only."""
     model = load_hf_model(target_dir, torch.float32).to(device).eval()
     if device.type == "cpu" and fbgemm_available():
         pack_fp16_linears(model)

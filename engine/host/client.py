@@ -127,7 +127,7 @@ class Engine:
         except BaseException:
             launcher.remove_run_dir(run_dir)
             raise
-        if tokenizer is None:  # its imports (~2 s) run while the workers start, not before
+        if tokenizer is None:  # its imports (seconds) run while the workers start, not before
             tokenizer = in_background(load_tokenizer, target_dir, config.trust_remote_code)
         tail = WorkerOutput(proc.stdout, worker_log_path(), layout.n_target)
         pgids = {proc.pid}

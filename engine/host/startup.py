@@ -73,7 +73,7 @@ def draft_corpus(config: EngineConfig) -> Path | None:
 def in_background(fn, *args) -> Future:
     """``fn(*args)`` in a daemon thread at the lowest priority. Not a ThreadPoolExecutor: the interpreter
     joins those at exit, so a start that failed while transformers was still importing at nice 19 on a
-    busy machine kept its process alive for a minute."""
+    busy machine would keep its process alive until that import ended."""
     future: Future = Future()
 
     def run() -> None:

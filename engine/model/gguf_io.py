@@ -5,7 +5,7 @@ blocks (the loader dequantises them): about the GGUF's size, where dequantised f
 larger and a 16-bit copy would change the model.
 
 torch, gguf-py and transformers are imported inside the functions that use them: ``model_dir`` reads this
-module's names in the Engine's own process, which never imports torch (~1.5 s of start-up).
+module's names in the Engine's own process, which never imports torch (a slow import at start).
 """
 
 from __future__ import annotations

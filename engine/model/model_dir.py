@@ -3,7 +3,7 @@ a directory in the cache, engine/model/gguf_io.py), its config, its tokenizer an
 ever resolved against a hub, and remote code is never trusted unless the user asks.
 
 No torch here (engine/model/loader.py reads the weights): the Engine resolves and checks the models before it
-starts any worker, and importing torch would cost it ~1.5 s of start-up.
+starts any worker, and importing torch would slow its start.
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 # The tokenizer classes by which AutoTokenizer means transformers' generic fast tokenizer (5.x:
 # TokenizersBackend, which 4.x called PreTrainedTokenizerFast): that class is loaded directly, which is the
-# same tokenizer without AutoTokenizer's model-config machinery and its import of torch (~3 s of CPU in the
-# chat's process, while torchrun imports torch beside it).
+# same tokenizer without AutoTokenizer's model-config machinery and its import of torch (seconds of CPU in
+# the chat's process, while torchrun imports torch beside it).
 GENERIC_TOKENIZERS = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
 
