@@ -82,16 +82,16 @@ def read_args(model_dir: Path) -> ModelArgs:
         raise LoadError(f"{model_dir / 'config.json'} lacks the field {e.args[0]!r}") from None
 
 
-def stored_float_dtype(model_dir: Path) -> str:
+def stored_float_dtype(model_dir: Path) -> Dtype:
     """The float width a checkpoint's weights are stored at (config.json's torch_dtype / dtype; fp32 for a
     converted GGUF, whose dequantised values fp32 holds exactly): what the CPU runs them at unless asked,
     since a narrower width would be another model."""
     if gguf_block_kinds(model_dir):
-        return "float32"
+        return Dtype.FLOAT32
     try:
         cfg = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
-        return "float32"
+        return Dtype.FLOAT32
     name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").removeprefix("torch.")
     return Dtype(name) if name in FLOAT_DTYPES else Dtype.FLOAT32
 
@@ -221,8 +221,8 @@ def tokenizer_eos_id(model_dir: Path) -> int | None:
     raise LookupError(f"{model_dir}: the EOS token {token!r} is not in a tokenizer.json")
 
 
-def default_dtype_name(cuda: bool, dtype: str = "auto") -> str:
+def resolved_dtype(cuda: bool, dtype: Dtype = Dtype.AUTO) -> Dtype:
     """The dtype a model runs at: bfloat16 on GPUs, float32 on the CPU, unless asked otherwise."""
-    if dtype != Dtype.AUTO:
+    if dtype is not Dtype.AUTO:
         return dtype
-    return "bfloat16" if cuda else "float32"
+    return Dtype.BFLOAT16 if cuda else Dtype.FLOAT32
