@@ -14,6 +14,8 @@ from typing import Any, Literal
 FinishReason = Literal["eos", "stop", "length", "context", "repetition", "cancelled", "partial", "error"]
 # The reasons after which an answer can go on (/continue): every one but a natural end.
 CUT_SHORT: frozenset[FinishReason] = frozenset({"length", "context", "repetition", "cancelled", "partial", "error"})
+# The reasons that are a limit reached: max_new_tokens or the context's end.
+AT_LIMIT: frozenset[FinishReason] = frozenset({"length", "context"})
 
 
 @dataclass

@@ -13,7 +13,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from swiftspec.engine.config import ConfigError, Device, Dtype, EngineConfig, Role, SamplingParams
+from swiftspec.engine.config import (
+    ConfigError,
+    Device,
+    DraftCorpus,
+    Dtype,
+    EngineConfig,
+    Role,
+    SamplingParams,
+)
 from swiftspec.engine.host import launcher
 from swiftspec.engine.host.protocol import RankInfo
 from swiftspec.engine.host.worker_spec import WorkerSpec
@@ -130,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerSpec, HandRun | Non
         p.error("give --spec (the Engine does), or --target and --prompt")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config = EngineConfig(target=args.target, draft=args.draft, target_procs=args.target_procs,
-                          device=args.device, threads=args.threads, draft_corpus="none").validate()
+                          device=args.device, threads=args.threads, draft_corpus=DraftCorpus.NONE).validate()
     return WorkerSpec(config, launcher.Layout(args.target_procs, world - args.target_procs), args.target,
                       args.draft), hand
 
