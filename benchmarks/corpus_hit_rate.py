@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 from swiftspec.bench.prompts import select_prompts
-from swiftspec.engine.config import SamplingParams
+from swiftspec.engine.config import Dtype, SamplingParams
 from swiftspec.engine.host.encode import encode_chat
 from swiftspec.engine.model.loader import load_model
 from swiftspec.engine.model.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir
@@ -50,7 +50,7 @@ def main() -> None:
     tok = load_tokenizer(target_dir)
     corpus_path = args.corpus or builtin_corpus()
     check_corpus(corpus_path, tok)
-    model = load_model(target_dir, "cpu", "float32", max_slots=4096, batch_invariant=False)
+    model = load_model(target_dir, "cpu", Dtype.FLOAT32, max_slots=4096, batch_invariant=False)
     corpus = load_corpus(corpus_path, model.args.vocab_size)
     target = TargetState(model, 4096)
     eos = set(eos_token_ids(target_dir))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from swiftspec.engine.config import DraftKind, SamplingParams, TreeParams
+from swiftspec.engine.config import DraftKind, Dtype, SamplingParams, TreeParams
 from swiftspec.engine.model.loader import load_model
 from swiftspec.engine.model.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir
 from swiftspec.engine.spec.corpus import builtin_corpus
@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--prompts", type=int, default=None, help="at most this many prompts")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", type=Dtype, default=Dtype.FLOAT32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mode", default="ar", choices=("ar", "sync", "async"))
     ap.add_argument("--d", type=int, default=4)

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from swiftspec.engine.config import Grammar, GrammarKind, SamplingParams, TreeParams
+from swiftspec.engine.config import Dtype, Grammar, GrammarKind, SamplingParams, TreeParams
 from swiftspec.engine.host.encode import encode_chat
 from swiftspec.engine.model.loader import load_model
 from swiftspec.engine.model.model_dir import eos_token_ids, load_tokenizer, read_args, resolve_model_dir
@@ -63,7 +63,7 @@ def main() -> None:
     model_dir = resolve_model_dir(None)
     eos = eos_token_ids(model_dir)
     vocab = grammar.Vocabulary(model_dir / "tokenizer.json", tuple(sorted(eos)), read_args(model_dir).vocab_size)
-    target = TargetState(load_model(model_dir, "cpu", "float32", max_slots=2048), 2048, vocab)
+    target = TargetState(load_model(model_dir, "cpu", Dtype.FLOAT32, max_slots=2048), 2048, vocab)
     tokenizer = load_tokenizer(model_dir)
     runs = {"ar": ("ar", True, True), "sync": ("sync", True, True), "sync, no forced drafts": ("sync", True, False),
             "async": ("async", True, True), "free ar": ("ar", False, True), "free sync": ("sync", False, True),

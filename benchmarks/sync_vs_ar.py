@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from swiftspec.engine.config import SamplingParams, TreeParams
+from swiftspec.engine.config import Dtype, SamplingParams, TreeParams
 from swiftspec.engine.model.loader import load_model
 from swiftspec.engine.model.model_dir import load_tokenizer, resolve_model_dir
 from swiftspec.engine.spec.decode import DraftState, TargetState, profile_verify_cost
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--w", type=int, default=8)
     ap.add_argument("--draft", default="suffix", help="suffix or a draft head directory")
     ap.add_argument("--set", default=",".join(CATEGORIES), help="built-in prompt sets, e.g. fresh")
-    ap.add_argument("--dtype", default="float32", help="float32, or float16 (fp16 weights, fp32 math)")
+    ap.add_argument("--dtype", type=Dtype, default=Dtype.FLOAT32, help="float32, or float16 (fp16 weights, fp32 math)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(None)

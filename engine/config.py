@@ -85,6 +85,14 @@ BUILTIN_DRAFTS: dict[str, str] = {
 }
 
 
+class DraftCorpus(StrEnum):
+    """The suffix drafter's corpus where a word names it (``--draft-corpus auto | none``); anything else
+    is a corpus file (swiftspec train-draft writes one)."""
+
+    AUTO = "auto"  # the one shipped for the embedded default, none for other targets
+    NONE = "none"  # no corpus
+
+
 class GrammarKind(StrEnum):
     """What constrains an answer's text (engine/spec/grammar.py): any JSON object, a JSON Schema, a Lark
     grammar (or llama.cpp's GBNF) or a regular expression."""
@@ -329,9 +337,9 @@ class EngineConfig:
     # Off for benchmarks, where the same prompt runs once per mode (bench --warm gives it a history of its own).
     draft_history: bool = True
     history_db: str | None = None
-    # The suffix drafter's corpus of the target's own answers (engine/spec/corpus.py): "auto" = the shipped one
-    # for the embedded default, none for other targets; "none"; or a corpus file from swiftspec train-draft.
-    draft_corpus: str = "auto"
+    # The suffix drafter's corpus of the target's own answers (engine/spec/corpus.py): a word (DraftCorpus)
+    # or a corpus file from swiftspec train-draft.
+    draft_corpus: str = DraftCorpus.AUTO
     # Verify only as many of the bs best nodes as are worth their profiled target cost (DraftState.
     # verify_cost): where extra rows cost a good part of a step (a CPU), a weak draft then degrades to about
     # one row per round instead of being slower than ar (benchmarks/sync_vs_ar.py --cost measures it).
@@ -354,7 +362,7 @@ class EngineConfig:
         self.device = _parse(Device, self.device, "device")
         self.dtype = _parse(Dtype, self.dtype, "dtype")
         self.batch_invariant = _parse(BatchInvariance, self.batch_invariant, "batch-invariant")
-        if self.draft_corpus not in ("auto", "none") and self.builtin_draft is not DraftKind.SUFFIX:
+        if self.corpus_file is not None and self.builtin_draft is not DraftKind.SUFFIX:
             raise ConfigError("a draft corpus feeds the suffix drafter: give --draft-corpus with --draft suffix")
         return self
 
@@ -362,6 +370,15 @@ class EngineConfig:
     def builtin_draft(self) -> DraftKind | None:
         """The built-in draft ``draft`` names; None for a path."""
         return DraftKind.named(self.draft)
+
+    @property
+    def corpus_file(self) -> str | None:
+        """The corpus file ``draft_corpus`` names; None for a word (DraftCorpus)."""
+        return None if self.draft_corpus in tuple(DraftCorpus) else self.draft_corpus
+
+    def without_draft(self) -> EngineConfig:
+        """This config with no draft ranks (for ``ar``, which never asks a draft for a token), so no corpus."""
+        return dataclasses.replace(self, draft=DraftKind.NONE, draft_corpus=DraftCorpus.NONE)
 
     @property
     def speculative(self) -> bool:

@@ -14,6 +14,8 @@ from typing import Any, Literal
 FinishReason = Literal["eos", "stop", "length", "context", "repetition", "cancelled", "partial", "error"]
 # The reasons after which an answer can go on (/continue): every one but a natural end.
 CUT_SHORT: frozenset[FinishReason] = frozenset({"length", "context", "repetition", "cancelled", "partial", "error"})
+# The reasons that are a limit reached: max_new_tokens or the context's end.
+AT_LIMIT: frozenset[FinishReason] = frozenset({"length", "context"})
 
 
 @dataclass
@@ -32,7 +34,7 @@ class Step:
     complete: bool | None = None  # on the last step of an answer with a grammar: whether it is complete
 
     def to_dict(self) -> dict[str, Any]:
-        """Its fields as they are (flat, so no deep copy: asdict's cost ~10x as much, once a step)."""
+        """Its fields as they are (flat, so no deep copy: asdict's would cost far more, once a step)."""
         return dict(vars(self))
 
     @classmethod

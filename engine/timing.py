@@ -5,12 +5,12 @@ threads, --dtype auto's backend) is kept for every later start, so one figure ta
 was busy would mis-size every later answer's trees. Two signs of it are read: the threads that did the
 call's work waited for a core (their run-queue delay in /proc's schedstat, summed; the threads that worked
 are the calling thread and those that ran for a quarter of the call or more, so a background thread that
-woke and waited meanwhile does not count, and a caller squeezed to a fifth of a core still does; in a quiet worker on 2 cores a forward's threads wait up to ~20 % of its wall
-time behind the process's own communication threads, beside one busy process 46-99 %; where schedstat is
-missing, the timing thread's CPU time falling short of its wall time), and the hypervisor took the
-machine's cores away (steal time in /proc/stat). A disturbed call is timed again after a pause; a timer
-with a call that never ran clean says so (``clean``), and its figures then serve their run without
-being cached.
+woke and waited meanwhile does not count, and a caller squeezed to a fifth of a core still does; a quiet
+worker's threads also wait a little behind the process's own communication threads, far less than beside
+a busy process: docs/ARCHITECTURE.md gives figures; where schedstat is missing, the timing thread's CPU
+time falling short of its wall time), and the hypervisor took the machine's cores away (steal time in
+/proc/stat). A disturbed call is timed again after a pause; a timer with a call that never ran clean says
+so (``clean``), and its figures then serve their run without being cached.
 """
 
 from __future__ import annotations

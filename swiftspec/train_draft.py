@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from swiftspec import kernels
+from swiftspec.engine.config import Dtype
 from swiftspec.engine.host.encode import encode_chat
 from swiftspec.engine.model.fp16_linear import fbgemm_available, pack_fp16_linears
 from swiftspec.engine.model.loader import load_hf_model, load_model
@@ -68,8 +69,8 @@ class Sequence:
 
 def _hf_model(target_dir: Path, device: torch.device):
     """transformers' model of the target: its batched ``generate`` answers many prompts at once. On the CPU
-    its linears take fp16 weights (FBGEMM, fp32 math, as ``--dtype float16`` runs the target): SmolLM2
-    answers 32 prompts at ~190 instead of ~150 tokens/s, and the features move by fp16 rounding only."""
+    its linears take fp16 weights (FBGEMM, fp32 math, as ``--dtype float16`` runs the target): a batch of
+    answers is faster, and the features move by fp16 rounding only."""
     model = load_hf_model(target_dir, torch.float32).to(device).eval()
     if device.type == "cpu" and fbgemm_available():
         pack_fp16_linears(model)
@@ -360,7 +361,7 @@ def train(target_dir: Path, out: Path, cfg: TrainConfig, prompts: list[str], dev
     console.print(f"corpus: {len(seqs)} answers ({n} tokens) in {out / CORPUS_FILE}, for --draft-corpus")
     if corpus_only:
         return []
-    target = load_model(target_dir, "cpu", "float32", max_slots=1, batch_invariant=False)
+    target = load_model(target_dir, "cpu", Dtype.FLOAT32, max_slots=1, batch_invariant=False)
     train_set, held = split(seqs, cfg.seed)
     lm_head = target.output.weight.detach()
     train_labels, held_labels = target_labels(train_set, lm_head), target_labels(held, lm_head)

@@ -9,7 +9,7 @@ import torch
 from tiny_models import single_thread, tiny_model_dir
 from tree_steps import tree_and_steps as verified_and_stepped
 
-from swiftspec.engine.config import EngineConfig, SamplingParams, TreeParams
+from swiftspec.engine.config import Dtype, EngineConfig, SamplingParams, TreeParams
 from swiftspec.engine.model.loader import load_model
 from swiftspec.engine.spec.decode import DraftState, TargetState
 from swiftspec.engine.spec.drafters import ModelDrafter
@@ -34,14 +34,14 @@ def model_dir():
     return tiny_model_dir(seed=4, layers=3, hidden=128, heads=4, kv_heads=2, init_range=0.02, logit_scale=1.0)
 
 
-def tree_and_steps(device: str, dtype: str, invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_and_steps(device: str, dtype: Dtype, invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of one verification of a 10-node tree behind PROMPT, and of the matching one-token steps."""
     model = load_model(model_dir(), device, dtype, max_slots=64, batch_invariant=invariant)
     return verified_and_stepped(model, PROMPT, PARENTS, 512, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("dtype", [Dtype.BFLOAT16, Dtype.FLOAT16, Dtype.FLOAT32])
 def test_tree_rows_equal_one_token_steps(device, dtype):
     tree, steps = tree_and_steps(device, dtype, invariant=True)
     assert torch.equal(tree, steps)
@@ -89,15 +89,15 @@ def test_key_list_lists_each_rows_keys_in_order():
 
 def test_default_is_on():
     assert EngineConfig().batch_invariant == "auto"
-    assert load_model(model_dir(), "cpu", "float32", max_slots=16).batch_invariant
+    assert load_model(model_dir(), "cpu", Dtype.FLOAT32, max_slots=16).batch_invariant
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_speculation_equals_ar(device):
-    target = TargetState(load_model(model_dir(), device, "bfloat16", max_slots=256), 256)
+    target = TargetState(load_model(model_dir(), device, Dtype.BFLOAT16, max_slots=256), 256)
     params = SamplingParams(mode="ar", max_new_tokens=40, ignore_eos=True)
     ar = [t for s in generate(target, None, PROMPT, params) for t in s.tokens]
-    draft = DraftState(ModelDrafter(load_model(model_dir(), device, "bfloat16", max_slots=512, batch_invariant=False)),
+    draft = DraftState(ModelDrafter(load_model(model_dir(), device, Dtype.BFLOAT16, max_slots=512, batch_invariant=False)),
                        TreeParams(bs=8, w=4))
     for mode in ("sync", "async"):
         spec = [t for s in generate(target, draft, PROMPT, dataclasses.replace(params, mode=mode), 2) for t in s.tokens]

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from tiny_models import make_tiny_gguf, q4_k_blocks
 
 from swiftspec import cache
+from swiftspec.engine.config import Dtype
 from swiftspec.engine.model import gguf_io
 from swiftspec.engine.model.gguf_io import GGUF_BLOCKS
 from swiftspec.engine.model.gguf_io import dequantize as our_dequantize
@@ -66,7 +67,7 @@ def test_weights_load_as_transformers_dequantises_them(converted):
     fused, _ = convert_hf_state_dict(hf, read_args(out), kinds)
     for name, tensor in convert_hf_state_dict(reference, read_args(out))[0].items():  # blocks fused, then dequantised
         assert torch.equal(fused[name], tensor), name
-    model = load_model(out, dtype="float32", max_slots=64)
+    model = load_model(out, dtype=Dtype.FLOAT32, max_slots=64)
     assert torch.equal(model.tok_embeddings.weight, reference["model.embed_tokens.weight"])
     hf = load_hf_model(out).state_dict()  # what the tests and the bench compare with
     assert all(torch.equal(hf[name], tensor) for name, tensor in reference.items())
@@ -97,9 +98,9 @@ def test_blocks_are_kept_and_the_rest_is_stored_exactly(converted):
 
 def test_title_names_the_precision_and_the_source(converted, tmp_path):
     _, out, _ = converted
-    assert gguf_io.precision_label(out, "float32") == "fp32 (from Q8_0 GGUF)"  # most of the tiny GGUF's values
-    assert gguf_io.precision_label(out, "bfloat16") == "bf16 (from Q8_0 GGUF)"
-    assert gguf_io.precision_label(tmp_path, "float16") == "fp16"  # a plain model directory
+    assert gguf_io.precision_label(out, Dtype.FLOAT32) == "fp32 (from Q8_0 GGUF)"  # most of the tiny GGUF's values
+    assert gguf_io.precision_label(out, Dtype.BFLOAT16) == "bf16 (from Q8_0 GGUF)"
+    assert gguf_io.precision_label(tmp_path, Dtype.FLOAT16) == "fp16"  # a plain model directory
 
 
 def test_cache_list_shows_true_sizes(converted):

@@ -11,7 +11,7 @@ import torch
 from tiny_models import make_tiny_gguf, q4_k_blocks, single_thread, tiny_model_dir
 from tree_steps import tree_and_steps as verified_and_stepped
 
-from swiftspec.engine.config import SamplingParams, TreeParams
+from swiftspec.engine.config import Dtype, SamplingParams, TreeParams
 from swiftspec.engine.model import cpu_backends, cpu_blocks, gguf_io
 from swiftspec.engine.model.cpu_backends import PackedLinear
 from swiftspec.engine.model.cpu_blocks import Blocks
@@ -29,7 +29,7 @@ TREES = {  # parents of each node: a chain, a star, and a root with three branch
     "star": [-1, 0, 0, 0, 0, 0, 0, 0],
     "branches": [-1, 0, 0, 1, 1, 3, 2, 5],
 }
-BACKENDS = ["float32", "float16", "bfloat16", "gguf", "int4"]
+BACKENDS = [Dtype.FLOAT32, Dtype.FLOAT16, Dtype.BFLOAT16, Dtype.GGUF, Dtype.INT4]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,8 +51,8 @@ def float_dir():
     return tiny_model_dir(seed=4, layers=3, hidden=128, heads=4, kv_heads=2, init_range=0.02, logit_scale=1.0)
 
 
-def model_for(backend: str, gguf_dir, slots: int = 128):
-    return load_model(gguf_dir if backend == "gguf" else float_dir(), "cpu", backend, max_slots=slots)
+def model_for(backend: Dtype, gguf_dir, slots: int = 128):
+    return load_model(gguf_dir if backend is Dtype.GGUF else float_dir(), "cpu", backend, max_slots=slots)
 
 
 def tree_and_steps(model, parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +69,7 @@ def test_tree_rows_equal_one_token_steps(backend, tree, gguf_dir):
         assert torch.equal(rows, steps), (backend, tree, n)
 
 
-@pytest.mark.parametrize("backend", ["gguf", "float32"])
+@pytest.mark.parametrize("backend", [Dtype.GGUF, Dtype.FLOAT32])
 def test_the_stack_in_one_call_computes_the_blocks_in_turn(backend, gguf_dir):
     """Without TP the layers run as one call into the kernels; with TP as two a layer around the all-reduces:
     the same bits, and the same cache contents."""
@@ -83,7 +83,7 @@ def test_the_stack_in_one_call_computes_the_blocks_in_turn(backend, gguf_dir):
 
 
 def test_the_gguf_backend_runs_the_files_own_blocks(gguf_dir):
-    model = model_for("gguf", gguf_dir)
+    model = model_for(Dtype.GGUF, gguf_dir)
     fmts = {name: m.fmt for name, m in model.named_modules() if isinstance(m, PackedLinear)}
     assert fmts["layers.1.attention.wqkv"] == Format.Q4  # Q4_1 rows fused as blocks
     assert fmts["layers.0.attention.wqkv"] == Format.F32  # q/k Q4_1 with v Q8_0: dequantised
@@ -99,7 +99,7 @@ def test_the_gguf_backend_runs_the_files_own_blocks(gguf_dir):
 
 def test_gguf_logits_stay_close_to_the_fp32_dequantised_model(gguf_dir):
     """int16 activations: within 0.2 % of the logits' range of the fp32 model's."""
-    ours, fp32 = model_for("gguf", gguf_dir), load_model(gguf_dir, "cpu", "float32", max_slots=128, batch_invariant=False)
+    ours, fp32 = model_for(Dtype.GGUF, gguf_dir), load_model(gguf_dir, "cpu", Dtype.FLOAT32, max_slots=128, batch_invariant=False)
     a, _ = tree_and_steps(ours, TREES["branches"])
     b, _ = tree_and_steps(fp32, TREES["branches"])
     assert (a - b).abs().max() < 0.002 * (b.max() - b.min())
@@ -184,8 +184,8 @@ def test_speculation_equals_ar(backend, gguf_dir):
     target = TargetState(model_for(backend, gguf_dir, 256), 256)
     params = SamplingParams(mode="ar", max_new_tokens=40, ignore_eos=True)
     ar = [t for s in generate(target, None, PROMPT, params) for t in s.tokens]
-    draft_dir = gguf_dir if backend == "gguf" else float_dir()
-    draft = DraftState(ModelDrafter(load_model(draft_dir, "cpu", "float32", max_slots=512, batch_invariant=False)),
+    draft_dir = gguf_dir if backend is Dtype.GGUF else float_dir()
+    draft = DraftState(ModelDrafter(load_model(draft_dir, "cpu", Dtype.FLOAT32, max_slots=512, batch_invariant=False)),
                        TreeParams(bs=8, w=4))
     for mode in ("sync", "async"):
         spec = [t for s in generate(target, draft, PROMPT, dataclasses.replace(params, mode=mode), 2) for t in s.tokens]
@@ -205,13 +205,13 @@ def test_synthetic_costs_measure_every_row_count():
     from swiftspec.engine.model.model_args import ModelArgs
 
     args = ModelArgs.from_hf_config(json.loads((float_dir() / "config.json").read_text()))
-    for backend in ("gguf", "float16"):
+    for backend in (Dtype.GGUF, Dtype.FLOAT16):
         costs = cpu_backends.synthetic_costs(args, backend, 4)
         assert len(costs) == 4 and all(c > 0 for c in costs)
 
 
 def test_widths_the_kernels_cannot_take_fall_back_to_one_row_forwards():
     odd = tiny_model_dir(seed=1, layers=1, hidden=48, heads=4, kv_heads=2)
-    model = load_model(odd, "cpu", "auto", max_slots=32)
+    model = load_model(odd, "cpu", Dtype.AUTO, max_slots=32)
     assert not isinstance(model.output, PackedLinear) and model.batch_invariant  # exact, the slow way
     assert "multiples of 32" in cpu_backends.kernels_available(model.args)

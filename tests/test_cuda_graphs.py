@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from swiftspec.engine.config import Dtype
 from swiftspec.engine.model.cuda_graphs import GraphedModel
 from swiftspec.engine.model.loader import load_model
 
@@ -45,7 +46,7 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def load_pair(model_dir, device="cpu", dtype="auto", **graph_kw):
+def load_pair(model_dir, device="cpu", dtype=Dtype.AUTO, **graph_kw):
     """(plain model, the same weights wrapped) with the same usable slots; kv buckets from 16 so that a
     100-slot cache crosses several."""
     plain = load_model(model_dir, device, dtype, max_slots=USABLE)
@@ -128,7 +129,7 @@ def test_padded_forward_matches_plain_model(model_dir):
 def test_padded_forward_is_bit_exact_in_bf16(model_dir):
     """bf16 takes the batch-invariant mode (the default off fp32-on-CPU): padding rows and kv columns can
     then change nothing in a real row, and the graph path gives the plain model's logits and K/V bit for bit."""
-    plain, wrapped = load_pair(model_dir, dtype="bfloat16", capture=False)
+    plain, wrapped = load_pair(model_dir, dtype=Dtype.BFLOAT16, capture=False)
     assert plain.batch_invariant and wrapped.batch_invariant
     for i, (tokens, pos, slots, mask, kw) in enumerate(calls("cpu")):
         want = as_tuple(plain(tokens, pos, slots, mask, **kw))

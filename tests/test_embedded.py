@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from swiftspec.engine.config import SamplingParams
+from swiftspec.engine.config import Dtype, SamplingParams
 from swiftspec.engine.host.encode import encode_chat
 from swiftspec.engine.model import embedded, gguf_io
 from swiftspec.engine.model.loader import load_model
@@ -100,7 +100,7 @@ def test_conversion_keeps_the_blocks_and_loads_bit_for_bit(embedded_dir, hf_from
     assert all(torch.equal(ours[k].float(), reference[k]) for k in ours) and len(ours) == len(reference) - 1
     hf = load_hf_model(embedded_dir).state_dict()
     assert all(torch.equal(hf[k], v) for k, v in reference.items())
-    assert gguf_io.precision_label(embedded_dir, "float32") == "fp32 (from Q4_1 GGUF)"
+    assert gguf_io.precision_label(embedded_dir, Dtype.FLOAT32) == "fp32 (from Q4_1 GGUF)"
 
 
 def test_the_eos_read_from_the_files_is_the_tokenizers(embedded_dir, embedded_tokenizer):
@@ -110,7 +110,7 @@ def test_the_eos_read_from_the_files_is_the_tokenizers(embedded_dir, embedded_to
 
 def test_greedy_equals_transformers_generate(embedded_dir, embedded_tokenizer, hf_from_gguf):
     hf = hf_from_gguf
-    target = TargetState(load_model(embedded_dir, dtype="float32", max_slots=512), 512)
+    target = TargetState(load_model(embedded_dir, dtype=Dtype.FLOAT32, max_slots=512), 512)
     params = SamplingParams(mode="ar", max_new_tokens=64)  # both stop at EOS (if it comes first)
     eos = set(eos_token_ids(embedded_dir))
     for prompt in CHATS:
@@ -127,8 +127,8 @@ def test_the_gguf_backend_stays_close_to_the_fp32_dequantised_model(embedded_dir
     fp32 model's (measured: 0.02-0.03 %; int8 activations, as llama.cpp's, gave 5-6 %), same top token."""
     from swiftspec.engine.spec.tree_cache import prefill_forward
 
-    ours = load_model(embedded_dir, dtype="gguf", max_slots=512)
-    fp32 = load_model(embedded_dir, dtype="float32", max_slots=512)
+    ours = load_model(embedded_dir, dtype=Dtype.GGUF, max_slots=512)
+    fp32 = load_model(embedded_dir, dtype=Dtype.FLOAT32, max_slots=512)
     assert ours.precision.startswith("gguf (Q4_1 blocks)")
     for prompt in CHATS:
         ids = encode_chat(embedded_tokenizer, [{"role": "user", "content": prompt}])

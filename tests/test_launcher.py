@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from swiftspec.engine.config import ConfigError, EngineConfig, TreeParams
+from swiftspec.engine.config import ConfigError, Dtype, EngineConfig, TreeParams
 from swiftspec.engine.host import launcher
 from swiftspec.engine.host.client import Engine
 from swiftspec.engine.host.protocol import RankInfo
@@ -216,10 +216,10 @@ def test_max_seq_len_beyond_the_model_is_limited_before_any_process_starts(targe
 
 
 @pytest.mark.parametrize("gguf_type, device, dtype, backend, name", [
-    ("Q4_1", "cpu", "gguf", "gguf (Q4_1 blocks) · int16 activations · AVX2", "gguf (Q4_1 blocks) · int16 activations · AVX2"),
-    ("Q4_1", "cpu", "float32", None, "fp32 (from Q4_1 GGUF)"),  # torch's linears: no backend label
-    ("Q4_K", "cuda", "auto", None, "bf16 (from Q4_K GGUF)"),
-    (None, "cuda", "float16", None, "fp16"),
+    ("Q4_1", "cpu", Dtype.GGUF, "gguf (Q4_1 blocks) · int16 activations · AVX2", "gguf (Q4_1 blocks) · int16 activations · AVX2"),
+    ("Q4_1", "cpu", Dtype.FLOAT32, None, "fp32 (from Q4_1 GGUF)"),  # torch's linears: no backend label
+    ("Q4_K", "cuda", Dtype.AUTO, None, "bf16 (from Q4_K GGUF)"),
+    (None, "cuda", Dtype.FLOAT16, None, "fp16"),
 ])
 def test_title_names_the_precision_the_target_runs_at(gguf_type, device, dtype, backend, name, tmp_path):
     """The CPU backend's own label, else the dtype and, for a GGUF, the type its weights came in."""

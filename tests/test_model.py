@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from swiftspec.engine.config import Dtype
 from swiftspec.engine.model.cpu_backends import PackedLinear
 from swiftspec.engine.model.loader import load_model
 from swiftspec.engine.model.model_dir import LoadError, resolve_model_dir
@@ -67,7 +68,7 @@ def test_bf16_logits_close_to_transformers(name, tmp_path):
     both round every op to bf16 (8 mantissa bits), in different places, so they agree to ~1e-2 of the
     logits' range."""
     hf = save_hf(name, tmp_path).to(torch.bfloat16)
-    ours = load_model(tmp_path, dtype="bfloat16", max_slots=64)
+    ours = load_model(tmp_path, dtype=Dtype.BFLOAT16, max_slots=64)
     assert ours.batch_invariant
     ids = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(2)).tolist()
     want = hf_logits(hf, ids)
@@ -81,7 +82,7 @@ def test_fp16_weights_on_the_cpu_compute_in_fp32(name, tmp_path):
     so the model is transformers' fp32 forward of the fp16-rounded weights; the KV cache and the embedding
     stay fp32."""
     hf = save_hf(name, tmp_path)
-    ours = load_model(tmp_path, dtype="float16", max_slots=64)
+    ours = load_model(tmp_path, dtype=Dtype.FLOAT16, max_slots=64)
     assert not any(isinstance(m, torch.nn.Linear) for m in ours.modules())
     packed = [m for m in ours.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 2 * 4 + 1 and all(m.fmt == Format.F16 for m in packed)  # 4 a layer, lm_head

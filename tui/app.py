@@ -24,6 +24,7 @@ from textual.widgets import Footer, Header
 from swiftspec import window
 from swiftspec.conversation import CannotAnswer, Conversation, Kind, Settings, describe
 from swiftspec.engine.config import MODES
+from swiftspec.engine.events import AT_LIMIT
 from swiftspec.engine.host.answer import AnswerSummary
 from swiftspec.engine.host.protocol import EngineAPI
 from swiftspec.history import HistoryStore
@@ -295,7 +296,7 @@ class SwiftSpecApp(App[int]):
         elif finish == "repetition":
             self.notify("The answer was stopped: it kept repeating itself (the loop guard) — /continue goes on.",
                         timeout=6)
-        elif finish in ("length", "context"):
+        elif finish in AT_LIMIT:
             self.notify(f"The answer was cut by the {'context' if finish == 'context' else 'token limit'}"
                         " — /continue goes on.", timeout=6)
 

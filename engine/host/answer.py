@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from swiftspec.engine.events import FinishReason, Step, StepEvent, StepStats
+from swiftspec.engine.events import CUT_SHORT, FinishReason, Step, StepEvent, StepStats
 from swiftspec.engine.host.detok import IncrementalDetokenizer
 
 
@@ -137,6 +137,6 @@ class AnswerSummary:
                 bits.append(f"{s.mean_accepted:.2f} tok/verify")
             bits.append(f"p50 {s.ms_per_token_p50:.1f} ms/tok")
         reason = self.finish_reason
-        if reason and (not short or reason not in ("eos", "stop")):
+        if reason and (not short or reason in CUT_SHORT):
             bits.append(reason)
         return " · ".join(bits)

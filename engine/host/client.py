@@ -109,7 +109,7 @@ class Engine:
             tokenizer = load_tokenizer(target_dir, config.trust_remote_code)
             vocab_size = check_vocab_compatible(tokenizer, load_tokenizer(draft.model_dir, config.trust_remote_code))
         corpus = draft_corpus(config)
-        if corpus is not None and config.draft_corpus != "auto":  # the shipped one is the embedded model's
+        if corpus is not None and config.corpus_file is not None:  # the shipped one is the embedded model's
             tokenizer = tokenizer or load_tokenizer(target_dir, config.trust_remote_code)
             check_corpus(corpus, tokenizer)
         layout = launcher.plan_layout(config, launcher.visible_gpus(config.device))
@@ -127,7 +127,7 @@ class Engine:
         except BaseException:
             launcher.remove_run_dir(run_dir)
             raise
-        if tokenizer is None:  # its imports (~2 s) run while the workers start, not before
+        if tokenizer is None:  # its imports (seconds) run while the workers start, not before
             tokenizer = in_background(load_tokenizer, target_dir, config.trust_remote_code)
         tail = WorkerOutput(proc.stdout, worker_log_path(), layout.n_target)
         pgids = {proc.pid}

@@ -53,7 +53,7 @@ GPU_DRIVER_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")  # NVIDIA, ROCm, W
 
 
 def visible_gpus(device: str) -> int:
-    """The CUDA devices the workers will see. torch (~1.5 s to import) is asked only where a GPU driver
+    """The CUDA devices the workers will see. torch (slow to import) is asked only where a GPU driver
     is installed: without one of its device nodes, no CUDA device can be visible."""
     if device == Device.CPU or (device == Device.AUTO and not any(map(os.path.exists, GPU_DRIVER_NODES))):
         return 0
@@ -225,7 +225,8 @@ def spawn(cmd: list[str], env: dict[str, str], run_dir: Path) -> subprocess.Pope
 
     The workers of this node meet through a FileStore in ``run_dir`` and talk over the loopback interface
     (gloo, and NCCL's bootstrap). OpenMP threads sleep instead of spinning while they wait: spinning
-    threads cost 8-25x in speed as soon as another process wants a core (benchmarks/contention.py).
+    threads slow decoding many times over as soon as another process wants a core (benchmarks/contention.py;
+    the README gives figures).
     No process of the group imports from the directory it was started in (PYTHONSAFEPATH: ``python -m``
     would put it first on sys.path, where a folder named like a library, such as a checkout's kernels/,
     would hide that library).

@@ -1,6 +1,6 @@
 """Ties a process to its parent's life: imports nothing heavy, so a worker can call it first thing.
 
-A worker sets its death signal before it imports torch (1.5-3 s): a torchrun killed in that window would
+A worker sets its death signal before it imports torch (seconds): a torchrun killed in that window would
 otherwise leave it orphaned for good, stuck in ``init_process_group``.
 """
 

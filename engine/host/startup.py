@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
-from swiftspec.engine.config import DraftKind, EngineConfig
+from swiftspec.engine.config import DraftCorpus, DraftKind, EngineConfig
 from swiftspec.engine.host import frames, protocol
 from swiftspec.engine.host.failures import EngineError, WorkerOutput
 from swiftspec.engine.host.frames import Failure, Hello, Progress, Ready
@@ -58,12 +58,12 @@ def model_id(config: EngineConfig) -> str:
 
 
 def draft_corpus(config: EngineConfig) -> Path | None:
-    """The suffix drafter's corpus file: with "auto", the one shipped for the embedded default (none for
-    other targets); "none"; or the user's file."""
-    if config.builtin_draft is not DraftKind.SUFFIX or config.draft_corpus == "none":
+    """The suffix drafter's corpus file: the user's, else with ``auto`` the one shipped for the embedded
+    default (none for other targets)."""
+    if config.builtin_draft is not DraftKind.SUFFIX or config.draft_corpus == DraftCorpus.NONE:
         return None
-    if config.draft_corpus != "auto":
-        return Path(config.draft_corpus).expanduser()
+    if config.corpus_file is not None:
+        return Path(config.corpus_file).expanduser()
     from swiftspec.engine.spec.corpus import builtin_corpus  # numpy: only for the suffix drafter's corpus
 
     shipped = builtin_corpus()
@@ -73,7 +73,7 @@ def draft_corpus(config: EngineConfig) -> Path | None:
 def in_background(fn, *args) -> Future:
     """``fn(*args)`` in a daemon thread at the lowest priority. Not a ThreadPoolExecutor: the interpreter
     joins those at exit, so a start that failed while transformers was still importing at nice 19 on a
-    busy machine kept its process alive for a minute."""
+    busy machine would keep its process alive until that import ended."""
     future: Future = Future()
 
     def run() -> None:

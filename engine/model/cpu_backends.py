@@ -30,7 +30,6 @@ from swiftspec.kernels import cpu_linear
 from swiftspec.kernels.cpu_linear import Format, KernelsUnavailable
 
 FLOAT_FORMATS = {Dtype.FLOAT32: Format.F32, Dtype.FLOAT16: Format.F16, Dtype.BFLOAT16: Format.BF16}
-CPU_BACKENDS = (*FLOAT_FORMATS, Dtype.GGUF)
 
 
 def library() -> ctypes.CDLL:
@@ -210,7 +209,7 @@ def _linears(model: nn.Module):
                 yield mod, name, child
 
 
-def apply(model: nn.Module, backend: str, blocks: dict[str, Blocks] | None = None, quantize: bool = False) -> str:
+def apply(model: nn.Module, backend: Dtype, blocks: dict[str, Blocks] | None = None, quantize: bool = False) -> str:
     """Replaces the model's linears (and, with blocks, its embedding) by packed ones and its attention by
     the library's; returns the precision label ("gguf (Q4_1 blocks) · int16 activations · AVX2").
 
@@ -249,7 +248,7 @@ def apply(model: nn.Module, backend: str, blocks: dict[str, Blocks] | None = Non
     return label(backend, blocks, dll, quantize)
 
 
-def label(backend: str, blocks: dict[str, Blocks], dll: ctypes.CDLL, quantized: bool = False) -> str:
+def label(backend: Dtype, blocks: dict[str, Blocks], dll: ctypes.CDLL, quantized: bool = False) -> str:
     """What the title bar shows, in --dtype's own words: "gguf (Q4_1 blocks) · int16 activations · AVX2" (a
     GGUF's own blocks, named by their 4-bit types, else their types), "int4 (packed at load) · …",
     "float16 weights · fp32 math · AVX2"."""
@@ -262,7 +261,7 @@ def label(backend: str, blocks: dict[str, Blocks], dll: ctypes.CDLL, quantized: 
     return f"{what} · int16 activations · {isa}"
 
 
-def synthetic_costs(args, backend: str, rows: int, layers: int | None = None, timer: CleanTimer | None = None
+def synthetic_costs(args, backend: Dtype, rows: int, layers: int | None = None, timer: CleanTimer | None = None
                     ) -> list[float]:
     """Milliseconds of a forward of 1..``rows`` rows with ``backend``, measured on one decoder block and
     the lm_head of the model's shapes with random weights (what a step costs differs between backends in

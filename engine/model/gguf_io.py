@@ -5,7 +5,7 @@ blocks (the loader dequantises them): about the GGUF's size, where dequantised f
 larger and a 16-bit copy would change the model.
 
 torch, gguf-py and transformers are imported inside the functions that use them: ``model_dir`` reads this
-module's names in the Engine's own process, which never imports torch (~1.5 s of start-up).
+module's names in the Engine's own process, which never imports torch (a slow import at start).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from swiftspec.engine.config import Dtype
 from swiftspec.engine.paths import cache_dir
 
 if TYPE_CHECKING:
@@ -173,10 +174,10 @@ def _save_weights(model, gguf: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def precision_label(model_dir: Path, dtype: str) -> str:
-    """How the title bar says what the target runs at: ``dtype`` ("float32"), and for a converted GGUF the
+def precision_label(model_dir: Path, dtype: Dtype) -> str:
+    """How the title bar says what the target runs at: ``dtype`` ("fp32"), and for a converted GGUF the
     type its blocks came in, which is not what runs (they are dequantised at load): "fp32 (from Q4_1 GGUF)"."""
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+    short = {Dtype.FLOAT32: "fp32", Dtype.BFLOAT16: "bf16", Dtype.FLOAT16: "fp16"}.get(dtype, dtype.value)
     try:
         with (model_dir / "model.safetensors").open("rb") as f:
             source = json.loads(f.read(int.from_bytes(f.read(8), "little")))["__metadata__"][SOURCE_METADATA]

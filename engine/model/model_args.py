@@ -1,5 +1,5 @@
 """A checkpoint's config.json, read into what our model needs. No torch here: the Engine checks a
-model's config before it starts any worker, and importing torch costs it ~1.5 s of start-up."""
+model's config before it starts any worker, and importing torch would slow its start."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ a directory in the cache, engine/model/gguf_io.py), its config, its tokenizer an
 ever resolved against a hub, and remote code is never trusted unless the user asks.
 
 No torch here (engine/model/loader.py reads the weights): the Engine resolves and checks the models before it
-starts any worker, and importing torch would cost it ~1.5 s of start-up.
+starts any worker, and importing torch would slow its start.
 """
 
 from __future__ import annotations
@@ -82,16 +82,16 @@ def read_args(model_dir: Path) -> ModelArgs:
         raise LoadError(f"{model_dir / 'config.json'} lacks the field {e.args[0]!r}") from None
 
 
-def stored_float_dtype(model_dir: Path) -> str:
+def stored_float_dtype(model_dir: Path) -> Dtype:
     """The float width a checkpoint's weights are stored at (config.json's torch_dtype / dtype; fp32 for a
     converted GGUF, whose dequantised values fp32 holds exactly): what the CPU runs them at unless asked,
     since a narrower width would be another model."""
     if gguf_block_kinds(model_dir):
-        return "float32"
+        return Dtype.FLOAT32
     try:
         cfg = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
-        return "float32"
+        return Dtype.FLOAT32
     name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").removeprefix("torch.")
     return Dtype(name) if name in FLOAT_DTYPES else Dtype.FLOAT32
 
@@ -152,8 +152,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 # The tokenizer classes by which AutoTokenizer means transformers' generic fast tokenizer (5.x:
 # TokenizersBackend, which 4.x called PreTrainedTokenizerFast): that class is loaded directly, which is the
-# same tokenizer without AutoTokenizer's model-config machinery and its import of torch (~3 s of CPU in the
-# chat's process, while torchrun imports torch beside it).
+# same tokenizer without AutoTokenizer's model-config machinery and its import of torch (seconds of CPU in
+# the chat's process, while torchrun imports torch beside it).
 GENERIC_TOKENIZERS = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
 
@@ -221,8 +221,8 @@ def tokenizer_eos_id(model_dir: Path) -> int | None:
     raise LookupError(f"{model_dir}: the EOS token {token!r} is not in a tokenizer.json")
 
 
-def default_dtype_name(cuda: bool, dtype: str = "auto") -> str:
+def resolved_dtype(cuda: bool, dtype: Dtype = Dtype.AUTO) -> Dtype:
     """The dtype a model runs at: bfloat16 on GPUs, float32 on the CPU, unless asked otherwise."""
-    if dtype != Dtype.AUTO:
+    if dtype is not Dtype.AUTO:
         return dtype
-    return "bfloat16" if cuda else "float32"
+    return Dtype.BFLOAT16 if cuda else Dtype.FLOAT32

@@ -255,7 +255,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args, self.tp_group, self.tp_world = args, tp_group, tp_world
         lay = shard_layout(args, tp_world)
-        # _weight skips the random init: on the meta device that init alone imports ~1.5 s of torch._refs.
+        # _weight skips the random init: on the meta device that init alone imports torch._refs, which is slow.
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim))
         self.layers = Layers(TransformerBlock(args, lay.n_heads, lay.n_kv_heads, lay.intermediate)
                                     for _ in range(args.n_layers))
@@ -286,11 +286,10 @@ class Transformer(nn.Module):
 
     def transpose_cpu_weights(self) -> None:
         """Stores every linear's weight column-major (fp32 CPU only): MKL's GEMM for the handful of rows a
-        decode step or a small verification forwards is fastest that way (SmolLM2, 2 threads: a one-row
-        step ~52 -> ~40 ms, two rows ~90 -> ~64 ms; beyond four rows both layouts cost the same). The tied
-        lm_head gets its own copy, so the embedding lookup keeps reading contiguous rows. Not MKL's
-        prepacked weights: they pad 2..7 rows to 8 (a verification costs ~2.6 one-row steps) and take a
-        second to pack at load."""
+        decode step or a small verification forwards is fastest that way (beyond a few rows both layouts
+        cost the same; docs/ARCHITECTURE.md gives figures). The tied lm_head gets its own copy, so the
+        embedding lookup keeps reading contiguous rows. Not MKL's prepacked weights: they pad 2..7 rows to
+        8, so a small verification costs as much as eight rows, and they take a while to pack at load."""
         if self.tok_embeddings.weight.dtype != torch.float32:
             return
         for mod in self.modules():

@@ -1,10 +1,11 @@
 """A corpus for the suffix drafter: the target's own answers to many prompts (``swiftspec train-draft``
 writes one), as a file and as a static n-gram table.
 
-A small model's phrasing recurs across answers ("Here are some tips to help you", "In summary,"); on fresh
-chat questions the conversation alone predicts SmolLM2's next token 33 % of the time, and with the
-corpus of its answers to 2,400 other prompts 46 %. The drafter still proposes only: the target verifies
-every token, so a corpus can make speculation slower or faster, never wrong.
+A small model's phrasing recurs across answers ("Here are some tips to help you", "In summary,"), so a
+corpus of its answers to other prompts predicts its next token on fresh chat questions more often than
+the conversation alone does (``benchmarks/corpus_hit_rate.py``; the README gives figures). The drafter
+still proposes only: the target verifies every token, so a corpus can make speculation slower or faster,
+never wrong.
 
 The file is safetensors: ``tokens`` (int32, the answers, each led in by the last tokens of its prompt, -1
 between answers) and metadata naming the format, the vocabulary size and a fingerprint of the tokenizer's

@@ -150,9 +150,9 @@ class DraftHead(nn.Module):
 
     def pack_fp16_cpu_weights(self) -> None:
         """Drafting on the CPU: the linears and the lm_head rows as FBGEMM fp16-weight linears (fp32 math).
-        An expansion of w = 4 leaves on SmolLM2's head spends ~3 of its ~4.7 ms in fp32 GEMMs of a few
-        rows, which is where FBGEMM's are cheap; a draft's rounding never reaches the output. Inference
-        only: training keeps the fp32 weights."""
+        Most of an expansion's time goes to fp32 GEMMs of a few rows, which is where FBGEMM's are cheap
+        (docs/ARCHITECTURE.md gives figures); a draft's rounding never reaches the output. Inference only:
+        training keeps the fp32 weights."""
         pack_fp16_linears(self)
         self.lm_head = FP16WeightLinear(self.lm_head_weight)
 

@@ -73,7 +73,7 @@ class PayingExpansions:
 
 class PaybackGate:
     """``sync`` with a draft whose own time is a real share of a step (a head, a draft model; rarely the
-    suffix drafter, whose expansions take ~0.1 ms): drafting must earn that time back. Every drafting
+    suffix drafter, whose expansions are table lookups): drafting must earn that time back. Every drafting
     round's realised rate (tokens per one-node step, its drafting and verification counted; a plain step
     makes 1) and its drafting's share of a step feed running means; while the mean rate is below 1 and the
     mean share at least ``MIN_DRAFT_SHARE``, the draft sits out 1, 2, 4 ... 32 rounds, which are then plain

@@ -2,7 +2,7 @@
 and only here, a draft path is told apart as a draft head or a draft model.
 
 Nothing here imports torch at the top: the Engine's own process parses the draft before any worker
-starts, and importing torch would cost it ~1.5 s of start-up; the one torch import below serves an EAGLE
+starts, and importing torch would slow its start; the one torch import below serves an EAGLE
 head stored as ``pytorch_model.bin``.
 """
 

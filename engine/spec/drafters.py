@@ -108,22 +108,21 @@ class SuffixDrafter:
 
     Probabilities are the continuation frequencies times a confidence in the match length n
     (``match_weight``): n / (n + c) with c = 1.75, but c = 4 for a one-token match, and 0.955 for a match
-    as long as the index is deep (max_order), a copy whose real length is unknown. Measured on SmolLM2's
-    answers (the shipped corpus, teacher-forced, ``benchmarks/history_calibration.py``): a one-token match
-    in the conversation predicts the next token 20 % of the time, 2..15 tokens 51-89 % (c = 1.7-1.9), a
-    full-depth one 95.5 %, where the single n / (n + 2) said 23 %, 46-85 % and 88 %: it under-sized the
-    trees of long copies, which second turns are full of. A corpus match of the same length is right less
-    often (c = 4 calibrates it on held-out questions). So weights stay calibrated and the tree grows deep
-    along confident copies and stays small where the context is ambiguous.
+    as long as the index is deep (max_order), a copy whose real length is unknown. These constants are
+    fitted to how often a match of each length predicts the target's next token, teacher-forced over the
+    shipped corpus's answers (``benchmarks/history_calibration.py``; docs/ARCHITECTURE.md gives the
+    figures): a single n / (n + 2) would under-size the trees of long copies, which second turns are full
+    of. A corpus match of the same length is right less often (c = 4, calibrated on held-out questions).
+    So weights stay calibrated and the tree grows deep along confident copies and stays small where the
+    context is ambiguous.
 
     A history match is sized by its support too (adaptive speculation, as SuffixDecoding scores a match by
     its length and counts): a continuation seen c times after a context seen t times is proposed with
     p = c / (t + h / n), as if a match of n tokens left h / n continuations unseen. One sighting gives
-    n / (n + h), the rule above; a context seen often gives its frequencies. Measured on SmolLM2's answers
-    (``benchmarks/history_calibration.py``, h = 5): a one-sighting history match of 3-4 tokens is right 39 %
-    of the time (the conversation's rule would say 63 %), a context seen 16 times or more 44 % (it said
-    31 %). The cost-aware trees (``DraftState``) size each round by these probabilities: depth along
-    well-supported copies, siblings where the support is split, nothing where it is thin.
+    n / (n + h), the rule above; a context seen often gives its frequencies. h = 5 fits the same benchmark:
+    a short match seen once is right less often than the conversation's rule would say, a context seen
+    often more often. The cost-aware trees (``DraftState``) size each round by these probabilities: depth
+    along well-supported copies, siblings where the support is split, nothing where it is thin.
     """
 
     HISTORY_TOKENS = 200_000

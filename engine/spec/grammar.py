@@ -129,7 +129,7 @@ class Vocabulary:
 
 @cache
 def _tokenizer(vocab: Vocabulary) -> llguidance.LLTokenizer:
-    """Built once a process: ~0.45 s for the embedded model's 49,152 tokens."""
+    """Built once a process, at its first constrained request: it reads the whole vocabulary."""
     if not vocab.tokenizer_json.is_file():
         raise GrammarError("a grammar needs the model's tokenizer.json (a fast tokenizer), which it lacks")
     return llguidance.LLTokenizer(vocab.tokenizer_json.read_text(), n_vocab=vocab.n_vocab, eos_token=list(vocab.eos))

@@ -10,7 +10,7 @@ import sys  # noqa: E402
 from swiftspec.engine.worker.serve import main  # noqa: E402
 
 code = main()
-# A clean end skips the interpreter's teardown of torch (~0.3 s that the Engine's close would wait for):
+# A clean end skips the interpreter's teardown of torch (which the Engine's close would wait for):
 # the process group is destroyed, the leader's socket flushed, and nothing else is left to write.
 sys.stdout.flush()
 sys.stderr.flush()

@@ -274,7 +274,7 @@ ACCEPTANCE_PRIOR = {DraftKind.NONE: 0.0, DraftKind.SUFFIX: 0.35}
 ACCEPTANCE_OTHER = 0.5
 
 
-def read_backend_costs(path: Path, candidates: list[str]) -> dict[str, list[float]] | None:
+def read_backend_costs(path: Path, candidates: list[Dtype]) -> dict[str, list[float]] | None:
     """The backends' costs cached at ``path``; None without a readable cache, or for one of other
     candidates (it is measured again)."""
     try:
@@ -289,7 +289,7 @@ def expected_rate(costs: list[float], p: float) -> float:
     return max(sum(p ** i for i in range(n)) / c for n, c in enumerate(costs, 1))
 
 
-def choose_cpu_backend(ctx: Ctx, say: Callable[[str], None]) -> str:
+def choose_cpu_backend(ctx: Ctx, say: Callable[[str], None]) -> Dtype:
     """--dtype auto on the CPU: of the checkpoint's own width and (for a GGUF) its blocks, the backend with the
     best expected throughput, from each candidate's
     measured step and verification costs (cpu_backends.synthetic_costs) and the drafter's expected

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"loading target {spec.name} on {ctx.n_target} rank(s)"
                 + (f" and {draft} on {ctx.world - ctx.n_target} rank(s)" if spec.draft_spec.speculative else ", no draft"))
         config = spec.config
-        if ctx.role == "target" and ctx.device.type == "cpu" and config.dtype == Dtype.AUTO and config.batch_invariant != BatchInvariance.OFF:
+        if ctx.role == "target" and ctx.device.type == "cpu" and config.dtype is Dtype.AUTO and config.batch_invariant != BatchInvariance.OFF:
             ctx.dtype = choose_cpu_backend(ctx, say)
         load(ctx)
         gc.freeze()  # the loaded models' objects leave the collector's sight: no collection walks them mid-step

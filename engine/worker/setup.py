@@ -13,7 +13,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from swiftspec.engine.config import ConfigError, Device, EngineConfig, Role, SamplingParams
+from swiftspec.engine.config import (
+    ConfigError,
+    Device,
+    DraftCorpus,
+    Dtype,
+    EngineConfig,
+    Role,
+    SamplingParams,
+)
 from swiftspec.engine.host import launcher
 from swiftspec.engine.host.protocol import RankInfo
 from swiftspec.engine.host.worker_spec import WorkerSpec
@@ -21,7 +29,7 @@ from swiftspec.engine.model.cpu_backends import kernels_available, library
 from swiftspec.engine.model.cuda_graphs import GraphedModel
 from swiftspec.engine.model.gguf_io import precision_label
 from swiftspec.engine.model.loader import default_dtype, load_model
-from swiftspec.engine.model.model_dir import default_dtype_name, eos_token_ids, read_args
+from swiftspec.engine.model.model_dir import eos_token_ids, read_args, resolved_dtype
 from swiftspec.engine.spec.decode import DraftState, TargetState
 from swiftspec.engine.spec.draft_spec import DraftSpec
 from swiftspec.engine.spec.drafters import make_drafter
@@ -47,7 +55,7 @@ class Ctx:
     device: torch.device
     threads: int
     backend: str
-    dtype: str  # the target's: the spec's, or on the CPU with auto the backend chosen (choose_cpu_backend)
+    dtype: Dtype  # the target's: the spec's, or on the CPU with auto the backend chosen (choose_cpu_backend)
     target_group: dist.ProcessGroup | None = None
     draft_group: dist.ProcessGroup | None = None
     target: TargetState | None = None  # on target ranks
@@ -130,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerSpec, HandRun | Non
         p.error("give --spec (the Engine does), or --target and --prompt")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config = EngineConfig(target=args.target, draft=args.draft, target_procs=args.target_procs,
-                          device=args.device, threads=args.threads, draft_corpus="none").validate()
+                          device=args.device, threads=args.threads, draft_corpus=DraftCorpus.NONE).validate()
     return WorkerSpec(config, launcher.Layout(args.target_procs, world - args.target_procs), args.target,
                       args.draft), hand
 
@@ -306,4 +314,4 @@ def target_precision(ctx: Ctx) -> str:
     model = getattr(ctx.target.model, "model", ctx.target.model)  # through a CUDA-graphs wrapper
     if model.precision:
         return model.precision
-    return precision_label(Path(ctx.spec.target_dir), default_dtype_name(ctx.device.type == "cuda", ctx.dtype))
+    return precision_label(Path(ctx.spec.target_dir), resolved_dtype(ctx.device.type == "cuda", ctx.dtype))

@@ -104,7 +104,7 @@ def _remove_run_dir() -> None:
 
 def forked_worker(*argv: str) -> None:
     """A worker forked from this torchrun: torch and the worker's modules are imported already (once, in
-    torchrun, instead of once more in every worker: ~3 s of every start on a small CPU). As a worker that
+    torchrun, instead of once more in every worker, which on a small CPU is a large part of a start). As a worker that
     torchrun starts as a program, it dies with torchrun and has a session of its own."""
     die_with_launcher()
     os.setsid()
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if engine and os.getppid() != int(engine):  # the workers ended on their own after the Engine died
             _remove_run_dir()
-    # Every worker has ended well: skip the interpreter's teardown of torch (~0.4 s the Engine waits for).
+    # Every worker has ended well: skip the interpreter's teardown of torch, which the Engine would wait for.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

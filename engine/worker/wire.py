@@ -76,8 +76,8 @@ class SocketLink:
 
     A receive with a ``due`` time polls the socket from POLL_LEAD_S before it until the message is in (at
     most POLL_MAX_S past it, or past the call, whichever is later), sleeping only before: a process that
-    slept through a verification wakes up late (on a VM's idle vCPU, ~70 us after a 1.5 ms sleep,
-    measured), twice a round on the critical path."""
+    slept through a verification wakes up late (most of all on a VM's idle vCPU; docs/ARCHITECTURE.md
+    gives figures), twice a round on the critical path."""
 
     POLL_LEAD_S = 300e-6
     POLL_MAX_S = 1e-3

@@ -37,7 +37,6 @@ from swiftspec.cli.usage import Parser, Refused, choice, typed_name
 from swiftspec.engine.config import (
     MODES,
     ConfigError,
-    DraftKind,
     EngineConfig,
     Grammar,
     GrammarKind,
@@ -200,7 +199,7 @@ def chat(
     if kept is not None and kept.available:
         config = dataclasses.replace(config, history_db=str(kept.path))
     if conversation.params.mode == "ar":  # nothing would ever ask the draft for a token
-        config = dataclasses.replace(config, draft=DraftKind.NONE, draft_corpus="none")
+        config = config.without_draft()
 
     if remote is not None:  # connected once already; the TUI's Restart connects anew
         first = [remote]

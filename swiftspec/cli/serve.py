@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Annotated
 
 import typer
@@ -23,7 +22,7 @@ from swiftspec.cli.options import (
     sources,
 )
 from swiftspec.cli.usage import choice, number_below, refusal, whole_number
-from swiftspec.engine.config import MODES, ConfigError, DraftKind, EngineConfig, SamplingParams
+from swiftspec.engine.config import MODES, ConfigError, EngineConfig, SamplingParams
 from swiftspec.server import MAX_SHUTDOWN_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, listen
 
 
@@ -80,7 +79,7 @@ def serve(
     from swiftspec.server.serve import serve as run_server
 
     if params.mode == "ar":  # nothing would ever ask the draft for a token
-        config = dataclasses.replace(config, draft=DraftKind.NONE, draft_corpus="none")
+        config = config.without_draft()
     settings = ServerSettings(host, port, api_key, max_queue, tuple(cors_origin or ()), log_prompts,
                               tuple(allowed_host or ()), shutdown_timeout)
     say = lambda line: typer.echo(f"swiftspec: {line}", err=True)
