@@ -1,6 +1,6 @@
 /* The 256-bit paths: AVX2 with FMA and F16C, and, built with -DSS_VNNI, AVX-VNNI (the int16 multiply-adds
  * fused with their accumulation: vpdpwssd). Bit for bit the canonical order of kernels.h: a lane is one of
- * the 8 columns of half a panel. */
+ * the 8 columns of half a panel, and an integer tile covers a whole panel. */
 #include <immintrin.h>
 
 #include "kernels.h"
@@ -16,20 +16,23 @@ static inline __attribute__((always_inline)) __m256i dpwssd(__m256i acc, __m256i
     __asm__("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "xm"(b));
     return acc;
 }
-/* lo += a . x, hi += b . y: two chains, so that each vpdpwssd waits on one of its own latency */
+/* lo += a . x, hi += b . y: two chains, so that each vpdpwssd waits on one of its own latency; 4 of them
+ * a row leave registers for 2 rows a tile */
 #define DOT_PAIRS(lo, hi, a, x, b, y) ((lo) = dpwssd((lo), (a), (x)), (hi) = dpwssd((hi), (b), (y)))
+#define MAX_R 2 /* rows per tile */
 #else
 #define PATH ss_path_avx2
 #define NAME "AVX2"
 #define NEEDS SS_CPU_AVX2
 /* lo += a . x + b . y (hi stays 0): the integer sums are exact in any order, and one accumulator a row
- * leaves enough registers to keep a whole tile out of memory */
+ * and half leaves registers for 4 rows a tile */
 #define DOT_PAIRS(lo, hi, a, x, b, y) \
     ((lo) = _mm256_add_epi32((lo), _mm256_add_epi32(_mm256_madd_epi16((a), (x)), _mm256_madd_epi16((b), (y)))))
+#define MAX_R 4 /* rows per tile */
 #endif
 #define INLINE static inline __attribute__((always_inline))
-#define MAX_R 4 /* rows per tile */
 #define PREFETCH_PANELS 2 /* how far on the integer tiles ask for weights */
+#define FLOAT_ROWS 3 /* rows per float tile: 4 accumulators a row */
 
 static void quantise(const float *v, int16_t *q, float *scale, float *sum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -55,69 +58,78 @@ static void quantise(const float *v, int16_t *q, float *scale, float *sum) {
 /* The first n of 8 lanes, as a mask */
 INLINE __m256i first_lanes(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
 
-/* Integer formats: rows r0 .. r0 + R - 1 of half panel h (its 8 columns; R and fmt constant where
- * inlined), columns below n1. A lane is a column: per block, each row's 16 pair products are summed
- * exactly in int32, in two accumulators, then scaled as kernels.h says in one fp32 accumulator a lane. */
-INLINE void int_tile(const job_t *j, const int fmt, const int R, int r0, int h, int n1) {
-    const int nb = j->K / 32, bytes = fmt == FMT_Q4 ? 256 : 512, p = h / 2, half = 8 * (h % 2);
-    __m256 acc[MAX_R];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const uint8_t *w = ss_panel_weights(j, p) + 2 * half;
+/* Integer formats: rows r0 .. r0 + R - 1 of panel p (its 16 columns, two vectors of 8; R and fmt
+ * constant where inlined), columns below n1. A lane is a column: per block, each row's 16 pair products
+ * are summed exactly in int32, then scaled as kernels.h says into one fp32 accumulator a lane. Each
+ * broadcast activation pair serves both halves of the panel, so a tile issues half the broadcasts (loads)
+ * a tile of half a panel would. */
+INLINE void int_tile(const job_t *j, const int fmt, const int R, int r0, int p, int n1) {
+    const int nb = j->K / 32, bytes = fmt == FMT_Q4 ? 256 : 512;
+    __m256 acc[MAX_R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const uint8_t *w = ss_panel_weights(j, p);
     const void *dp = ss_panel_scales(j, j->d, p), *mp = fmt == FMT_Q4 ? ss_panel_scales(j, j->m, p) : 0;
     const int32_t *qx = (const int32_t *)(j->qx + (size_t)r0 * nb * 32); /* activation pairs, 16 a block */
-    /* the panel PREFETCH_PANELS on, asked of memory while this one computes (by its first half) */
+    /* the panel PREFETCH_PANELS on, asked of memory while this one computes (by the first tile of rows) */
     const size_t ahead = (size_t)PREFETCH_PANELS * nb * bytes;
-    const int fetch = r0 == 0 && !half && p + 1 + PREFETCH_PANELS <= (j->N + SS_PANEL - 1) / SS_PANEL;
+    const int fetch = r0 == 0 && p + 1 + PREFETCH_PANELS <= (j->N + SS_PANEL - 1) / SS_PANEL;
     for (int b = 0; b < nb; b++) {
         if (fetch)
             for (int at = 0; at < bytes; at += 64) _mm_prefetch((const char *)w + ahead + (size_t)b * bytes + at, _MM_HINT_T1);
-        __m256i lo[MAX_R], hi[MAX_R];
-        for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
-        /* Q4: 16 bytes give pairs i (low nibbles) and i + 8 (high); Q8: 16 bytes a pair, i and i + 1 */
+        __m256i lo[MAX_R][2], hi[MAX_R][2];
+        for (int r = 0; r < R; r++) lo[r][0] = lo[r][1] = hi[r][0] = hi[r][1] = _mm256_setzero_si256();
+        /* Q4: a column's 2 bytes give pairs i (low nibbles) and i + 8 (high); Q8: 2 bytes a pair, i and i + 1 */
         for (int i = 0; i < (fmt == FMT_Q4 ? 8 : 16); i += (fmt == FMT_Q4 ? 1 : 2)) {
             const uint8_t *at = w + (size_t)b * bytes + i * 32;
-            __m256i wa, wb;
-            if (fmt == FMT_Q4) {
-                const __m256i z = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)at));
-                wa = _mm256_and_si256(z, _mm256_set1_epi16(0x0F)), wb = _mm256_srli_epi16(z, 4);
-            } else {
-                wa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)at));
-                wb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + 32)));
+            __m256i wa[2], wb[2];
+            for (int h = 0; h < 2; h++) {
+                if (fmt == FMT_Q4) {
+                    const __m256i z = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(at + 16 * h)));
+                    wa[h] = _mm256_and_si256(z, _mm256_set1_epi16(0x0F)), wb[h] = _mm256_srli_epi16(z, 4);
+                } else {
+                    wa[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + 16 * h)));
+                    wb[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + 32 + 16 * h)));
+                }
             }
             const int second = fmt == FMT_Q4 ? i + 8 : i + 1;
             for (int r = 0; r < R; r++) {
                 const int32_t *x = qx + ((size_t)r * nb + b) * 16;
-                DOT_PAIRS(lo[r], hi[r], wa, _mm256_set1_epi32(x[i]), wb, _mm256_set1_epi32(x[second]));
+                const __m256i xa = _mm256_set1_epi32(x[i]), xb = _mm256_set1_epi32(x[second]);
+                for (int h = 0; h < 2; h++) DOT_PAIRS(lo[r][h], hi[r][h], wa[h], xa, wb[h], xb);
             }
         }
-        const __m256 d8 = scales8(j, dp, b * SS_PANEL + half);
-        for (int r = 0; r < R; r++) {
-            const size_t at = (size_t)(r0 + r) * nb + b;
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(lo[r], hi[r]));
-            acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d8, _mm256_set1_ps(j->dx[at])), acc[r]);
-            if (fmt == FMT_Q4) acc[r] = _mm256_fmadd_ps(scales8(j, mp, b * SS_PANEL + half), _mm256_set1_ps(j->xsum[at]), acc[r]);
+        for (int h = 0; h < 2; h++) {
+            const __m256 d8 = scales8(j, dp, b * SS_PANEL + 8 * h);
+            for (int r = 0; r < R; r++) {
+                const size_t at = (size_t)(r0 + r) * nb + b;
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo[r][h], hi[r][h])), _mm256_mul_ps(d8, _mm256_set1_ps(j->dx[at])), acc[r][h]);
+                if (fmt == FMT_Q4) acc[r][h] = _mm256_fmadd_ps(scales8(j, mp, b * SS_PANEL + 8 * h), _mm256_set1_ps(j->xsum[at]), acc[r][h]);
+            }
         }
     }
-    const int n = h * 8, valid = n1 - n < 8 ? n1 - n : 8;
-    const __m256i k = first_lanes(valid);
-    for (int r = 0; r < R; r++) {
-        __m256 v = acc[r];
-        if (j->bias) v = _mm256_add_ps(v, _mm256_maskload_ps(j->bias + n, k));
-        _mm256_maskstore_ps(j->out + (size_t)(r0 + r) * j->N + n, k, v);
+    for (int h = 0; h < 2; h++) {
+        const int n = p * SS_PANEL + 8 * h, valid = n1 - n < 8 ? n1 - n : 8;
+        if (valid <= 0) break;
+        const __m256i k = first_lanes(valid);
+        for (int r = 0; r < R; r++) {
+            __m256 v = acc[r][h];
+            if (j->bias) v = _mm256_add_ps(v, _mm256_maskload_ps(j->bias + n, k));
+            _mm256_maskstore_ps(j->out + (size_t)(r0 + r) * j->N + n, k, v);
+        }
     }
 }
 
 /* Columns n0 (a panel's first) .. n1 - 1, in chunks of 4 panels whose weights stay in cache while every
  * tile of rows passes over them. */
 INLINE void int_columns(const job_t *j, const int fmt, int n0, int n1) {
-    const int rest = j->M % MAX_R, full = j->M - rest, last = (n1 + 7) / 8;
-    for (int h0 = n0 / 8; h0 < last; h0 += 8) {
-        const int h1 = h0 + 8 < last ? h0 + 8 : last;
-        for (int h = h0; h < h1; h++) {
-            for (int r0 = 0; r0 < full; r0 += MAX_R) int_tile(j, fmt, MAX_R, r0, h, n1);
-            if (rest == 3) int_tile(j, fmt, 3, full, h, n1);
-            else if (rest == 2) int_tile(j, fmt, 2, full, h, n1);
-            else if (rest == 1) int_tile(j, fmt, 1, full, h, n1);
+    const int rest = j->M % MAX_R, full = j->M - rest, last = (n1 + SS_PANEL - 1) / SS_PANEL;
+    for (int p0 = n0 / SS_PANEL; p0 < last; p0 += 4) {
+        const int p1 = p0 + 4 < last ? p0 + 4 : last;
+        for (int p = p0; p < p1; p++) {
+            for (int r0 = 0; r0 < full; r0 += MAX_R) int_tile(j, fmt, MAX_R, r0, p, n1);
+            if (MAX_R > 3 && rest == 3) int_tile(j, fmt, 3, full, p, n1);
+            else if (MAX_R > 2 && rest == 2) int_tile(j, fmt, 2, full, p, n1);
+            else if (rest == 1) int_tile(j, fmt, 1, full, p, n1);
         }
     }
 }
@@ -139,7 +151,7 @@ INLINE void float_block(const job_t *j, const int fmt, int n, int b, __m256 v[4]
 
 INLINE void float_tile(const job_t *j, const int fmt, const int R, int r0, int n) {
     const int nb = j->K / 32, K = j->K;
-    __m256 acc[MAX_R][4];
+    __m256 acc[FLOAT_ROWS][4];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
     const float *x0 = j->x + (size_t)r0 * K;
@@ -157,14 +169,14 @@ INLINE void float_tile(const job_t *j, const int fmt, const int R, int r0, int n
     }
 }
 
-/* Float formats: 3 rows a tile (4 accumulators a row), in chunks of 16 columns whose weights stay in cache
- * while every tile passes over them. */
+/* Float formats: FLOAT_ROWS rows a tile, in chunks of 16 columns whose weights stay in cache while every
+ * tile passes over them. */
 INLINE void float_columns(const job_t *j, const int fmt, int n0, int n1) {
-    const int rest = j->M % 3, full = j->M - rest;
+    const int rest = j->M % FLOAT_ROWS, full = j->M - rest;
     for (int c0 = n0; c0 < n1; c0 += 16) {
         const int c1 = c0 + 16 < n1 ? c0 + 16 : n1;
-        for (int r0 = 0; r0 < full; r0 += 3)
-            for (int n = c0; n < c1; n++) float_tile(j, fmt, 3, r0, n);
+        for (int r0 = 0; r0 < full; r0 += FLOAT_ROWS)
+            for (int n = c0; n < c1; n++) float_tile(j, fmt, FLOAT_ROWS, r0, n);
         for (int n = c0; n < c1; n++) {
             if (rest == 2) float_tile(j, fmt, 2, full, n);
             else if (rest == 1) float_tile(j, fmt, 1, full, n);
