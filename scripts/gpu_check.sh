@@ -5,9 +5,11 @@
 # vs SDPA. Writes one JSON report ($OUT/gpu_check.json, else ./gpu_check.json; --report PATH) and prints
 # a table; stops cleanly at its --budget (seconds, default 450).
 #
-# Needs only PyTorch, Triton, transformers, safetensors and tokenizers, plus the pure-Python packages the
-# test suite imports: if they are missing, put their wheels in a folder and pass WHEELS=DIR (textual,
-# platformdirs, gguf, pytest-asyncio, mdit-py-plugins, linkify-it-py, uc-micro-py).
+# Needs only PyTorch, Triton, transformers, safetensors and tokenizers, plus the packages the engine and
+# the gpu-marked test modules import: if they are missing, put their wheels (for the interpreter that runs
+# this) in a folder and pass WHEELS=DIR. The lent H200 image lacks textual, platformdirs, gguf, pydantic
+# (with pydantic-core, annotated-types, typing-inspection), starlette, uvicorn, llguidance, pytest-asyncio,
+# mdit-py-plugins, linkify-it-py and uc-micro-py.
 # `scripts/gpu_check.sh --dry-run` runs every step that needs no CUDA on the CPU, with scaled-down models.
 set -uo pipefail
 cd "$(dirname "$0")/.."

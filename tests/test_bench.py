@@ -411,6 +411,25 @@ def test_ctrl_c_before_any_prompt_finishes_is_a_plain_interrupt(tiny, monkeypatc
         bench_command(EngineConfig(target=str(tiny)), modes="ar", prompt_set="qa", limit=2)
 
 
+def test_workers_that_fail_to_start_are_one_line_not_a_traceback(tiny, monkeypatch):
+    from typer.testing import CliRunner
+
+    import swiftspec
+    from swiftspec.cli import app
+    from swiftspec.engine.host.failures import EngineError
+
+    class FailingEngine:
+        @classmethod
+        def start(cls, config, progress=None):
+            raise EngineError("the target worker (rank 0) exited with code 1 during start-up")
+
+    monkeypatch.setattr(swiftspec, "Engine", FailingEngine, raising=False)
+    res = CliRunner().invoke(app, ["bench", "--target", str(tiny), "--modes", "ar", "--set", "qa", "--limit", "1"])
+    assert res.exit_code == 1
+    assert "swiftspec: the target worker (rank 0) exited with code 1 during start-up" in res.output
+    assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)
+
+
 def test_eta_line():
     assert eta_line(2, 8, 30.0) == "swiftspec bench: 2/8 prompts done, 30 s elapsed, about 1 min 30 s left"
 

@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh, the GPU acceptance run, checked where CI runs: its syntax, and a dry run on the
 CPU that builds the scaled-down random-weight models and runs every step that needs no CUDA."""
 
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -13,6 +14,17 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 def test_script_parses():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=30)
+
+
+def test_the_tests_step_collects_the_modules_with_gpu_tests_alone():
+    """Collecting the whole suite on a GPU image without the openai client ended the step in 2 errors."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    files = gpu_check.gpu_test_files()
+    assert {"tests/test_kernels.py", "tests/test_cuda_graphs.py", "tests/test_batch_invariant.py"} <= set(files)
+    assert "tests/test_server.py" not in files
+    assert all("mark.gpu" in (ROOT / f).read_text() for f in files)
 
 
 @pytest.mark.slow

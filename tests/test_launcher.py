@@ -19,7 +19,7 @@ from swiftspec.engine.host.client import Engine
 from swiftspec.engine.host.protocol import RankInfo
 from swiftspec.engine.host.worker_spec import WorkerSpec
 from swiftspec.engine.spec.draft_spec import DraftSpec
-from swiftspec.engine.worker.profiling import choose_d
+from swiftspec.engine.worker.profiling import choose_d, gpu_names
 from swiftspec.engine.worker.setup import _cpu_threads, draft_shares_cores, parse_args
 
 
@@ -182,6 +182,21 @@ def test_an_async_draft_shares_cores_where_the_targets_async_threads_leave_it_no
     assert draft_shares_cores(ctx(ar=2, sync=2, **{"async": 2}), ranks())
     assert not draft_shares_cores(ctx(**{"async": 2}), ranks(target_device="cuda:0"))
     assert not draft_shares_cores(ctx(**{"async": 2}), ranks(target_host="b"))
+
+
+def test_a_cpu_setup_keys_its_profile_without_touching_cuda(monkeypatch):
+    """On a GPU machine, --device cpu forks its workers after torchrun's CUDA probe, where any CUDA call
+    raises ("Cannot re-initialize CUDA in forked subprocess"): a CPU setup's profile key names no GPU."""
+    def forked(*_args):
+        raise RuntimeError("Cannot re-initialize CUDA in forked subprocess")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", forked)
+    cpu = [RankInfo(0, "target", "cpu", 0, 1, 1, "a", 10), RankInfo(1, "draft", "cpu", 0, 1, 1, "a", 11)]
+    assert gpu_names(cpu) == []
+    with pytest.raises(RuntimeError, match="forked"):  # a CUDA setup does name its GPUs
+        gpu_names([RankInfo(0, "target", "cuda:0", 0, 1, 1, "a", 10), *cpu[1:]])
 
 
 def test_choose_d():

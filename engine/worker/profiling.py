@@ -192,8 +192,7 @@ def profile_path(ctx: Ctx, ranks: list[RankInfo]) -> Path | None:
     settings = {k: v for k, v in spec.config.to_dict().items() if k not in NOT_TIMING}
     key = {
         **_software_and_machine(),
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        if torch.cuda.is_available() else [],
+        "gpus": gpu_names(ranks),
         "ranks": [[r.role, r.device, r.torch_threads, r.host] for r in ranks],
         "kernel_threads": ctx.kernel_threads,  # what the verifications were timed on (choose_kernel_threads)
         "target": _files(spec.target_dir), "draft": _files(spec.draft_spec.path) if spec.draft_spec.path else spec.draft,
@@ -204,6 +203,14 @@ def profile_path(ctx: Ctx, ranks: list[RankInfo]) -> Path | None:
         return None
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     return cache_dir() / "profiles" / f"{digest}.json"
+
+
+def gpu_names(ranks: list[RankInfo]) -> list[str]:
+    """The node's GPUs, where a rank runs on one; none for a CPU setup, which must not touch CUDA: its
+    workers are forked, and on a GPU machine the fork follows torchrun's own CUDA probe."""
+    if not any(torch.device(r.device).type == "cuda" for r in ranks):
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 
 
 def _software_and_machine() -> dict:

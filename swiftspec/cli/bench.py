@@ -29,6 +29,7 @@ from swiftspec.cli.options import (
 )
 from swiftspec.cli.usage import choice, refusal, whole_number
 from swiftspec.engine.config import ConfigError, EngineConfig, SamplingParams
+from swiftspec.engine.host.failures import EngineError
 
 BENCH = "Benchmark"
 
@@ -101,6 +102,8 @@ def bench(
                                turns=turns, warm=warm)
     except (ValueError, FileNotFoundError) as e:  # bad options, prompts or model paths
         raise exit_with(refusal(ctx, e) if isinstance(e, ConfigError) else str(e), 2) from None
+    except EngineError as e:  # the workers could not start, or failed mid-run
+        raise exit_with(str(e), 1) from None
     except KeyboardInterrupt:
         raise exit_with("interrupted before every mode had finished a prompt: nothing to report", 130) from None
     if report.get("partial"):

@@ -1,0 +1,140 @@
+"""The CPU kernels' linears by ISA path: what a verified row costs against one decode row, on this machine.
+
+For every path this CPU runs (portable, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI), times the packed linears a
+small model's decode step and verification are made of (the embedded SmolLM2's shapes: Q4 gate/up and
+down, a Q8 weight of the same width) at 1, 2, 4 and 8 rows, for each thread count asked, and prints the
+time, the cost of n rows as a multiple of one row, and the int16 multiply-adds per second. The path the
+engine picks (the fastest, measured at load) is marked. With ``--check`` it first confirms that every path
+gives the portable path's bits on these shapes.
+
+    python benchmarks/cpu_kernels.py [--threads 1,2] [--reps 200] [--json out.json] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from swiftspec.kernels import cpu_linear
+from swiftspec.kernels.cpu_linear import Format
+
+SHAPES = ((Format.Q4, 3072, 576), (Format.Q4, 576, 1536), (Format.Q8, 4096, 576))
+ROWS = (1, 2, 4, 8)
+
+
+def cpu_name() -> str:
+    """The CPU's model name, family/model and the vector flags that pick a path."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    flags = [f for f in fields.get("flags", "").split()
+             if f in ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16")]
+    return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}; "
+            f"{os.cpu_count()} CPUs; {' '.join(flags)})")
+
+
+def weights(g: torch.Generator, fmt: Format, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    nb = k // 32
+    w = torch.randint(-128, 128, (n, nb * (16 if fmt == Format.Q4 else 32)), generator=g, dtype=torch.int8)
+    return w, torch.rand(n, nb, generator=g), torch.rand(n, nb, generator=g)
+
+
+def median_us(fn, most: int) -> float:
+    """The median of five batches' mean, in µs; a batch is ``most`` calls, or fewer where that would
+    take over 50 ms (the portable path is two orders slower than the vector ones)."""
+    t0 = time.perf_counter()
+    fn()
+    reps = max(2, min(most, int(0.05 / max(time.perf_counter() - t0, 1e-7))))
+    batches = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        batches.append((time.perf_counter() - t0) / reps * 1e6)
+    return statistics.median(batches)
+
+
+def check(dll, paths: list[str]) -> list[str]:
+    """The paths whose outputs differ from the portable path's on these shapes (an empty list: all agree)."""
+    g = torch.Generator().manual_seed(1)
+    portable = cpu_linear.paths(dll)[-1].name  # the table ends with the portable path
+    wrong = []
+    for fmt, n, k in SHAPES:
+        w, d, m = weights(g, fmt, n, k)
+        x = torch.randn(8, k, generator=g)
+        cpu_linear.use_path(dll, portable)
+        want = cpu_linear.linear(dll, fmt, x, n, w, d, m)
+        for name in paths:
+            cpu_linear.use_path(dll, name)
+            if not torch.equal(cpu_linear.linear(dll, fmt, x, n, w, d, m), want):
+                wrong.append(f"{name} {fmt.name} {n}x{k}")
+    return wrong
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", default="1", help="comma-separated kernel thread counts (default 1)")
+    p.add_argument("--reps", type=int, default=200, help="most calls per timed batch")
+    p.add_argument("--paths", default="", help="comma-separated path names as listed, e.g. 'AVX2' (default: every path that runs)")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--check", action="store_true", help="first check every path against the portable bits")
+    args = p.parse_args()
+
+    with tempfile.TemporaryDirectory() as build:
+        dll = cpu_linear.load(Path(build))
+        chosen = cpu_linear.isa(dll)
+        running = [kp.name for kp in cpu_linear.paths(dll) if kp.runs]
+        paths = [s for s in args.paths.split(",") if s] or running
+        unknown = [s for s in paths if s not in running]
+        if unknown:
+            print(f"cpu_kernels: no path {', '.join(unknown)} runs here (these do: {', '.join(running)})",
+                  file=sys.stderr)
+            return 2
+        result: dict = {"cpu": cpu_name(), "chosen": chosen, "paths": running, "linears": []}
+        print(f"CPU: {result['cpu']}\npaths that run: {', '.join(running)}; the engine picks {chosen}")
+        if args.check:
+            result["differ"] = check(dll, running)
+            print("bits: every path equals portable" if not result["differ"]
+                  else f"bits DIFFER: {', '.join(result['differ'])}")
+        g = torch.Generator().manual_seed(0)
+        print(f"\n{'path':<13}{'thr':>4}  {'linear':<14}" + "".join(f"{f'{r} row':>10}" for r in ROWS)
+              + f"{'8 ÷ 1':>8}{'GMAC/s@8':>10}")
+        for threads in (int(t) for t in args.threads.split(",")):
+            cpu_linear.set_threads(dll, threads)
+            for name in paths:
+                cpu_linear.use_path(dll, name)
+                for fmt, n, k in SHAPES:
+                    w, d, m = weights(g, fmt, n, k)
+                    us = {}
+                    for rows in ROWS:
+                        x = torch.randn(rows, k, generator=g)
+                        us[rows] = median_us(partial(cpu_linear.linear, dll, fmt, x, n, w, d, m), args.reps)
+                    gmacs = 8 * n * k / us[8] / 1e3
+                    mark = "*" if name == chosen else " "
+                    print(f"{name + mark:<13}{threads:>4}  {f'{fmt.name} {n}x{k}':<14}"
+                          + "".join(f"{us[r]:>8.1f}µs" for r in ROWS) + f"{us[8] / us[1]:>8.2f}{gmacs:>10.1f}")
+                    result["linears"].append({"path": name, "threads": threads, "format": fmt.name, "n": n, "k": k,
+                                              "us": {str(r): round(us[r], 2) for r in ROWS}})
+        print("\n* the path the engine picks on this CPU; '8 ÷ 1' is what a verification of 8 rows costs in "
+              "one-row linears")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
