@@ -124,7 +124,7 @@ def choose_kernel_threads(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], 
     if threads is None:
         say("measuring the CPU kernels' threads")
         timer = CleanTimer()
-        threads = _measure_threads(ctx, sorted({ctx.threads, free}), timer)
+        threads = _measure_threads(ctx, sorted({ctx.threads, free}), timer, say)
         if ctx.rank == 0 and not timer.clean:
             say(BUSY)
         elif ctx.rank == 0 and path is not None:
@@ -133,9 +133,10 @@ def choose_kernel_threads(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], 
     say("CPU kernel threads: " + ", ".join(f"{m} {n}" for m, n in ctx.kernel_threads.items()))
 
 
-def _measure_threads(ctx: Ctx, candidates: list[int], timer: CleanTimer) -> KernelThreads:
+def _measure_threads(ctx: Ctx, candidates: list[int], timer: CleanTimer, say: Callable[[str], None]) -> KernelThreads:
     """choose_kernel_threads' measurement: the target leader times a one-row step and a verification of
-    bs nodes with each candidate; returns the threads for ar, sync and async (on every rank)."""
+    bs nodes with each candidate, and says what it measured; returns the threads for ar, sync and async
+    (on every rank)."""
     bs, reps = ctx.spec.config.tree.bs, 3
     choice = None
     if ctx.rank == 0:
@@ -145,6 +146,8 @@ def _measure_threads(ctx: Ctx, candidates: list[int], timer: CleanTimer) -> Kern
         for n in candidates:
             set_kernel_threads(n)
             step[n], verify[n] = tree_forward_ms(ctx.target, 1, reps, timer), tree_forward_ms(ctx.target, bs, reps, timer)
+        say("CPU kernel threads measured: " + ", ".join(f"{n}: step {step[n]:.2f} ms, verify({bs}) {verify[n]:.2f} ms"
+                                                         for n in candidates))
         choice = KernelThreads(min(candidates, key=step.get), min(candidates, key=verify.get),
                                candidates[0] if ctx.spec.draft_spec.own_model else min(candidates, key=verify.get))
         use_kernel_threads(ctx, "ar")
