@@ -68,7 +68,8 @@ def _options(command) -> set[str]:
     return found
 
 
-OTHER_PROGRAMS = {"--standalone": "torchrun", "--budget": "scripts/gpu_check.sh", "--dry-run": "scripts/gpu_check.sh"}
+OTHER_PROGRAMS = {"--standalone": "torchrun", "--budget": "scripts/gpu_check.sh", "--dry-run": "scripts/gpu_check.sh",
+                  "--check": "benchmarks/cpu_kernels.py"}
 
 
 def test_every_flag_the_readme_names_exists():
