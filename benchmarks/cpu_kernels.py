@@ -3,8 +3,8 @@
 For every path this CPU runs (portable, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI), times the packed linears a
 small model's decode step and verification are made of (the embedded SmolLM2's shapes: Q4 gate/up and
 down, a Q8 weight of the same width) at 1, 2, 4 and 8 rows, for each thread count asked, and prints the
-time, the cost of n rows as a multiple of one row, and the int16 multiply-adds per second. The path the
-engine picks (the fastest, measured at load) is marked. With ``--check`` it first confirms that every path
+time, the cost of n rows as a multiple of one row, and the int16 multiply-adds per second. The paths the
+engine picks (the fastest for several rows and for one, measured at load) are marked. With ``--check`` it first confirms that every path
 gives the portable path's bits on these shapes.
 
     python benchmarks/cpu_kernels.py [--threads 1,2] [--reps 200] [--json out.json] [--check]
@@ -96,7 +96,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as build:
         dll = cpu_linear.load(Path(build))
-        chosen = cpu_linear.isa(dll)
+        chosen = cpu_linear.paths_in_use(dll)
         running = [kp.name for kp in cpu_linear.paths(dll) if kp.runs]
         paths = [s for s in args.paths.split(",") if s] or running
         unknown = [s for s in paths if s not in running]
@@ -104,14 +104,15 @@ def main() -> int:
             print(f"cpu_kernels: no path {', '.join(unknown)} runs here (these do: {', '.join(running)})",
                   file=sys.stderr)
             return 2
-        result: dict = {"cpu": cpu_name(), "chosen": chosen, "paths": running, "linears": []}
-        print(f"CPU: {result['cpu']}\npaths that run: {', '.join(running)}; the engine picks {chosen}")
+        result: dict = {"cpu": cpu_name(), "chosen": {"rows": chosen.rows, "one_row": chosen.one_row}, "paths": running,
+                        "linears": []}
+        print(f"CPU: {result['cpu']}\npaths that run: {', '.join(running)}; the engine picks {cpu_linear.isa(dll)}")
         if args.check:
             result["differ"] = check(dll, running)
             print("bits: every path equals portable" if not result["differ"]
                   else f"bits DIFFER: {', '.join(result['differ'])}")
         g = torch.Generator().manual_seed(0)
-        print(f"\n{'path':<13}{'thr':>4}  {'linear':<14}" + "".join(f"{f'{r} row':>10}" for r in ROWS)
+        print(f"\n{'path':<14}{'thr':>4}  {'linear':<14}" + "".join(f"{f'{r} row':>10}" for r in ROWS)
               + f"{'8 ÷ 1':>8}{'GMAC/s@8':>10}")
         for threads in (int(t) for t in args.threads.split(",")):
             cpu_linear.set_threads(dll, threads)
@@ -124,13 +125,13 @@ def main() -> int:
                         x = torch.randn(rows, k, generator=g)
                         us[rows] = median_us(partial(cpu_linear.linear, dll, fmt, x, n, w, d, m), args.reps)
                     gmacs = 8 * n * k / us[8] / 1e3
-                    mark = "*" if name == chosen else " "
-                    print(f"{name + mark:<13}{threads:>4}  {f'{fmt.name} {n}x{k}':<14}"
+                    mark = ("*" if name == chosen.rows else " ") + ("1" if name == chosen.one_row else " ")
+                    print(f"{name + mark:<14}{threads:>4}  {f'{fmt.name} {n}x{k}':<14}"
                           + "".join(f"{us[r]:>8.1f}µs" for r in ROWS) + f"{us[8] / us[1]:>8.2f}{gmacs:>10.1f}")
                     result["linears"].append({"path": name, "threads": threads, "format": fmt.name, "n": n, "k": k,
                                               "us": {str(r): round(us[r], 2) for r in ROWS}})
-        print("\n* the path the engine picks on this CPU; '8 ÷ 1' is what a verification of 8 rows costs in "
-              "one-row linears")
+        print("\n* the path the engine picks for several rows on this CPU, 1 for one row; '8 ÷ 1' is what a "
+              "verification of 8 rows costs in one-row linears")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

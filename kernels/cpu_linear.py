@@ -4,8 +4,8 @@ glue), built with the host's C compiler for the machine at hand and loaded throu
 The library holds one path per ISA family (portable C, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI), each file
 compiled with its own target flags, so every path is built on every x86 machine, whether it can run there
 or not; ``cpu/dispatch.c`` runs the one chosen. Every path computes the same bits (cpu/kernels.h says how),
-so the choice is one of speed alone: on first use each path this CPU runs is timed on a few linears and the
-fastest is kept. The library and that choice are built once per machine and source (several seconds)
+so the choice is one of speed alone: on first use each path this CPU runs is timed on a few linears, and the
+fastest for one row (a decode step) and the fastest for several (a verification) are kept. The library and that choice are built once per machine and source (several seconds)
 into the build directory the caller names, under a name made of the sources' hash, the compiler's version
 and the CPU's flags, so a copied cache or an upgraded compiler never loads a library built for another
 machine. Without a C compiler the kernels are unavailable (``load`` says why) and the CPU falls back to
@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import IntEnum
 from pathlib import Path
 
@@ -154,6 +154,8 @@ def load(build_dir: Path) -> ctypes.CDLL:
     dll.ss_path_name.restype = ctypes.c_char_p
     dll.ss_path_runs.argtypes = [ctypes.c_int]
     dll.ss_use_path.argtypes = [ctypes.c_int]
+    dll.ss_use_one_row_path.argtypes = [ctypes.c_int]
+    dll.ss_path_for.argtypes = [ctypes.c_int]
     dll.ss_attention_block.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] \
         + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     dll.ss_attention_block.restype = ctypes.c_int
@@ -162,7 +164,7 @@ def load(build_dir: Path) -> ctypes.CDLL:
     dll.ss_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] \
         + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     dll.ss_layers.restype = ctypes.c_int
-    use_path(dll, fastest_path(dll, lib.with_suffix(".path.json")))
+    use_paths(dll, fastest_paths(dll, lib.with_suffix(".path.json")))
     return dll
 
 
@@ -185,47 +187,75 @@ def paths(dll: ctypes.CDLL) -> list[KernelPath]:
     return found
 
 
-def use_path(dll: ctypes.CDLL, name: str) -> None:
-    """Runs the path called ``name`` from now on (every path gives the same bits; only the speed differs)."""
+@dataclass(frozen=True)
+class PathChoice:
+    """The paths in use, by name: one for calls of several rows, one for calls of one row (every path gives
+    the same bits, so each row count may take the path that runs it fastest)."""
+
+    rows: str
+    one_row: str
+
+
+def _index(dll: ctypes.CDLL, name: str) -> int:
     for p in paths(dll):
         if p.name == name and p.runs:
-            dll.ss_use_path(p.index)
-            return
+            return p.index
     raise ValueError(f"the CPU kernels have no path {name!r} that runs here")
 
 
+def use_path(dll: ctypes.CDLL, name: str) -> None:
+    """Runs the path called ``name`` from now on, for every call."""
+    dll.ss_use_path(_index(dll, name))
+
+
+def use_paths(dll: ctypes.CDLL, choice: PathChoice) -> None:
+    """Runs ``choice.rows`` for calls of several rows and ``choice.one_row`` for calls of one."""
+    rows, one_row = _index(dll, choice.rows), _index(dll, choice.one_row)
+    dll.ss_use_path(rows)
+    dll.ss_use_one_row_path(one_row)
+
+
+def paths_in_use(dll: ctypes.CDLL) -> PathChoice:
+    return PathChoice(dll.ss_path_name(dll.ss_path_for(2)).decode(), dll.ss_path_name(dll.ss_path_for(1)).decode())
+
+
 def isa(dll: ctypes.CDLL) -> str:
-    """The path in use, by name: what the precision label shows ("AVX-512 VNNI")."""
-    return dll.ss_path_name(dll.ss_path()).decode()
+    """The paths in use, as the precision label shows them: "AVX-512 VNNI", or with another path for one
+    row, "AVX-512 VNNI, one row AVX-VNNI"."""
+    choice = paths_in_use(dll)
+    return choice.rows if choice.rows == choice.one_row else f"{choice.rows}, one row {choice.one_row}"
 
 
-def _path_seconds(dll: ctypes.CDLL, name: str) -> float:
+def _path_seconds(dll: ctypes.CDLL, name: str) -> tuple[float, float]:
     """One path's time on the linears a decode step and a verification are made of: Q4 and Q8 weights of a
-    small model's shapes, one row and eight, one thread, the best of several calls."""
+    small model's shapes, one thread, the best of several calls; for one row, and for eight."""
     g = torch.Generator().manual_seed(0)
     use_path(dll, name)
-    total = 0.0
+    total = {1: 0.0, 8: 0.0}
     for fmt, n, k in ((Format.Q4, 1536, 576), (Format.Q4, 576, 1536), (Format.Q8, 4096, 576)):
         nb = k // 32
         w = torch.randint(-100, 100, (n, nb * (16 if fmt == Format.Q4 else 32)), generator=g, dtype=torch.int8)
         d, m = torch.rand(n, nb, generator=g), torch.rand(n, nb, generator=g)
-        for rows in (1, 8):
+        for rows in total:
             x = torch.randn(rows, k, generator=g)
             best = float("inf")
             for _ in range(5):
                 t0 = time.perf_counter()
                 linear(dll, fmt, x, n, w, d, m)
                 best = min(best, time.perf_counter() - t0)
-            total += best
-    return total
+            total[rows] += best
+    return total[1], total[8]
 
 
-def fastest_path(dll: ctypes.CDLL, record: Path) -> str:
-    """The fastest path this CPU runs, measured once and kept in ``record`` beside the library."""
+def fastest_paths(dll: ctypes.CDLL, record: Path) -> PathChoice:
+    """The fastest paths this CPU runs, for one row and for several, measured once and kept in ``record``
+    beside the library."""
+    runs = {p.name for p in paths(dll) if p.runs}
     try:
-        chosen = json.loads(record.read_text())["path"]
-        if any(p.name == chosen and p.runs for p in paths(dll)):
-            return chosen
+        kept = json.loads(record.read_text())
+        choice = PathChoice(kept["rows"], kept["one_row"])
+        if {choice.rows, choice.one_row} <= runs:
+            return choice
     except (OSError, ValueError, KeyError, TypeError):
         pass
     previous = dll.ss_threads()
@@ -234,12 +264,14 @@ def fastest_path(dll: ctypes.CDLL, record: Path) -> str:
         seconds = {p.name: _path_seconds(dll, p.name) for p in paths(dll) if p.runs}
     finally:
         set_threads(dll, previous)
-    chosen = min(seconds, key=seconds.get)
+    choice = PathChoice(rows=min(seconds, key=lambda name: seconds[name][1]),
+                        one_row=min(seconds, key=lambda name: seconds[name][0]))
     fd, tmp = tempfile.mkstemp(suffix=".json", dir=record.parent)
     with os.fdopen(fd, "w") as f:
-        json.dump({"path": chosen, "seconds": seconds}, f)
+        json.dump({**asdict(choice), "seconds": {name: {"one_row": s[0], "rows": s[1]}
+                                                             for name, s in seconds.items()}}, f)
     os.replace(tmp, record)
-    return chosen
+    return choice
 
 
 def set_threads(dll: ctypes.CDLL, n: int) -> int:

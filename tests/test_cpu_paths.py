@@ -19,9 +19,9 @@ FLOAT_DTYPES = {Format.F32: torch.float32, Format.F16: torch.float16, Format.BF1
 @pytest.fixture(scope="module")
 def dll():
     lib = cpu_backends.library()
-    chosen = cpu_linear.isa(lib)
+    chosen = cpu_linear.paths_in_use(lib)
     yield lib
-    cpu_linear.use_path(lib, chosen)
+    cpu_linear.use_paths(lib, chosen)
     cpu_linear.set_threads(lib, 1)
 
 
@@ -163,16 +163,45 @@ def test_every_path_compiles(name, tmp_path):
     assert job.returncode == 0, err
 
 
-def test_the_fastest_path_is_measured_once_and_kept(dll, tmp_path):
+def test_the_fastest_paths_are_measured_once_and_kept(dll, tmp_path):
     record = tmp_path / "path.json"
-    chosen = cpu_linear.fastest_path(dll, record)
+    chosen = cpu_linear.fastest_paths(dll, record)
     kept = json.loads(record.read_text())
-    assert kept["path"] == chosen and set(kept["seconds"]) == set(running(dll))
-    assert chosen == min(kept["seconds"], key=kept["seconds"].get)
-    record.write_text(json.dumps({"path": PORTABLE, "seconds": {}}))
-    assert cpu_linear.fastest_path(dll, record) == PORTABLE  # read back, not measured again
-    record.write_text(json.dumps({"path": "a path of another machine"}))
-    assert cpu_linear.fastest_path(dll, record) in running(dll)
+    seconds = kept["seconds"]
+    assert (kept["rows"], kept["one_row"]) == (chosen.rows, chosen.one_row) and set(seconds) == set(running(dll))
+    assert chosen.rows == min(seconds, key=lambda name: seconds[name]["rows"])
+    assert chosen.one_row == min(seconds, key=lambda name: seconds[name]["one_row"])
+    vector = running(dll)[0]
+    record.write_text(json.dumps({"rows": PORTABLE, "one_row": vector, "seconds": {}}))
+    assert cpu_linear.fastest_paths(dll, record) == cpu_linear.PathChoice(PORTABLE, vector)  # read, not measured
+    record.write_text(json.dumps({"rows": "a path of another machine", "one_row": PORTABLE}))
+    assert cpu_linear.fastest_paths(dll, record).rows in running(dll)
+
+
+def test_one_row_and_several_rows_take_their_own_paths(dll):
+    """A decode step's one-row calls run the one-row path and every other call the rows path, each with its
+    own activations: mixed both ways, linears and attention give the portable bits."""
+    g = torch.Generator().manual_seed(5)
+    vector = running(dll)[0]
+    w, d, m = weights(g, Format.Q4, 40, 96)
+    x = torch.randn(5, 96, generator=g)
+    q, k, v = torch.randn(3, 4, 32, generator=g), torch.randn(2, 20, 32, generator=g), torch.randn(2, 20, 32, generator=g)
+    mask = torch.rand(3, 20, generator=g) > 0.3
+    mask[:, 0] = True
+
+    def outputs():
+        return ([cpu_linear.linear(dll, Format.Q4, x[:rows], 40, w, d, m) for rows in (1, 5)]
+                + [cpu_linear.attention(dll, q[:rows], k, v, mask[:rows], 0.2) for rows in (1, 3)])
+
+    cpu_linear.use_path(dll, PORTABLE)
+    want = outputs()
+    for rows, one_row in ((vector, PORTABLE), (PORTABLE, vector)):
+        cpu_linear.use_paths(dll, cpu_linear.PathChoice(rows, one_row))
+        assert [dll.ss_path_name(dll.ss_path_for(n)).decode() for n in (1, 2, 8)] == [one_row, rows, rows]
+        assert cpu_linear.isa(dll) == (rows if rows == one_row else f"{rows}, one row {one_row}")
+        for got, expected in zip(outputs(), want, strict=True):
+            assert torch.equal(got, expected)
+    cpu_linear.use_path(dll, vector)
 
 
 def test_a_path_that_cannot_run_is_refused(dll):

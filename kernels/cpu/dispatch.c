@@ -55,27 +55,44 @@ int ss_path_count(void) { return N_PATHS; }
 /* Path i's name, or NULL when it was not compiled. */
 const char *ss_path_name(int i) { return i >= 0 && i < N_PATHS && paths[i] ? paths[i]->name : 0; }
 
-static const ss_path_t *active;
+/* The paths in use: one for calls of several rows (verifications, prefills), one for calls of one row
+ * (decode steps), each the widest that runs until ss_use_path / ss_use_one_row_path choose. Every path
+ * computes the same bits, so a call may take either; which is faster can differ with the rows (a 256-bit
+ * path can stream one row faster than a 512-bit one whose tiles win at eight). */
+static const ss_path_t *active, *active_one_row;
 
-/* The path in use: the widest that runs until ss_use_path chooses. */
-static const ss_path_t *path(void) {
+static void choose_widest(void) {
     for (int i = 0; i < N_PATHS && !active; i++)
-        if (ss_path_runs(i)) active = paths[i];
-    return active;
+        if (ss_path_runs(i)) active = active_one_row = paths[i];
 }
 
-/* The index of the path in use. */
-int ss_path(void) {
-    const ss_path_t *p = path();
+/* The path for a call of ``rows`` rows. */
+static const ss_path_t *path(int rows) {
+    choose_widest();
+    return rows == 1 ? active_one_row : active;
+}
+
+static int index_of(const ss_path_t *p) {
     for (int i = 0; i < N_PATHS; i++)
         if (paths[i] == p) return i;
     return -1;
 }
 
-/* Runs path i from now on; -1 (and no change) when it cannot run here. */
+/* The index of the path in use for calls of ``rows`` rows. */
+int ss_path_for(int rows) { return index_of(path(rows)); }
+
+/* Runs path i from now on, for every call; -1 (and no change) when it cannot run here. */
 int ss_use_path(int i) {
     if (!ss_path_runs(i)) return -1;
-    active = paths[i];
+    active = active_one_row = paths[i];
+    return 0;
+}
+
+/* Runs path i from now on for the calls of one row alone; -1 (and no change) when it cannot run here. */
+int ss_use_one_row_path(int i) {
+    if (!ss_path_runs(i)) return -1;
+    choose_widest();
+    active_one_row = paths[i];
     return 0;
 }
 
@@ -93,7 +110,7 @@ static int prepare_rows(job_t *j) {
     }
     float *dx = buf, *xsum = dx + blocks;
     int16_t *qx = (int16_t *)(xsum + blocks);
-    void (*quantise)(const float *, int16_t *, float *, float *) = path()->quantise;
+    void (*quantise)(const float *, int16_t *, float *, float *) = path(j->M)->quantise;
     for (size_t i = 0; i < blocks; i++) quantise(j->x + i * 32, qx + i * 32, dx + i, xsum + i);
     j->qx = qx, j->dx = dx, j->xsum = xsum;
     return 0;
@@ -112,7 +129,7 @@ static void linear_unit(const void *job, int unit, int part) {
     const job_t *j = job;
     const int grain = column_grain(j->N), n0 = unit * grain, n1 = n0 + grain < j->N ? n0 + grain : j->N;
     (void)part;
-    path()->columns(j, n0, n1);
+    path(j->M)->columns(j, n0, n1);
 }
 
 /* x [M][K] fp32 (contiguous), out [M][N] fp32; fmt may carry SS_HALF_SCALES. Returns 0, or -1 when out of
@@ -121,7 +138,7 @@ int ss_linear(int fmt, int M, int K, int N, const float *x, const void *w, const
               const float *bias, float *out) {
     job_t j = {fmt & ~SS_HALF_SCALES, M, K, N, (fmt & SS_HALF_SCALES) != 0, x, 0, 0, 0, w, d, m, bias, out};
     fmt = j.fmt;
-    path(); /* chosen here, before the pool's threads read it */
+    path(M); /* chosen here, before the pool's threads read it */
     if ((fmt == FMT_Q4 || fmt == FMT_Q8) && prepare_rows(&j) != 0) return -1;
     ss_run(linear_unit, &j, (N + column_grain(N) - 1) / column_grain(N), (size_t)N * K < 65536);
     return 0;
@@ -131,7 +148,7 @@ static void attention_unit(const void *job, int unit, int part) {
     const attn_t *a = job;
     const int G = a->H / a->Hkv;
     float *buf = (float *)(a->scratch + (size_t)part * a->S * (G * sizeof(float) + sizeof(int)));
-    path()->attend(a, unit / a->Hkv, unit % a->Hkv, (int *)(buf + (size_t)G * a->S), buf);
+    path(a->T)->attend(a, unit / a->Hkv, unit % a->Hkv, (int *)(buf + (size_t)G * a->S), buf);
 }
 
 /* q [T][H][D], k and v [Hkv][s_max][D] fp32, mask [T][S] bytes (nonzero = attend: every row needs one),
@@ -139,7 +156,7 @@ static void attention_unit(const void *job, int unit, int part) {
 int ss_attention(int T, int H, int Hkv, int D, int S, int s_max, float scale, const float *q, const float *k,
                  const float *v, const uint8_t *mask, float *out) {
     const int parts = ss_threads();
-    path();
+    path(T);
     char *scratch = malloc((size_t)parts * S * ((H / Hkv) * sizeof(float) + sizeof(int)) + 1);
     if (!scratch) return -1;
     attn_t a = {T, H, Hkv, D, S, s_max, scale, q, k, v, mask, out, scratch};
