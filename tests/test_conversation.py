@@ -7,7 +7,7 @@ import pytest
 from fake_engine import ANSWER, FakeEngine
 
 from swiftspec import window
-from swiftspec.conversation import CannotAnswer, Conversation, Settings
+from swiftspec.conversation import CannotAnswer, Conversation, Reply, Settings
 from swiftspec.engine.config import SamplingParams
 from swiftspec.history import HistoryStore
 
@@ -20,7 +20,7 @@ def store(tmp_path):
 
 
 def ask(conversation, engine, kind="ask", text=None):
-    return conversation.run(conversation.plan(kind, window.Context.of(engine), text), engine)
+    return conversation.run(Reply(conversation.plan(kind, window.Context.of(engine), text)), engine)
 
 
 def saved(store, conversation) -> list[tuple[str, str]]:
@@ -89,7 +89,7 @@ def test_an_engine_death_mid_answer_keeps_the_turn_and_continue_goes_on(store):
 def test_an_answer_interrupted_by_quitting_is_kept_and_resumes(store):
     conversation = Conversation(store, Settings())
     engine = FakeEngine()
-    reply = conversation.plan("ask", window.Context.of(engine), "hello")
+    reply = Reply(conversation.plan("ask", window.Context.of(engine), "hello"))
 
     def quit_after_two(event, seen=[]):  # noqa: B006 (a counter)
         seen.append(event)
