@@ -70,6 +70,7 @@ class ReplyPlan:
     kind: Kind
     question: str | None  # the user message it answers (ask, edit); None for retry and continue
     messages: tuple[dict, ...]  # what the engine is sent
+    ids: tuple[int, ...] | None  # their token ids as fitted into the context, sent so; None: the engine templates
     params: SamplingParams
     window_start: int  # where the context window starts for this answer
     left_out: int  # turns this answer newly leaves out of the context (0: the window did not move)
@@ -233,11 +234,10 @@ class Conversation:
                                    "/retry writes a new one.")
             replaces = len(dialogue) - 1
         start = min(self.window_start, replaces)
-        new_start = window.fit(dialogue, start, self.settings.system, context.count_tokens, context.length,
-                               params.max_new_tokens, context.limit)
+        new_start, ids = window.fit(dialogue, start, self.settings.system, context, params.max_new_tokens)
         question = len(dialogue) - 1 if kind in ("ask", "edit") else len(dialogue)
         return ReplyPlan(kind, text if kind in ("ask", "edit") else None,
-                         tuple(self.engine_messages(dialogue, new_start)), params, new_start,
+                         tuple(self.engine_messages(dialogue, new_start)), ids, params, new_start,
                          window.turns_between(dialogue, start, new_start),
                          window.turns_between(dialogue, new_start, len(dialogue)),
                          window.turns_between(dialogue, 0, question), replaces)
@@ -247,10 +247,12 @@ class Conversation:
         """Generates the answer to ``reply.plan`` (blocking), saving it as it streams; returns the reply with
         its end. An engine that refuses or fails sets ``reply.error``; what the callbacks raise (a closed
         stdout, Ctrl-C) ends the answer as cancelled, saved, and is raised again."""
+        plan = reply.plan
         reply.vocab = engine.info.vocab
         try:
             try:
-                events = iter(engine.generate(list(reply.plan.messages), reply.plan.params))
+                events = iter(engine.generate(list(plan.messages), plan.params) if plan.ids is None
+                              else engine.generate_ids(list(plan.ids), plan.params))
             except Exception as e:  # refused before anything ran
                 return self._failed(reply, e, engine)
             while True:
