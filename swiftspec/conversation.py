@@ -61,19 +61,30 @@ class Settings:
         return Settings(self.system, dataclasses.replace(self.params, stop=list(self.params.stop)))
 
 
-@dataclass
-class Reply:
-    """One answer, from its plan to its end. ``answer`` is set once the engine accepted the request."""
+@dataclass(frozen=True)
+class ReplyPlan:
+    """What an answer is to be, fixed by ``Conversation.plan`` before anything is sent: what it answers and
+    replaces, what the engine is sent and where the context window moves. Frozen: running it sends exactly
+    what was fitted into the context."""
 
     kind: Kind
     question: str | None  # the user message it answers (ask, edit); None for retry and continue
-    messages: list[dict]  # what the engine is sent
+    messages: tuple[dict, ...]  # what the engine is sent
+    ids: tuple[int, ...] | None  # their token ids as fitted into the context, sent so; None: the engine templates
     params: SamplingParams
     window_start: int  # where the context window starts for this answer
     left_out: int  # turns this answer newly leaves out of the context (0: the window did not move)
     kept: int  # turns the model sees
     earlier: int  # turns before the question, in all
     replaces: int  # the index of the first message the answer replaces (its question's, for ask)
+
+
+@dataclass
+class Reply:
+    """One answer as it runs: its plan, how far it got and how it ended. ``answer`` is set once the engine
+    accepted the request."""
+
+    plan: ReplyPlan
     last: StepEvent | None = None  # the answer's latest event: its figures so far
     answer: Message | None = None
     tokens: list[int] = field(default_factory=list)  # the answer's (this run's part), for the drafter's history
@@ -198,7 +209,7 @@ class Conversation:
 
     # --- answering --------------------------------------------------------------------------------
 
-    def plan(self, kind: Kind, context: window.Context, text: str | None = None) -> Reply:
+    def plan(self, kind: Kind, context: window.Context, text: str | None = None) -> ReplyPlan:
         """What the engine will be sent for this request; changes nothing. ContextError when it cannot
         fit, CannotAnswer when there is nothing to retry or continue."""
         dialogue = [{"role": m.role, "content": m.content} for m in self.messages]
@@ -223,23 +234,25 @@ class Conversation:
                                    "/retry writes a new one.")
             replaces = len(dialogue) - 1
         start = min(self.window_start, replaces)
-        new_start = window.fit(dialogue, start, self.settings.system, context.count_tokens, context.length,
-                               params.max_new_tokens, context.limit)
+        new_start, ids = window.fit(dialogue, start, self.settings.system, context, params.max_new_tokens)
         question = len(dialogue) - 1 if kind in ("ask", "edit") else len(dialogue)
-        return Reply(kind, text if kind in ("ask", "edit") else None, self.engine_messages(dialogue, new_start),
-                     params, new_start, window.turns_between(dialogue, start, new_start),
-                     window.turns_between(dialogue, new_start, len(dialogue)),
-                     window.turns_between(dialogue, 0, question), replaces)
+        return ReplyPlan(kind, text if kind in ("ask", "edit") else None,
+                         tuple(self.engine_messages(dialogue, new_start)), ids, params, new_start,
+                         window.turns_between(dialogue, start, new_start),
+                         window.turns_between(dialogue, new_start, len(dialogue)),
+                         window.turns_between(dialogue, 0, question), replaces)
 
     def run(self, reply: Reply, engine: EngineAPI, on_accept: Callable[[Reply], None] | None = None,
             on_event: Callable[[StepEvent], None] | None = None) -> Reply:
-        """Generates the answer (blocking), saving it as it streams; returns the reply with its end. An
-        engine that refuses or fails sets ``reply.error``; what the callbacks raise (a closed stdout,
-        Ctrl-C) ends the answer as cancelled, saved, and is raised again."""
+        """Generates the answer to ``reply.plan`` (blocking), saving it as it streams; returns the reply with
+        its end. An engine that refuses or fails sets ``reply.error``; what the callbacks raise (a closed
+        stdout, Ctrl-C) ends the answer as cancelled, saved, and is raised again."""
+        plan = reply.plan
         reply.vocab = engine.info.vocab
         try:
             try:
-                events = iter(engine.generate(reply.messages, reply.params))
+                events = iter(engine.generate(list(plan.messages), plan.params) if plan.ids is None
+                              else engine.generate_ids(list(plan.ids), plan.params))
             except Exception as e:  # refused before anything ran
                 return self._failed(reply, e, engine)
             while True:
@@ -269,30 +282,31 @@ class Conversation:
 
     def _accept(self, reply: Reply) -> None:
         """The engine took the request: now the conversation becomes what was sent."""
+        plan = reply.plan
         with self._lock:
-            self.window_start = reply.window_start
+            self.window_start = plan.window_start
             self._store_settings()
-            if reply.kind == "continue":
+            if plan.kind == "continue":
                 reply.answer = self.messages[-1]
                 reply.generated_before = (reply.answer.stats or {}).get("generated", 0)
                 reply.answer.stats = {**(reply.answer.stats or {}), "finish_reason": "partial"}
                 self._store_update(reply.answer)
                 return
-            gone = self.messages[reply.replaces:]
+            gone = self.messages[plan.replaces:]
             first_saved = next((m.id for m in gone if m.id is not None), None)
             if first_saved is not None and self.id is not None and self.store is not None:
                 self.store.truncate(self.id, first_saved)
-            del self.messages[reply.replaces:]
+            del self.messages[plan.replaces:]
             # a system prompt set after the replaced messages applies to what replaces them: it moves up
-            moved = [system for at, system in self.system_changes if at > reply.replaces]
-            self.system_changes = [(at, system) for at, system in self.system_changes if at <= reply.replaces]
+            moved = [system for at, system in self.system_changes if at > plan.replaces]
+            self.system_changes = [(at, system) for at, system in self.system_changes if at <= plan.replaces]
             for system in moved:
                 if self.id is not None:
                     self._save("system", system or "")
-                self.system_changes.append((reply.replaces, system))
-            if reply.question is not None:
-                self._append("user", reply.question)
-            reply.answer = self._append("assistant", "", {"mode": reply.params.mode, "finish_reason": "partial"})
+                self.system_changes.append((plan.replaces, system))
+            if plan.question is not None:
+                self._append("user", plan.question)
+            reply.answer = self._append("assistant", "", {"mode": plan.params.mode, "finish_reason": "partial"})
             reply.saved_at = time.monotonic()
 
     def _record(self, reply: Reply, event: StepEvent) -> None:
@@ -311,7 +325,7 @@ class Conversation:
     def _summary(reply: Reply, event: StepEvent | None) -> AnswerSummary:
         """The answer's figures at ``event``: the last step's, with the tokens of the whole message (a
         continued answer's earlier part too)."""
-        summary = AnswerSummary.of(reply.params.mode, event)
+        summary = AnswerSummary.of(reply.plan.params.mode, event)
         summary.stats = dataclasses.replace(summary.stats, generated=summary.stats.generated + reply.generated_before)
         return summary
 
@@ -319,7 +333,7 @@ class Conversation:
     def _figures(reply: Reply, summary: AnswerSummary) -> dict[str, Any]:
         """The figures saved with an answer: its summary, and the temperature it was sampled at (what
         /retry's notice says of the answer it replaces)."""
-        return {**summary.to_dict(), "temperature": reply.params.temperature}
+        return {**summary.to_dict(), "temperature": reply.plan.params.temperature}
 
     def finish(self, reply: Reply, reason: str | None = None) -> None:
         """Ends the answer (once): its text and figures are saved. ``reason`` names why it ended where the

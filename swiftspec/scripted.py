@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from swiftspec import window
-from swiftspec.conversation import Conversation
+from swiftspec.conversation import Conversation, Reply
 from swiftspec.engine.events import StepEvent
 from swiftspec.engine.host.answer import AnswerSummary
 from swiftspec.engine.host.protocol import EngineAPI
@@ -77,17 +77,18 @@ def _answer_each(engine: EngineAPI, prompts: Sequence[str], conversation: Conver
         if alone:
             conversation.messages, conversation.window_start = list(base), base_start
         try:
-            reply = conversation.plan("ask", window.Context.of(engine), prompt)
+            plan = conversation.plan("ask", window.Context.of(engine), prompt)
         except window.ContextError as e:
             if jsonl:
                 _write_json(out, {"event": "error", "index": index, "message": str(e)})
             _say(err, str(e))
             return EXIT_USAGE
-        if reply.left_out:
-            _say(err, f"context full: left out the {reply.earlier + 1 - reply.kept} oldest of {reply.earlier} "
+        if plan.left_out:
+            _say(err, f"context full: left out the {plan.earlier + 1 - plan.kept} oldest of {plan.earlier} "
                       "earlier turns")
         if index and not jsonl:
             out.write("\n")  # a blank line between answers
+        reply = Reply(plan)
         try:
             conversation.run(reply, engine, on_event=lambda ev, i=index: _emit_token(ev, i, eos, jsonl, out))
         except KeyboardInterrupt:

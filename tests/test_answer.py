@@ -12,7 +12,7 @@ from tiny_models import tiny_model_dir
 from swiftspec.engine.events import Step
 from swiftspec.engine.host.answer import Answer, AnswerSummary, StopMatcher
 from swiftspec.engine.host.client import EngineError
-from swiftspec.engine.host.encode import ChatEncoder, encode_chat
+from swiftspec.engine.host.encode import encode_chat
 
 
 def test_stop_matcher_holds_back_partial_stops():
@@ -67,18 +67,3 @@ def test_the_answers_median_latency_is_per_token_and_its_summary_round_trips(mon
     old = AnswerSummary.from_dict({"mode": "ar", "generated": 3, "finish_reason": "length"})  # a row of fewer fields
     assert old.line() == "ar · 3 tok · 0.0 tok/s · p50 0.0 ms/tok · length"
 
-
-def test_a_conversation_is_templated_once_for_counting_and_sending():
-    """The chat counts a turn's tokens (its window), then sends the same messages: one template pass."""
-    from swiftspec.engine.model.model_dir import load_tokenizer
-
-    tok = load_tokenizer(tiny_model_dir())
-    calls = []
-    template = tok.apply_chat_template
-    tok.apply_chat_template = lambda *a, **k: (calls.append(1), template(*a, **k))[1]
-    encode = ChatEncoder(tok)
-    messages = [dict(m) for m in PROMPTS[0]]
-    first = encode(messages)
-    assert encode(messages) == first == encode_chat(tok, PROMPTS[0]) and len(calls) == 2  # 2: encode_chat's own
-    messages[-1]["content"] += " More."  # changed in place: encoded again
-    assert encode(messages) != first and len(calls) == 3

@@ -3,12 +3,19 @@ continue, clear, quitting or an engine failure loses a saved turn; settings are 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from fake_engine import ANSWER, FakeEngine
+from fake_engine import ANSWER, INFO, FakeEngine
+from tiny_models import tiny_model_dir
 
 from swiftspec import window
-from swiftspec.conversation import CannotAnswer, Conversation, Settings
+from swiftspec.conversation import CannotAnswer, Conversation, Reply, Settings
 from swiftspec.engine.config import SamplingParams
+from swiftspec.engine.events import StepEvent, StepStats
+from swiftspec.engine.host.client import Engine
+from swiftspec.engine.host.encode import encode_chat
+from swiftspec.engine.model.model_dir import load_tokenizer
 from swiftspec.history import HistoryStore
 
 
@@ -20,7 +27,7 @@ def store(tmp_path):
 
 
 def ask(conversation, engine, kind="ask", text=None):
-    return conversation.run(conversation.plan(kind, window.Context.of(engine), text), engine)
+    return conversation.run(Reply(conversation.plan(kind, window.Context.of(engine), text)), engine)
 
 
 def saved(store, conversation) -> list[tuple[str, str]]:
@@ -89,7 +96,7 @@ def test_an_engine_death_mid_answer_keeps_the_turn_and_continue_goes_on(store):
 def test_an_answer_interrupted_by_quitting_is_kept_and_resumes(store):
     conversation = Conversation(store, Settings())
     engine = FakeEngine()
-    reply = conversation.plan("ask", window.Context.of(engine), "hello")
+    reply = Reply(conversation.plan("ask", window.Context.of(engine), "hello"))
 
     def quit_after_two(event, seen=[]):  # noqa: B006 (a counter)
         seen.append(event)
@@ -156,3 +163,48 @@ def test_a_conversation_deleted_elsewhere_is_saved_anew_whole(store):
                                           ("user", "q2"), ("assistant", "a2")]
     assert [m.id for m in conversation.messages] == [m.id for m in store.messages(conversation.id)
                                                      if m.role != "system"]
+
+
+class TemplatingEngine(Engine):
+    """The Engine's own generate, generate_ids and encode_chat on a tiny model's tokenizer, without workers:
+    what it would send them is kept in ``sent``; each answer is one cut-short step."""
+
+    def __init__(self, tokenizer, context_length: int):
+        self.tokenizer, self.sent = tokenizer, []
+        self.info = dataclasses.replace(INFO, context_length=context_length)
+
+    def _stream(self, ids, params):
+        self.sent.append(ids)
+        yield StepEvent([7], " and so on", StepStats(generated=1), True, "length")
+
+    @property
+    def alive(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("templated", [True, False])
+def test_a_turn_is_sent_as_the_ids_its_window_was_fitted_with(templated):
+    """A turn is templated once, to fit it into the context, and those ids are sent: the very ids the
+    Engine's generate() makes of the same messages (template, generation prompt, a continued answer, a
+    moved window; a tokenizer without a template too)."""
+    tokenizer = load_tokenizer(tiny_model_dir())
+    template, calls = tokenizer.apply_chat_template, []
+    tokenizer.apply_chat_template = lambda *a, **k: (calls.append(1), template(*a, **k))[1]
+    if not templated:
+        tokenizer.chat_template = None
+    engine = TemplatingEngine(tokenizer, context_length=80)
+    conversation = Conversation(None, Settings("Be brief.", SamplingParams(max_new_tokens=8)))
+    moved = False
+    for kind, text in [("ask", "What is 17 times 23?"), ("continue", None), ("ask", "def fibonacci(n):"),
+                       ("retry", None), ("edit", "Summarise speculative decoding in a few words."),
+                       ("ask", "The quick brown fox jumps over the lazy dog, and again, and again.")]:
+        calls.clear()
+        plan = conversation.plan(kind, window.Context.of(engine), text)
+        moved = moved or plan.left_out > 0
+        reply = conversation.run(Reply(plan), engine)
+        assert reply.error is None and list(plan.ids) == engine.sent[-1]
+        if not plan.left_out:  # the window stayed: one template pass, for counting and sending alike
+            assert len(calls) == int(templated)
+        list(Engine.generate(engine, list(plan.messages), plan.params))  # what sending the messages sends
+        assert engine.sent[-1] == engine.sent[-2] == encode_chat(tokenizer, list(plan.messages))
+    assert moved and plan.messages[0]["role"] == "system"

@@ -18,6 +18,8 @@ import torch
 from helpers.engines import N_TOKENS, PENALISED, PROMPTS, answer, no_processes_left, reference, start
 from tiny_models import tiny_model_dir
 
+from swiftspec import window
+from swiftspec.conversation import Conversation, Reply, Settings
 from swiftspec.engine.config import ConfigError, EngineConfig, SamplingParams, TreeParams
 from swiftspec.engine.host.client import Engine, EngineError
 from swiftspec.engine.host.encode import encode_chat
@@ -209,15 +211,14 @@ def test_stop_strings_eos_and_multi_turn_reuse(self_engine):
 
 @pytest.mark.slow
 def test_a_turn_is_templated_once(self_engine, monkeypatch):
-    """count_tokens (the chat's window) and then generate of the same messages: one template pass."""
+    """The chat fits a turn into the context (its window), then sends the ids it fitted: one template pass."""
     calls = []
     template = self_engine.tokenizer.apply_chat_template
     monkeypatch.setattr(self_engine.tokenizer, "apply_chat_template",
                         lambda *a, **k: (calls.append(1), template(*a, **k))[1])
-    messages = PROMPTS[2] + [{"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Once?"}]
-    n = self_engine.count_tokens(messages)
-    events = list(self_engine.generate(messages, SamplingParams(mode="ar", max_new_tokens=2)))
-    assert len(calls) == 1 and events[0].stats.prefill_tokens <= n
+    conversation = Conversation(None, Settings("Be brief.", SamplingParams(mode="ar", max_new_tokens=2)))
+    reply = conversation.run(Reply(conversation.plan("ask", window.Context.of(self_engine), "Once?")), self_engine)
+    assert len(calls) == 1 and reply.error is None and reply.last.stats.prefill_tokens <= len(reply.plan.ids)
 
 
 @pytest.mark.slow

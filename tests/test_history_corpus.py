@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tiny_models import tiny_model_dir
 
 from swiftspec import window
-from swiftspec.conversation import Conversation, Settings
+from swiftspec.conversation import Conversation, Reply, Settings
 from swiftspec.engine.config import DraftKind, EngineConfig, SamplingParams, TreeParams
 from swiftspec.engine.host import launcher
 from swiftspec.engine.host.worker_spec import WorkerSpec
@@ -242,7 +242,7 @@ def test_a_conversation_keeps_its_answers_tokens(tmp_path):
     seen: list[int] = []
 
     def ask(kind, text=None):
-        reply = conversation.plan(kind, window.Context.of(engine), text)
+        reply = Reply(conversation.plan(kind, window.Context.of(engine), text))
         return conversation.run(reply, engine, on_event=lambda e: seen.extend(e.token_ids))
 
     reply = ask("ask", "hello")

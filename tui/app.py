@@ -22,7 +22,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header
 
 from swiftspec import window
-from swiftspec.conversation import CannotAnswer, Conversation, Kind, Settings, describe
+from swiftspec.conversation import CannotAnswer, Conversation, Kind, Reply, Settings, describe
 from swiftspec.engine.config import MODES
 from swiftspec.engine.events import AT_LIMIT
 from swiftspec.engine.host.answer import AnswerSummary
@@ -217,7 +217,7 @@ class SwiftSpecApp(App[int]):
         if not self.can_answer(kind):
             return False
         try:  # in a thread: tokenizing a long conversation takes a moment, the screen keeps drawing
-            reply = await asyncio.to_thread(self.conversation.plan, kind, window.Context.of(self.engine), text)
+            plan = await asyncio.to_thread(self.conversation.plan, kind, window.Context.of(self.engine), text)
         except window.ContextError as e:
             self.notify(str(e), title="Does not fit", severity="error", markup=False, timeout=10)
             return False
@@ -225,7 +225,7 @@ class SwiftSpecApp(App[int]):
             self.notify(str(e), severity="warning", markup=False)
             return False
         chat = self.query_one(ChatView)
-        question = await chat.add("user", text) if reply.question is not None else None
+        question = await chat.add("user", text) if plan.question is not None else None
         if kind == "continue":
             box = chat.box(self.conversation.messages[-1].key)
             box.resume()
@@ -233,11 +233,11 @@ class SwiftSpecApp(App[int]):
             box = await chat.add("assistant", streaming=True)
         if kind == "retry":
             replaced = self.conversation.messages[-1]  # still there: the engine has not accepted the retry yet
-            self.notify(_retry_notice(reply.params, (replaced.stats or {}).get("temperature")), timeout=8)
+            self.notify(_retry_notice(plan.params, (replaced.stats or {}).get("temperature")), timeout=8)
         edited = self.conversation.editable if kind == "edit" else None
-        self._turn = Turn(reply, box, question, AnswerBuffer(), edited)
+        self._turn = Turn(Reply(plan), box, question, AnswerBuffer(), edited)
         self.query_one(PromptInput).editable = None
-        self.query_one(StatsPanel).start_turn(reply.params.mode)
+        self.query_one(StatsPanel).start_turn(plan.params.mode)
         self._flush_timer.resume()
         self.refresh_bindings()
         self._generate(self.engine, self._turn)
@@ -260,35 +260,35 @@ class SwiftSpecApp(App[int]):
 
     async def on_answer_accepted(self, message: AnswerAccepted) -> None:
         """The conversation now holds the answer: the boxes of what it replaced go, the new ones are its."""
-        turn, reply, chat = message.turn, message.turn.reply, self.query_one(ChatView)
+        turn, plan, chat = message.turn, message.turn.reply.plan, self.query_one(ChatView)
         messages = self.conversation.messages
-        turn.box.key = reply.answer.key
+        turn.box.key = turn.reply.answer.key
         if turn.question is not None:
             turn.question.key = messages[-2].key
         await chat.keep_only({m.key for m in messages})
-        if reply.left_out:
-            turn.notice = await chat.add_context_notice(reply.left_out, reply.kept, before=turn.question or turn.box)
-        if reply.question is not None:
+        if plan.left_out:
+            turn.notice = await chat.add_context_notice(plan.left_out, plan.kept, before=turn.question or turn.box)
+        if plan.question is not None:
             prompt = self.query_one(PromptInput)
             if turn.edited is not None:  # the edited message replaces the last one in the recall list too
                 prompt.forget(turn.edited)
-            prompt.remember(reply.question)
+            prompt.remember(plan.question)
 
     async def on_answer_done(self, message: AnswerDone) -> None:
         await self._flush_answer()
         self._flush_timer.pause()
-        turn, reply = message.turn, message.turn.reply
+        turn, reply, plan = message.turn, message.turn.reply, message.turn.reply.plan
         self._turn = None
         self.refresh_bindings()
         self._notify_warnings()
         self._check_store()
-        if reply.accepted or reply.kind == "continue":
+        if reply.accepted or plan.kind == "continue":
             await turn.box.finish(AnswerSummary.from_dict(self.conversation.messages[-1].stats or {}).line(short=True))
         else:  # nothing changed: the proposed boxes go, the question back into the input
             await turn.box.remove()
             if turn.question is not None:
                 await turn.question.remove()
-                self.query_one(PromptInput).give_back(reply.question, editing=reply.kind == "edit")
+                self.query_one(PromptInput).give_back(plan.question, editing=plan.kind == "edit")
         self._update_editable()
         finish = self.conversation.last_finish
         if reply.error is not None:

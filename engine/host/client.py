@@ -27,7 +27,7 @@ from swiftspec.engine.config import EngineConfig, SamplingParams
 from swiftspec.engine.events import Step, StepEvent
 from swiftspec.engine.host import frames, launcher, protocol
 from swiftspec.engine.host.answer import Answer
-from swiftspec.engine.host.encode import ChatEncoder, encode_chat, encode_prompt
+from swiftspec.engine.host.encode import encode_chat, encode_prompt
 from swiftspec.engine.host.failures import EngineError, WorkerOutput, worker_log_path
 from swiftspec.engine.host.frames import Cancel, Failure, Generate, Shutdown, Stepped
 from swiftspec.engine.host.protocol import EngineInfo
@@ -74,7 +74,6 @@ class Engine:
     def __init__(self, config: EngineConfig, proc: subprocess.Popen, conn: protocol.Connection, tail: WorkerOutput,
                  pgids: set[int], run_dir: Path, info: EngineInfo, tokenizer):
         self.config, self.info, self.tokenizer = config, info, tokenizer
-        self.encode_chat = ChatEncoder(tokenizer)
         self._proc, self._conn, self._tail, self._pgids, self._run_dir = proc, conn, tail, pgids, run_dir
         self._ids = itertools.count(1)
         self._current: int | None = None  # the request whose events are still to be read
@@ -202,6 +201,11 @@ class Engine:
             raise EngineError(f"the conversation is {len(ids)} tokens, but the context length is "
                               f"{self.info.context_length}: shorten it or raise --max-seq-len")
         return self._stream(ids, params)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The token ids generate() sends for ``messages``: the chat keeps those it fitted into the context
+        and sends them with generate_ids, so that a turn is templated once."""
+        return encode_chat(self.tokenizer, messages)
 
     def count_tokens(self, messages: list[dict]) -> int:
         """The prompt length of ``messages`` as generate() would send them."""

@@ -1,9 +1,7 @@
 """Token ids of what the Engine is asked: a raw prompt, or a conversation through the tokenizer's chat
-template (once for counting and sending alike: ``ChatEncoder``)."""
+template."""
 
 from __future__ import annotations
-
-import copy
 
 from swiftspec.engine.host.failures import EngineError
 
@@ -33,19 +31,3 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     text = text[:-1] if continuing else text + "assistant:"
     return list(tokenizer(text)["input_ids"])
 
-
-class ChatEncoder:
-    """``encode_chat`` that remembers the last conversation it encoded: the chat counts a turn's tokens to
-    fit its window (``count_tokens``), then sends the same messages (``generate``), and the chat template
-    and the tokenizer run once for both."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._last: tuple[list[dict], list[int]] | None = None
-
-    def __call__(self, messages: list[dict]) -> list[int]:
-        if self._last is not None and self._last[0] == messages:
-            return list(self._last[1])
-        ids = encode_chat(self.tokenizer, messages)
-        self._last = (copy.deepcopy(messages), ids)
-        return list(ids)

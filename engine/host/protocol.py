@@ -275,3 +275,14 @@ class EngineAPI(Protocol):
 
     @property
     def alive(self) -> bool: ...
+
+
+@runtime_checkable
+class TakesIds(Protocol):
+    """An engine that applies the chat template on this side (the Engine): a caller that has already
+    tokenised a conversation (the chat, fitting it into the context) sends those ids. A served engine
+    (RemoteEngine) is not one: its chat completions take messages, which the server templates."""
+
+    def encode_chat(self, messages: list[dict]) -> list[int]: ...
+
+    def generate_ids(self, ids: list[int], params: SamplingParams | None = None) -> Iterator[StepEvent]: ...

@@ -48,6 +48,8 @@ class RemoteEngine:
         return cls(client, info, defaults, base)
 
     def generate(self, messages: list[dict], params: SamplingParams | None = None) -> Iterator[StepEvent]:
+        # Messages, never token ids: a chat completion takes messages and the server templates them, so this
+        # is no TakesIds and the chat sends it a turn's messages (its count_tokens asks the server).
         params = (params or SamplingParams()).validate()
         body = sampling_body(params)
         body["swiftspec"]["stream_stats"] = True
