@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from swiftspec.engine.config import ConfigError, Dtype, EngineConfig, TreeParams
+from swiftspec.engine.config import ConfigError, DraftCorpus, DraftKind, Dtype, EngineConfig, TreeParams
 from swiftspec.engine.host import launcher
 from swiftspec.engine.host.client import Engine
 from swiftspec.engine.host.protocol import RankInfo
@@ -182,6 +182,18 @@ def test_an_async_draft_shares_cores_where_the_targets_async_threads_leave_it_no
     assert draft_shares_cores(tuned(ar=2, sync=2, **{"async": 2}), ranks())
     assert not draft_shares_cores(tuned(**{"async": 2}), ranks(target_device="cuda:0"))
     assert not draft_shares_cores(tuned(**{"async": 2}), ranks(target_host="b"))
+
+
+def test_an_ar_session_starts_no_draft_and_a_speculative_one_keeps_its_own():
+    """EngineConfig.for_mode, which chat and serve both ask: ar never asks a draft for a token, so its
+    config has no draft ranks and no corpus (which would be refused without the suffix drafter)."""
+    config = EngineConfig(draft_corpus="/answers.safetensors", target_procs=2).validate()
+    ar = config.for_mode("ar").validate()
+    assert (ar.draft, ar.draft_corpus, ar.speculative, ar.target_procs) == (DraftKind.NONE, DraftCorpus.NONE, False, 2)
+    assert launcher.plan_layout(ar, 0) == launcher.Layout(2, 0)
+    for mode in ("sync", "async"):
+        assert config.for_mode(mode) is config
+    assert launcher.plan_layout(config, 0) == launcher.Layout(2, 1)
 
 
 def test_a_cpu_setup_keys_its_profile_without_touching_cuda(monkeypatch):
