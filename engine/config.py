@@ -376,8 +376,12 @@ class EngineConfig:
         """The corpus file ``draft_corpus`` names; None for a word (DraftCorpus)."""
         return None if self.draft_corpus in tuple(DraftCorpus) else self.draft_corpus
 
-    def without_draft(self) -> EngineConfig:
-        """This config with no draft ranks (for ``ar``, which never asks a draft for a token), so no corpus."""
+    def for_mode(self, mode: Mode) -> EngineConfig:
+        """This config for a session whose answers are decoded in ``mode``: for ``ar``, which never asks a
+        draft for a token, no draft ranks and so no corpus (nothing is started that would idle); for the
+        speculative modes, unchanged."""
+        if mode != "ar":
+            return self
         return dataclasses.replace(self, draft=DraftKind.NONE, draft_corpus=DraftCorpus.NONE)
 
     @property

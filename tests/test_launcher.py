@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from swiftspec.engine.config import ConfigError, Dtype, EngineConfig, TreeParams
+from swiftspec.engine.config import ConfigError, DraftCorpus, DraftKind, Dtype, EngineConfig, TreeParams
 from swiftspec.engine.host import launcher
 from swiftspec.engine.host.client import Engine
 from swiftspec.engine.host.protocol import RankInfo
@@ -174,14 +174,26 @@ def test_an_async_draft_shares_cores_where_the_targets_async_threads_leave_it_no
     def ranks(target_device="cpu", target_host="a"):
         return [RankInfo(0, "target", target_device, 0, 1, 1, target_host, 10), RankInfo(1, "draft", "cpu", 0, 1, 1, "a", 11)]
 
-    def ctx(**kernel_threads):
+    def tuned(**kernel_threads):  # the fields of setup.Tuned it reads
         return SimpleNamespace(n_target=1, kernel_threads=kernel_threads)
 
-    assert not draft_shares_cores(ctx(), ranks())
-    assert not draft_shares_cores(ctx(ar=2, sync=2, **{"async": 1}), ranks())
-    assert draft_shares_cores(ctx(ar=2, sync=2, **{"async": 2}), ranks())
-    assert not draft_shares_cores(ctx(**{"async": 2}), ranks(target_device="cuda:0"))
-    assert not draft_shares_cores(ctx(**{"async": 2}), ranks(target_host="b"))
+    assert not draft_shares_cores(tuned(), ranks())
+    assert not draft_shares_cores(tuned(ar=2, sync=2, **{"async": 1}), ranks())
+    assert draft_shares_cores(tuned(ar=2, sync=2, **{"async": 2}), ranks())
+    assert not draft_shares_cores(tuned(**{"async": 2}), ranks(target_device="cuda:0"))
+    assert not draft_shares_cores(tuned(**{"async": 2}), ranks(target_host="b"))
+
+
+def test_an_ar_session_starts_no_draft_and_a_speculative_one_keeps_its_own():
+    """EngineConfig.for_mode, which chat and serve both ask: ar never asks a draft for a token, so its
+    config has no draft ranks and no corpus (which would be refused without the suffix drafter)."""
+    config = EngineConfig(draft_corpus="/answers.safetensors", target_procs=2).validate()
+    ar = config.for_mode("ar").validate()
+    assert (ar.draft, ar.draft_corpus, ar.speculative, ar.target_procs) == (DraftKind.NONE, DraftCorpus.NONE, False, 2)
+    assert launcher.plan_layout(ar, 0) == launcher.Layout(2, 0)
+    for mode in ("sync", "async"):
+        assert config.for_mode(mode) is config
+    assert launcher.plan_layout(config, 0) == launcher.Layout(2, 1)
 
 
 def test_a_cpu_setup_keys_its_profile_without_touching_cuda(monkeypatch):
@@ -248,8 +260,26 @@ def test_title_names_the_precision_the_target_runs_at(gguf_type, device, dtype, 
 
     save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"),
               metadata={SOURCE_METADATA: gguf_type} if gguf_type else None)
-    ctx = SimpleNamespace(target=SimpleNamespace(model=SimpleNamespace(precision=backend)), device=torch.device(device),
-                          spec=SimpleNamespace(target_dir=str(tmp_path)), dtype=dtype)
-    assert target_precision(ctx) == name
+    loaded = SimpleNamespace(target=SimpleNamespace(model=SimpleNamespace(precision=backend)), device=torch.device(device),
+                             spec=SimpleNamespace(target_dir=str(tmp_path)), dtype=dtype)  # setup.Loaded's fields it reads
+    assert target_precision(loaded) == name
     assert target_name(EngineConfig()) == "SmolLM2-135M-Instruct (embedded)"
     assert target_name(EngineConfig(target="/models/Qwen2.5-7B")) == "Qwen2.5-7B"
+
+
+def test_a_start_phase_is_the_last_one_and_its_own_fields_and_changes_nothing_after():
+    """setup.next_phase carries every field on, the new phase must give all of its own, and none of
+    them can be set again later (the dataclasses are frozen)."""
+    import dataclasses
+
+    from swiftspec.engine.spec.messages import Wire
+    from swiftspec.engine.worker.setup import Loaded, Placement, Tuned, next_phase
+
+    place = Placement(spec=None, rank=1, world=2, n_target=1, role="draft", device=torch.device("cpu"), threads=1,
+                      backend="gloo", wire=Wire(4), target_group=None, draft_group=None)
+    loaded = next_phase(Loaded, place, dtype=Dtype.FLOAT32, target=None, draft=None, eos=frozenset({2}))
+    assert (loaded.rank, loaded.tp_rank, loaded.tp_world, loaded.wire, loaded.eos) == (1, 0, 1, place.wire, {2})
+    with pytest.raises(TypeError, match="kernel_threads"):
+        next_phase(Tuned, loaded, features=False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        loaded.dtype = Dtype.BFLOAT16

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from swiftspec.engine.config import DraftKind, Dtype, SamplingParams
+from swiftspec.engine.config import BatchInvariance, DraftKind, Dtype, SamplingParams
 from swiftspec.engine.host.protocol import RankInfo
 from swiftspec.engine.model import cpu_backends, cpu_blocks
 from swiftspec.engine.model.model_dir import gguf_block_kinds, read_args, stored_float_dtype
@@ -35,10 +35,15 @@ from swiftspec.engine.spec.sampling import Sampler
 from swiftspec.engine.timing import RETRIES, CleanTimer
 from swiftspec.engine.worker.collectives import KernelThreads, KernelThreadsPlan, StepTimes, broadcast_choice
 from swiftspec.engine.worker.setup import (
-    Ctx,
+    Loaded,
+    Placement,
+    Profiled,
+    Tuned,
+    agree_on_features,
     barrier,
     draft_shares_cores,
     free_threads,
+    next_phase,
     set_kernel_threads,
     use_kernel_threads,
     uses_cpu_kernels,
@@ -58,27 +63,43 @@ def choose_d(t_verify_ms: float, t_expand_ms: float) -> int:
     return max(1, min(D_MAX, math.floor(t_verify_ms / max(t_expand_ms, 1e-3))))
 
 
-def profile(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> tuple[float, float]:
+def tune(loaded: Loaded, ranks: list[RankInfo], say: Callable[[str], None]) -> Tuned:
+    """How this rank runs its models, agreed by every rank: whether the drafter reads features, and the CPU
+    kernels' threads (choose_kernel_threads)."""
+    features = agree_on_features(loaded)  # a collective over every rank: all have loaded
+    return next_phase(Tuned, loaded, features=features, kernel_threads=choose_kernel_threads(loaded, ranks, say))
+
+
+def profile(tuned: Tuned, ranks: list[RankInfo], say: Callable[[str], None]) -> Profiled:
     """The slowest rank's target verification of bs nodes and draft expansion (ms), the same on every
-    rank; ``say`` hears whether they are measured or read. With verify_cost the draft also gets the target's
-    cost of verifying 1..bs nodes (DraftState.verify_cost)."""
-    config = ctx.spec.config
+    rank, and the d they choose (or the config's); ``say`` hears whether they are measured or read. With
+    verify_cost the draft also gets the target's cost of verifying 1..bs nodes (DraftState.verify_cost)."""
+    config = tuned.spec.config
+    if not tuned.spec.draft_spec.speculative:  # plain decoding: no d to choose, no tree to size
+        return next_phase(Profiled, tuned, t_verify_ms=0.0, t_expand_ms=0.0, d=0)
+    t_verify, t_expand = _step_times(tuned, ranks, say)
+    return next_phase(Profiled, tuned, t_verify_ms=t_verify, t_expand_ms=t_expand,
+                      d=config.tree.d or choose_d(t_verify, t_expand))
+
+
+def _step_times(tuned: Tuned, ranks: list[RankInfo], say: Callable[[str], None]) -> tuple[float, float]:
+    """profile's figures with a draft: read from the cache, or measured (and then cached where no rank was
+    disturbed); the draft's DraftState gets its costs here."""
+    config = tuned.spec.config
     bs = config.tree.bs
-    if not ctx.spec.draft_spec.speculative:  # plain decoding: no d to choose, no tree to size
-        return 0.0, 0.0
-    path = profile_path(ctx, ranks) if ctx.rank == 0 else None
+    path = profile_path(tuned, ranks, tuned.kernel_threads) if tuned.rank == 0 else None
     cached = StepTimes.broadcast(_read(path, bs) if path is not None else None, bs)
     say("step times from the profile cache" if cached else "profiling the draft expansion and target verification times")
     if cached:
         t_verify, t_expand, cost = cached.t_verify, cached.t_expand, cached.cost
     else:
         # a TP group's ranks forward together: none may time a call again alone
-        timer = CleanTimer(cpu_bound=ctx.device.type == "cpu", retries=RETRIES if ctx.tp_world == 1 else 0)
-        if ctx.role == "target":  # the target's forwards first, alone: a draft beside them would slow them
-            t_verify, t_expand, cost = _measure(ctx, timer)
+        timer = CleanTimer(cpu_bound=tuned.device.type == "cpu", retries=RETRIES if tuned.tp_world == 1 else 0)
+        if tuned.role == "target":  # the target's forwards first, alone: a draft beside them would slow them
+            t_verify, t_expand, cost = _measure(tuned, timer)
         barrier()
-        if ctx.role == "draft":
-            t_verify, t_expand, cost = _measure(ctx, timer)
+        if tuned.role == "draft":
+            t_verify, t_expand, cost = _measure(tuned, timer)
         times = StepTimes.gather(StepTimes(t_verify, t_expand, cost, timer.clean))
         t_verify, t_expand = max(t.t_verify for t in times), max(t.t_expand for t in times)
         cost = times[0].cost
@@ -86,31 +107,33 @@ def profile(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> tupl
             say(BUSY)
         elif path is not None:
             _write(path, t_verify, t_expand, cost)
-    if ctx.role == "draft" and config.verify_cost:
-        ctx.draft.verify_cost = cost
-        ctx.draft.shares_cores = draft_shares_cores(ctx, ranks)
+    if tuned.role == "draft" and config.verify_cost:
+        tuned.draft.verify_cost = cost
+        tuned.draft.shares_cores = draft_shares_cores(tuned, ranks)
         if config.tree.d is None:  # an explicit d means d expansions a round, whatever they cost
-            ctx.draft.step_ms = t_verify / cost[-1]  # a one-node share of the verification
+            tuned.draft.step_ms = t_verify / cost[-1]  # a one-node share of the verification
     return t_verify, t_expand
 
 
 BUSY = "the machine was busy while measuring: these figures serve this run and are not cached"
 
 
-def choose_kernel_threads(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], None]) -> None:
+def choose_kernel_threads(loaded: Loaded, ranks: list[RankInfo], say: Callable[[str], None]) -> dict[str, int]:
     """The CPU kernels' threads per mode on a one-rank CPU target that could use more cores than its share
     of the split (setup.free_threads): of the share and all the node's cores, ``ar`` takes the one with
     the faster one-row step and ``sync`` (whose drafts and verifications alternate) the faster
     verification of bs nodes. ``async`` drafts beside the target: it takes sync's choice with a light
     drafter (the suffix drafter, a draft head: mostly waiting for a verdict, and the kernels' threads
     claim their work, so the one it delays holds back a unit, not a share), the split with a draft model.
-    Measured at the first start of a setup, then read from the cache. Every rank calls this."""
-    free = free_threads(ctx.spec.config.threads, ctx.rank, ctx.n_target) if ctx.role == "target" else 0
+    Measured at the first start of a setup, then read from the cache. Every rank calls this, and gets the
+    threads by mode (none where the split stands)."""
+    free = free_threads(loaded.spec.config.threads, loaded.rank, loaded.n_target) if loaded.role == "target" else 0
     plan, path = None, None
-    if ctx.rank == 0:
-        applies = ctx.n_target == 1 and uses_cpu_kernels(ctx) and free > ctx.threads
+    if loaded.rank == 0:
+        applies = loaded.n_target == 1 and uses_cpu_kernels(loaded) and free > loaded.threads
         cached = None
-        if applies and (path := profile_path(ctx, ranks)) is not None:
+        # the key of the verifications timed on the split, as none is chosen yet
+        if applies and (path := profile_path(loaded, ranks, kernel_threads={})) is not None:
             path = path.parent / "threads" / path.name
             try:
                 cached = KernelThreads.from_modes(json.loads(path.read_text()))
@@ -119,38 +142,40 @@ def choose_kernel_threads(ctx: Ctx, ranks: list[RankInfo], say: Callable[[str], 
         plan = KernelThreadsPlan(applies, cached)
     plan = KernelThreadsPlan.broadcast(plan)
     if not plan.applies:
-        return
+        return {}
     threads = plan.cached
     if threads is None:
         say("measuring the CPU kernels' threads")
         timer = CleanTimer()
-        threads = _measure_threads(ctx, sorted({ctx.threads, free}), timer, say)
-        if ctx.rank == 0 and not timer.clean:
+        threads = _measure_threads(loaded, sorted({loaded.threads, free}), timer, say)
+        if loaded.rank == 0 and not timer.clean:
             say(BUSY)
-        elif ctx.rank == 0 and path is not None:
+        elif loaded.rank == 0 and path is not None:
             _write_json(path, threads.by_mode())
-    ctx.kernel_threads = threads.by_mode()  # the draft's too
-    say("CPU kernel threads: " + ", ".join(f"{m} {n}" for m, n in ctx.kernel_threads.items()))
+    kernel_threads = threads.by_mode()  # the draft's too
+    say("CPU kernel threads: " + ", ".join(f"{m} {n}" for m, n in kernel_threads.items()))
+    return kernel_threads
 
 
-def _measure_threads(ctx: Ctx, candidates: list[int], timer: CleanTimer, say: Callable[[str], None]) -> KernelThreads:
+def _measure_threads(loaded: Loaded, candidates: list[int], timer: CleanTimer,
+                     say: Callable[[str], None]) -> KernelThreads:
     """choose_kernel_threads' measurement: the target leader times a one-row step and a verification of
     bs nodes with each candidate, and says what it measured; returns the threads for ar, sync and async
     (on every rank)."""
-    bs, reps = ctx.spec.config.tree.bs, 3
+    bs, reps = loaded.spec.config.tree.bs, 3
     choice = None
-    if ctx.rank == 0:
-        if ctx.target.cache.prefix_len == 0:
-            ctx.target.prefill(DUMMY, Sampler(SamplingParams(), ctx.device))
+    if loaded.rank == 0:
+        if loaded.target.cache.prefix_len == 0:
+            loaded.target.prefill(DUMMY, Sampler(SamplingParams(), loaded.device))
         step, verify = {}, {}
         for n in candidates:
             set_kernel_threads(n)
-            step[n], verify[n] = tree_forward_ms(ctx.target, 1, reps, timer), tree_forward_ms(ctx.target, bs, reps, timer)
+            step[n], verify[n] = tree_forward_ms(loaded.target, 1, reps, timer), tree_forward_ms(loaded.target, bs, reps, timer)
         say("CPU kernel threads measured: " + ", ".join(f"{n}: step {step[n]:.2f} ms, verify({bs}) {verify[n]:.2f} ms"
                                                          for n in candidates))
         choice = KernelThreads(min(candidates, key=step.get), min(candidates, key=verify.get),
-                               candidates[0] if ctx.spec.draft_spec.own_model else min(candidates, key=verify.get))
-        use_kernel_threads(ctx, "ar")
+                               candidates[0] if loaded.spec.draft_spec.own_model else min(candidates, key=verify.get))
+        set_kernel_threads(loaded.threads)  # back to this rank's share until tune's choice is in use
     return KernelThreads.broadcast(choice)
 
 
@@ -160,46 +185,46 @@ DUMMY = list(range(1, 9)) * 4  # repetitive, so that the suffix drafter has some
 PROFILE_CONTEXT = 256
 
 
-def _measure(ctx: Ctx, timer: CleanTimer) -> tuple[float, float, list[float]]:
+def _measure(tuned: Tuned, timer: CleanTimer) -> tuple[float, float, list[float]]:
     """This rank's part: a target rank times verifications of bs nodes (median of 3, after a warm-up) and,
     with verify_cost, chains of 1..bs nodes, on the kernel threads that speculative answers use (the
     costs size their trees: a row's share of a step differs with the threads); a draft rank times its
     expansions."""
-    bs = ctx.spec.config.tree.bs
+    bs = tuned.spec.config.tree.bs
     dummy = DUMMY
-    if ctx.role == "target":
-        use_kernel_threads(ctx, "sync")
-        sampler = Sampler(SamplingParams(), ctx.device)
-        context = (DUMMY * (PROFILE_CONTEXT // len(DUMMY)))[:max(len(DUMMY), ctx.target.room - 5 * bs)]
-        roots = [ctx.target.prefill(context, sampler)]
+    if tuned.role == "target":
+        use_kernel_threads(tuned, "sync")
+        sampler = Sampler(SamplingParams(), tuned.device)
+        context = (DUMMY * (PROFILE_CONTEXT // len(DUMMY)))[:max(len(DUMMY), tuned.target.room - 5 * bs)]
+        roots = [tuned.target.prefill(context, sampler)]
 
         def verify() -> None:
-            roots.append(ctx.target.verify([roots[-1], *dummy[:bs - 1]], list(range(-1, bs - 1)), sampler).path[-1])
+            roots.append(tuned.target.verify([roots[-1], *dummy[:bs - 1]], list(range(-1, bs - 1)), sampler).path[-1])
 
         times = [timer.seconds(verify) for _ in range(4)]
-        cost = profile_verify_cost(ctx.target, bs, timer=timer) if ctx.spec.config.verify_cost else [0.0] * bs
+        cost = profile_verify_cost(tuned.target, bs, timer=timer) if tuned.spec.config.verify_cost else [0.0] * bs
         return sorted(times[1:])[1] * 1e3, 0.0, cost
     # a drafter that reads features: any of the target's size will do
-    ctx.draft.prefill(dummy, Features(0, torch.zeros(len(dummy), read_args(Path(ctx.spec.target_dir)).dim))
-                      if ctx.features else None)
-    ctx.draft.start(dummy[-1])
-    times = [timer.seconds(ctx.draft.expand) * 1e3 for _ in range(4) if ctx.draft.can_expand()]
+    tuned.draft.prefill(dummy, Features(0, torch.zeros(len(dummy), read_args(Path(tuned.spec.target_dir)).dim))
+                        if tuned.features else None)
+    tuned.draft.start(dummy[-1])
+    times = [timer.seconds(tuned.draft.expand) * 1e3 for _ in range(4) if tuned.draft.can_expand()]
     t_expand = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else (times or [0.0])[0]
     return 0.0, t_expand, [0.0] * bs
 
 
-def profile_path(ctx: Ctx, ranks: list[RankInfo]) -> Path | None:
-    """Where this setup's profile is kept; None when it cannot be named (a model path that is not a
-    local file or directory)."""
-    spec = ctx.spec
+def profile_path(loaded: Loaded, ranks: list[RankInfo], kernel_threads: dict[str, int]) -> Path | None:
+    """Where this setup's profile is kept, its verifications timed on ``kernel_threads``; None when it
+    cannot be named (a model path that is not a local file or directory)."""
+    spec = loaded.spec
     settings = {k: v for k, v in spec.config.to_dict().items() if k not in NOT_TIMING}
     key = {
         **_software_and_machine(),
         "gpus": gpu_names(ranks),
         "ranks": [[r.role, r.device, r.torch_threads, r.host] for r in ranks],
-        "kernel_threads": ctx.kernel_threads,  # what the verifications were timed on (choose_kernel_threads)
+        "kernel_threads": kernel_threads,  # what the verifications were timed on (choose_kernel_threads)
         "target": _files(spec.target_dir), "draft": _files(spec.draft_spec.path) if spec.draft_spec.path else spec.draft,
-        "spec": {"config": {**settings, "dtype": ctx.dtype}, "layout": dataclasses.asdict(spec.layout),
+        "spec": {"config": {**settings, "dtype": loaded.dtype}, "layout": dataclasses.asdict(spec.layout),
                  "corpus": spec.corpus},
     }
     if key["target"] is None or key["draft"] is None:
@@ -299,28 +324,38 @@ def expected_rate(costs: list[float], p: float) -> float:
     return max(sum(p ** i for i in range(n)) / c for n, c in enumerate(costs, 1))
 
 
-def choose_cpu_backend(ctx: Ctx, say: Callable[[str], None]) -> Dtype:
+def target_dtype(place: Placement, say: Callable[[str], None]) -> Dtype:
+    """The dtype this rank loads at (setup.load): the config's, but on a CPU target with --dtype auto and
+    batch invariance not off, the backend choose_cpu_backend measures."""
+    config = place.spec.config
+    if (place.role == "target" and place.device.type == "cpu" and config.dtype is Dtype.AUTO
+            and config.batch_invariant != BatchInvariance.OFF):
+        return choose_cpu_backend(place, say)
+    return config.dtype
+
+
+def choose_cpu_backend(place: Placement, say: Callable[[str], None]) -> Dtype:
     """--dtype auto on the CPU: of the checkpoint's own width and (for a GGUF) its blocks, the backend with the
     best expected throughput, from each candidate's
     measured step and verification costs (cpu_backends.synthetic_costs) and the drafter's expected
     acceptance. Measured once per machine, model shape, threads and drafter, then read from the cache.
     Decided on the target leader and broadcast to the target group."""
-    spec = ctx.spec
+    spec = place.spec
     model_args = read_args(Path(spec.target_dir))
-    if cpu_backends.kernels_available(model_args, ctx.tp_world) is not None:
+    if cpu_backends.kernels_available(model_args, place.tp_world) is not None:
         return Dtype.FLOAT32  # torch's linears, exact through one-row forwards (engine/model/loader.py)
     # the checkpoint as stored, or a GGUF's own blocks: never a narrower width than the file holds
     candidates = [stored_float_dtype(Path(spec.target_dir))]
-    if gguf_block_kinds(Path(spec.target_dir)) & set(cpu_blocks.BLOCK_FORMATS) and ctx.tp_world == 1:
+    if gguf_block_kinds(Path(spec.target_dir)) & set(cpu_blocks.BLOCK_FORMATS) and place.tp_world == 1:
         candidates.insert(0, Dtype.GGUF)
     if len(candidates) == 1:
         say(f"CPU backend {candidates[0]} (the checkpoint's own width)")
         return candidates[0]
     choice = None
-    if ctx.tp_rank == 0:
-        key = {**_software_and_machine(), "threads": ctx.threads,
+    if place.tp_rank == 0:
+        key = {**_software_and_machine(), "threads": place.threads,
                "shape": [model_args.dim, model_args.n_layers, model_args.n_heads, model_args.n_kv_heads,
-                         model_args.intermediate_size, model_args.vocab_size, ctx.tp_world],
+                         model_args.intermediate_size, model_args.vocab_size, place.tp_world],
                "candidates": candidates, "draft": "model" if spec.draft_spec.path else spec.draft,
                "bs": spec.config.tree.bs}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
@@ -341,6 +376,6 @@ def choose_cpu_backend(ctx: Ctx, say: Callable[[str], None]) -> Dtype:
         say(f"CPU backend {best} (--dtype auto: the faster for speculation; profiled one-token step: "
             + ", ".join(f"{b} {costs[b][0]:.1f} ms" for b in sorted(rates, key=rates.get, reverse=True)) + ")")
         choice = candidates.index(best)
-    if ctx.tp_world > 1:
-        choice = broadcast_choice(choice, ctx.target_group)
+    if place.tp_world > 1:
+        choice = broadcast_choice(choice, place.target_group)
     return candidates[choice]

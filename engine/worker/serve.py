@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from swiftspec.engine.config import BatchInvariance, Dtype, SamplingParams
+from swiftspec.engine.config import SamplingParams
 from swiftspec.engine.host import protocol
 from swiftspec.engine.host.frames import Failure, Hello, Ready
 from swiftspec.engine.host.launcher import ENV_STORE
@@ -27,12 +27,12 @@ from swiftspec.engine.spec.messages import Follow, FollowerStep, WireError
 from swiftspec.engine.spec.sampling import Sampler
 from swiftspec.engine.worker.collectives import Command, RequestHeader, broadcast_values
 from swiftspec.engine.worker.leader_io import ScriptIO, SocketIO
-from swiftspec.engine.worker.profiling import choose_cpu_backend, choose_d, choose_kernel_threads, profile
+from swiftspec.engine.worker.profiling import profile, target_dtype, tune
 from swiftspec.engine.worker.setup import (
     INIT_TIMEOUT,
-    Ctx,
     HandRun,
-    agree_on_features,
+    Placement,
+    Profiled,
     barrier,
     gather_ranks,
     load,
@@ -77,10 +77,10 @@ def follow_draft(ds: DraftState, req: Request, next_step: Callable[[], FollowerS
                 raise WireError(f"a draft follower cannot take {step}")
 
 
-def _request(ctx: Ctx, io) -> Request | None:
+def _request(place: Placement, io) -> Request | None:
     """The leader's next request, on every rank (None: shut down)."""
     req, header, blob = None, None, None
-    if ctx.rank == 0:
+    if place.rank == 0:
         req = io.next_request()
         header = RequestHeader(Command.SHUTDOWN)
         if req is not None:
@@ -93,49 +93,51 @@ def _request(ctx: Ctx, io) -> Request | None:
         return None
     prompt = broadcast_values(req.prompt if req is not None else None, header.prompt_len, torch.int64)
     params = broadcast_values(blob, header.params_len, torch.uint8)
-    if ctx.rank != 0:
+    if place.rank != 0:
         req = Request(-1, prompt, SamplingParams.from_dict(json.loads(bytes(params))))
     return req
 
 
-def leader_link(ctx: Ctx, ranks: list[RankInfo]) -> SocketLink | DistLink | None:
+def leader_link(place: Placement, ranks: list[RankInfo]) -> SocketLink | DistLink | None:
     """The leaders' Link (None on other ranks and without a draft group): a socket where both leaders
     share a host (a Unix socket in the Engine's run directory where the workers meet through its
     FileStore), gloo otherwise."""
-    draft_leader = ctx.n_target
-    if ctx.world == ctx.n_target or ctx.rank not in (0, draft_leader):
+    draft_leader = place.n_target
+    if place.world == place.n_target or place.rank not in (0, draft_leader):
         return None
-    peer = draft_leader if ctx.rank == 0 else 0
+    peer = draft_leader if place.rank == 0 else 0
     if ranks[0].host == ranks[draft_leader].host:
         store = os.environ.get(ENV_STORE)
         path = str(Path(store).parent / LEADERS_SOCKET) if store else None
-        return connect_leaders(ctx.wire, ctx.rank, peer, INIT_TIMEOUT, path)
-    return DistLink(ctx.wire, peer)
+        return connect_leaders(place.wire, place.rank, peer, INIT_TIMEOUT, path)
+    return DistLink(place.wire, peer)
 
 
-def serve(ctx: Ctx, io, link: SocketLink | DistLink | None) -> None:
-    draft_leader = ctx.n_target
-    while (req := _request(ctx, io)) is not None:
-        use_kernel_threads(ctx, req.params.mode)
-        if ctx.rank == 0:
-            fin = Finisher(req, ctx.spec.config.max_seq_len, ctx.eos, lambda rid=req.id: io.cancelled(rid))
-            lead_target(ctx.target, link, req, fin, lambda step, rid=req.id: io.step(rid, step), ctx.tell,
-                        ctx.features and req.params.mode != "ar", hold_steps=ctx.device.type == "cpu")
-        elif ctx.role == "target":
-            follow_target(ctx.target, req, ctx.next_step)
+def serve(profiled: Profiled, io, link: SocketLink | DistLink | None) -> None:
+    """Runs this rank's part of each request until the leader says to shut down."""
+    draft_leader = profiled.n_target
+    while (req := _request(profiled, io)) is not None:
+        use_kernel_threads(profiled, req.params.mode)
+        if profiled.rank == 0:
+            fin = Finisher(req, profiled.spec.config.max_seq_len, profiled.eos, lambda rid=req.id: io.cancelled(rid))
+            lead_target(profiled.target, link, req, fin, lambda step, rid=req.id: io.step(rid, step),
+                        profiled.tell, profiled.features and req.params.mode != "ar",
+                        hold_steps=profiled.device.type == "cpu")
+        elif profiled.role == "target":
+            follow_target(profiled.target, req, profiled.next_step)
         elif req.params.mode == "ar":
             continue
-        elif ctx.rank == draft_leader:
-            lead_draft(ctx.draft, link, req, ctx.d, ctx.tell)
+        elif profiled.rank == draft_leader:
+            lead_draft(profiled.draft, link, req, profiled.d, profiled.tell)
         else:
-            follow_draft(ctx.draft, req, ctx.next_step)
+            follow_draft(profiled.draft, req, profiled.next_step)
 
 
-def _io(ctx: Ctx, hand: HandRun | None) -> SocketIO | ScriptIO | None:
-    if ctx.rank != 0:
+def _io(place: Placement, hand: HandRun | None) -> SocketIO | ScriptIO | None:
+    if place.rank != 0:
         return None
     if hand is not None:
-        tok = load_tokenizer(Path(ctx.spec.target_dir), ctx.spec.config.trust_remote_code)
+        tok = load_tokenizer(Path(place.spec.target_dir), place.spec.config.trust_remote_code)
         ids = tok.apply_chat_template([{"role": "user", "content": hand.prompt}], add_generation_prompt=True,
                                       return_dict=True)["input_ids"]
         return ScriptIO(tok, list(ids), hand.requests)
@@ -143,8 +145,8 @@ def _io(ctx: Ctx, hand: HandRun | None) -> SocketIO | ScriptIO | None:
     if not addr or not key:
         raise SystemExit(f"{protocol.ENV_ADDR} / {protocol.ENV_KEY} are not set: start the workers "
                          "through swiftspec's Engine, or pass --prompt")
-    conn = protocol.connect(addr, key, retry_until=time.monotonic() + ctx.spec.config.startup_timeout_s)
-    return SocketIO(conn, speculative=ctx.world > ctx.n_target)
+    conn = protocol.connect(addr, key, retry_until=time.monotonic() + place.spec.config.startup_timeout_s)
+    return SocketIO(conn, speculative=place.world > place.n_target)
 
 
 def _draft_name(spec: WorkerSpec) -> str:
@@ -154,35 +156,32 @@ def _draft_name(spec: WorkerSpec) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     spec, hand = parse_args(argv)
-    ctx = setup(spec)
-    io = _io(ctx, hand)
+    place = setup(spec)
+    io = _io(place, hand)
     say = io.progress if io is not None else lambda _text: None
     try:
-        ranks = gather_ranks(ctx)
+        ranks = gather_ranks(place)
         if io is not None:
             io.send(Hello([[r.rank, r.pid] for r in ranks]))
             draft = spec.draft_spec.description + (
                 f" with the corpus {Path(spec.corpus).stem}" if spec.corpus else "")
-            say(f"loading target {spec.name} on {ctx.n_target} rank(s)"
-                + (f" and {draft} on {ctx.world - ctx.n_target} rank(s)" if spec.draft_spec.speculative else ", no draft"))
-        config = spec.config
-        if ctx.role == "target" and ctx.device.type == "cpu" and config.dtype is Dtype.AUTO and config.batch_invariant != BatchInvariance.OFF:
-            ctx.dtype = choose_cpu_backend(ctx, say)
-        load(ctx)
+            say(f"loading target {spec.name} on {place.n_target} rank(s)"
+                + (f" and {draft} on {place.world - place.n_target} rank(s)" if spec.draft_spec.speculative else ", no draft"))
+        loaded = load(place, target_dtype(place, say))
         gc.freeze()  # the loaded models' objects leave the collector's sight: no collection walks them mid-step
-        agree_on_features(ctx)  # a collective over every rank: all have loaded
-        choose_kernel_threads(ctx, ranks, say)  # first: the verifications are timed on sync's threads
-        t_verify, t_expand = profile(ctx, ranks, say)
-        ctx.d = 0 if not spec.draft_spec.speculative else config.tree.d or choose_d(t_verify, t_expand)
-        link = leader_link(ctx, ranks)
+        tuned = tune(loaded, ranks, say)  # first: the verifications are timed on its kernel threads
+        profiled = profile(tuned, ranks, say)
+        link = leader_link(profiled, ranks)
         if io is not None:
+            config = spec.config
             info = EngineInfo(
-                target=f"{spec.name} · {target_precision(ctx)}", draft=_draft_name(spec), ranks=ranks,
-                context_length=config.max_seq_len, backend=ctx.backend, bs=config.tree.bs, w=config.tree.w,
-                d=ctx.d, d_auto=config.tree.d is None, t_verify_ms=t_verify, t_expand_ms=t_expand,
-                eos_token_ids=sorted(ctx.eos), kernel_threads=ctx.kernel_threads)
+                target=f"{spec.name} · {target_precision(profiled)}", draft=_draft_name(spec), ranks=ranks,
+                context_length=config.max_seq_len, backend=profiled.backend, bs=config.tree.bs, w=config.tree.w,
+                d=profiled.d, d_auto=config.tree.d is None, t_verify_ms=profiled.t_verify_ms,
+                t_expand_ms=profiled.t_expand_ms, eos_token_ids=sorted(profiled.eos),
+                kernel_threads=profiled.kernel_threads)
             io.send(Ready(info))
-        serve(ctx, io, link)
+        serve(profiled, io, link)
     except BaseException as e:
         if isinstance(io, SocketIO):
             io.send(Failure(f"{type(e).__name__}: {e}"))

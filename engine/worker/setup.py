@@ -1,14 +1,17 @@
 """Placement and set-up of one rank: its arguments, devices and threads, process groups, models, and the
-profiled step times that choose d."""
+profiled step times that choose d. Each phase of a start is a frozen dataclass made whole by the function
+that ends it (setup: Placement, load: Loaded, profiling.tune: Tuned, profiling.profile: Profiled), so no
+field waits for a later phase and none changes after its own."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,9 +46,10 @@ INIT_TIMEOUT = timedelta(seconds=120)  # for every rank to reach init_process_gr
 DRAFT_TREE_SLOTS = 512  # draft KV slots for the token tree beyond the verified prefix
 
 
-@dataclass
-class Ctx:
-    """This rank's place in the world and what it holds."""
+@dataclass(frozen=True)
+class Placement:
+    """This rank's place in the world, fixed once its process groups exist (``setup``): every later phase
+    is a Placement with more fields (Loaded, Tuned, Profiled), so a function takes the earliest it needs."""
 
     spec: WorkerSpec
     rank: int
@@ -55,16 +59,9 @@ class Ctx:
     device: torch.device
     threads: int
     backend: str
-    dtype: Dtype  # the target's: the spec's, or on the CPU with auto the backend chosen (choose_cpu_backend)
-    target_group: dist.ProcessGroup | None = None
-    draft_group: dist.ProcessGroup | None = None
-    target: TargetState | None = None  # on target ranks
-    draft: DraftState | None = None  # on draft ranks
-    eos: set[int] = field(default_factory=set)
-    d: int = 1
-    features: bool = False  # the drafter reads the target's hidden states (the draft leader says so)
-    wire: Wire | None = None
-    kernel_threads: dict[str, int] = field(default_factory=dict)  # CPU kernels' threads by mode (profiling)
+    wire: Wire  # the messages between leaders and to TP followers, sized by the tree's bs
+    target_group: dist.ProcessGroup
+    draft_group: dist.ProcessGroup | None  # None without draft ranks (``ar`` only)
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -92,6 +89,42 @@ class Ctx:
         buf = self.wire.buffer()
         dist.broadcast(buf, src=self.group_leader, group=self.group)
         return self.wire.unpack_step(buf)
+
+
+@dataclass(frozen=True)
+class Loaded(Placement):
+    """A placed rank with its models (``load``)."""
+
+    dtype: Dtype  # as loaded (profiling.target_dtype): the config's, or a CPU target's measured backend
+    target: TargetState | None  # on target ranks, None on draft ranks
+    draft: DraftState | None  # on draft ranks, None on target ranks
+    eos: frozenset[int]  # the ids that end an answer (the leader's Finisher and EngineInfo)
+
+
+@dataclass(frozen=True)
+class Tuned(Loaded):
+    """A loaded rank with how its models run (profiling.tune): what every rank must agree on before the
+    step times are measured, since they are measured this way."""
+
+    features: bool  # the drafter reads the target's hidden states (the draft leader says so)
+    kernel_threads: dict[str, int]  # CPU kernels' threads by mode (profiling.choose_kernel_threads)
+
+
+@dataclass(frozen=True)
+class Profiled(Tuned):
+    """A tuned rank with its measured step times and the d they chose (profiling.profile): ready to serve."""
+
+    t_verify_ms: float  # the slowest rank's target verification of bs nodes (0 without a draft)
+    t_expand_ms: float  # the slowest rank's draft expansion (0 without a draft)
+    d: int  # draft expansions per round (0 without a draft)
+
+
+P = TypeVar("P", bound=Placement)
+
+
+def next_phase(cls: type[P], done: Placement, **more) -> P:
+    """The phase ``cls`` of the rank ``done`` describes: its fields and ``more``."""
+    return cls(**{f.name: getattr(done, f.name) for f in fields(done)}, **more)
 
 
 # ---------------------------------------------------------------------------------------------- set-up
@@ -172,32 +205,33 @@ def free_threads(threads: int | None, rank: int, n_target: int) -> int:
     return max(1, (threads or len(os.sched_getaffinity(0))) // max(1, _local_ranks(rank, n_target)[1]))
 
 
-def draft_shares_cores(ctx: Ctx, ranks: list[RankInfo]) -> bool:
+def draft_shares_cores(tuned: Tuned, ranks: list[RankInfo]) -> bool:
     """Whether the CPU ranks on the draft leader's node want more cores in ``async`` than the node has: the
-    draft's threads, and the target's kernel threads for async (``Ctx.kernel_threads``, which may be all
+    draft's threads, and the target's kernel threads for async (``Tuned.kernel_threads``, which may be all
     the cores) or its share. The draft's expansions during a verification then slow it down."""
-    host = ranks[ctx.n_target].host
-    wanted = sum(ctx.kernel_threads.get("async", r.torch_threads) if r.role == "target" else r.torch_threads
+    host = ranks[tuned.n_target].host
+    wanted = sum(tuned.kernel_threads.get("async", r.torch_threads) if r.role == "target" else r.torch_threads
                  for r in ranks if r.host == host and r.device == Device.CPU)
     return wanted > len(os.sched_getaffinity(0))
 
 
-def uses_cpu_kernels(ctx: Ctx) -> bool:
+def uses_cpu_kernels(loaded: Loaded) -> bool:
     """This target rank's model runs through the kernels of kernels/cpu/ (a CPU backend labels its precision)."""
-    return ctx.role == "target" and bool(getattr(ctx.target.model, "precision", None))
+    return loaded.role == "target" and bool(getattr(loaded.target.model, "precision", None))
 
 
 def set_kernel_threads(n: int) -> None:
     cpu_linear.set_threads(library(), n)
 
 
-def use_kernel_threads(ctx: Ctx, mode: str) -> None:
+def use_kernel_threads(tuned: Tuned, mode: str) -> None:
     """The CPU kernels' threads for an answer in ``mode``: what profiling chose, else this rank's share."""
-    if uses_cpu_kernels(ctx):
-        set_kernel_threads(ctx.kernel_threads.get(mode, ctx.threads))
+    if uses_cpu_kernels(tuned):
+        set_kernel_threads(tuned.kernel_threads.get(mode, tuned.threads))
 
 
-def setup(spec: WorkerSpec) -> Ctx:
+def setup(spec: WorkerSpec) -> Placement:
+    """This rank placed: its device, threads and process groups, with every rank met in them."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config, layout = spec.config, spec.layout
     n_target = layout.n_target
@@ -226,21 +260,20 @@ def setup(spec: WorkerSpec) -> Ctx:
     else:  # several nodes: torchrun's rendezvous (MASTER_ADDR / MASTER_PORT)
         dist.init_process_group(groups["world"].backend, timeout=INIT_TIMEOUT)
     backend = groups["target"].backend if role == "target" else groups["draft"].backend
-    ctx = Ctx(spec, rank, world, n_target, role, device, threads, backend, dtype=config.dtype,
-              wire=Wire(config.tree.bs))
-    ctx.target_group = dist.new_group(list(groups["target"].ranks), timeout=INIT_TIMEOUT,
-                                      backend=groups["target"].backend)
+    target_group = dist.new_group(list(groups["target"].ranks), timeout=INIT_TIMEOUT, backend=groups["target"].backend)
+    draft_group = None
     if world > n_target:
-        ctx.draft_group = dist.new_group(list(groups["draft"].ranks), timeout=INIT_TIMEOUT,
-                                         backend=groups["draft"].backend)
+        draft_group = dist.new_group(list(groups["draft"].ranks), timeout=INIT_TIMEOUT, backend=groups["draft"].backend)
+    place = Placement(spec, rank, world, n_target, role, device, threads, backend, Wire(config.tree.bs),
+                      target_group, draft_group)
     # torch has no public way to lengthen a group's timeout once it exists: without this private one, an
     # idle chat would time its followers out, so its absence is an error at start, not an hour later
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if set_timeout is None:
         raise RuntimeError(f"torch {torch.__version__} lacks torch.distributed's _set_pg_timeout")
-    for group in (None, ctx.group):  # all met: from now on, waits while the chat is idle are fine
+    for group in (None, place.group):  # all met: from now on, waits while the chat is idle are fine
         set_timeout(PG_TIMEOUT, group)
-    return ctx
+    return place
 
 
 def barrier() -> None:
@@ -248,24 +281,25 @@ def barrier() -> None:
     dist.all_reduce(torch.zeros(1))
 
 
-def gather_ranks(ctx: Ctx) -> list[RankInfo]:
+def gather_ranks(place: Placement) -> list[RankInfo]:
     """Every rank's pid, device and threads, on every rank."""
-    mine = RankReport(os.getpid(), ctx.threads, -1 if ctx.device.type == "cpu" else ctx.device.index,
+    mine = RankReport(os.getpid(), place.threads, -1 if place.device.type == "cpu" else place.device.index,
                       socket.gethostname())
     ranks = []
     for r, report in enumerate(RankReport.gather(mine)):
-        role = "target" if r < ctx.n_target else "draft"
-        lead = 0 if role == "target" else ctx.n_target
-        tp_world = ctx.n_target if role == "target" else ctx.world - ctx.n_target
+        role = "target" if r < place.n_target else "draft"
+        lead = 0 if role == "target" else place.n_target
+        tp_world = place.n_target if role == "target" else place.world - place.n_target
         device = "cpu" if report.cuda_index < 0 else f"cuda:{report.cuda_index}"
         ranks.append(RankInfo(rank=r, role=role, device=device, tp_rank=r - lead, tp_world=tp_world,
                               torch_threads=report.threads, host=report.host, pid=report.pid))
     return ranks
 
 
-def load(ctx: Ctx) -> None:
-    """Target ranks load their shard of the target; draft ranks build the drafter and its tree state."""
-    spec, config = ctx.spec, ctx.spec.config
+def load(place: Placement, dtype: Dtype) -> Loaded:
+    """Target ranks load their shard of the target at ``dtype`` (profiling.target_dtype); draft ranks build
+    the drafter and its tree state."""
+    spec, config = place.spec, place.spec.config
     target_dir = Path(spec.target_dir)
     slots = config.max_seq_len + config.tree.bs + 1  # the prefix plus one tree being verified
     eos = eos_token_ids(target_dir, config.trust_remote_code)
@@ -277,41 +311,40 @@ def load(ctx: Ctx) -> None:
         scratch slot, hidden from the caller). Drafts skip the batch-invariant mode on CUDA (their rounding
         only changes what is proposed, never what is output); on the CPU the invariant kernels are also
         the fast ones, and a draft runs them too."""
-        cuda = ctx.device.type == "cuda"
-        model = load_model(path, ctx.device, ctx.dtype, max_slots=n_slots + cuda, tp_group=group,
-                           tp_rank=ctx.tp_rank, tp_world=ctx.tp_world, int8=int8, batch_invariant=batch_invariant)
+        cuda = place.device.type == "cuda"
+        model = load_model(path, place.device, dtype, max_slots=n_slots + cuda, tp_group=group,
+                           tp_rank=place.tp_rank, tp_world=place.tp_world, int8=int8, batch_invariant=batch_invariant)
         return GraphedModel(model) if cuda else model
 
-    if ctx.role == "target":
-        model = model_for(target_dir, slots, ctx.target_group, batch_invariant=config.batch_invariant.forced)
-        ctx.target = TargetState(model, slots, vocab)
-        if ctx.rank == 0:
-            ctx.eos = set(eos)
-    else:
-        drafter = make_drafter(spec.draft_spec, target_dir, config.trust_remote_code, config.draft_history,
-                               lambda path, int8: model_for(path, slots + DRAFT_TREE_SLOTS, ctx.draft_group, int8,
-                                                            None if ctx.device.type == "cpu" else False),
-                               ctx.device, default_dtype(ctx.device, ctx.dtype), slots + DRAFT_TREE_SLOTS,
-                               Path(spec.corpus) if spec.corpus else None, spec.vocab_size,
-                               Path(config.history_db) if config.drafts_from_store else None)
-        if ctx.device.type == "cpu" and spec.draft_spec.own_model:
-            if kernels_available() is None:  # a draft model runs the kernels too, on its share of the cores
-                set_kernel_threads(ctx.threads)
-        if drafter.wants_features and ctx.tp_world > 1:
-            raise ConfigError("a draft that reads the target's hidden states runs on one draft rank only")
-        ctx.draft = DraftState(drafter, config.tree, vocab=vocab)
+    if place.role == "target":
+        model = model_for(target_dir, slots, place.target_group, batch_invariant=config.batch_invariant.forced)
+        return next_phase(Loaded, place, dtype=dtype, target=TargetState(model, slots, vocab), draft=None,
+                          eos=frozenset(eos))
+    drafter = make_drafter(spec.draft_spec, target_dir, config.trust_remote_code, config.draft_history,
+                           lambda path, int8: model_for(path, slots + DRAFT_TREE_SLOTS, place.draft_group, int8,
+                                                        None if place.device.type == "cpu" else False),
+                           place.device, default_dtype(place.device, dtype), slots + DRAFT_TREE_SLOTS,
+                           Path(spec.corpus) if spec.corpus else None, spec.vocab_size,
+                           Path(config.history_db) if config.drafts_from_store else None)
+    if place.device.type == "cpu" and spec.draft_spec.own_model:
+        if kernels_available() is None:  # a draft model runs the kernels too, on its share of the cores
+            set_kernel_threads(place.threads)
+    if drafter.wants_features and place.tp_world > 1:
+        raise ConfigError("a draft that reads the target's hidden states runs on one draft rank only")
+    return next_phase(Loaded, place, dtype=dtype, target=None, draft=DraftState(drafter, config.tree, vocab=vocab),
+                      eos=frozenset(eos))
 
 
-def agree_on_features(ctx: Ctx) -> None:
-    """Every rank learns whether the drafter reads the target's hidden states (Ctx.features): only the
+def agree_on_features(loaded: Loaded) -> bool:
+    """Whether the drafter reads the target's hidden states (Tuned.features), on every rank: only the
     draft ranks hold the drafter that knows."""
-    ctx.features = any_rank(ctx.role == "draft" and ctx.draft.drafter.wants_features)
+    return any_rank(loaded.role == "draft" and loaded.draft.drafter.wants_features)
 
 
-def target_precision(ctx: Ctx) -> str:
+def target_precision(loaded: Loaded) -> str:
     """What the title bar says the target runs at: the CPU backend's label ("gguf (Q4_1 blocks) · int16
     activations · AVX2"), else the dtype, and for a converted GGUF the type its blocks came in."""
-    model = getattr(ctx.target.model, "model", ctx.target.model)  # through a CUDA-graphs wrapper
+    model = getattr(loaded.target.model, "model", loaded.target.model)  # through a CUDA-graphs wrapper
     if model.precision:
         return model.precision
-    return precision_label(Path(ctx.spec.target_dir), resolved_dtype(ctx.device.type == "cuda", ctx.dtype))
+    return precision_label(Path(loaded.spec.target_dir), resolved_dtype(loaded.device.type == "cuda", loaded.dtype))

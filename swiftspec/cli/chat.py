@@ -198,8 +198,7 @@ def chat(
     kept = conversation.store  # its answers are the drafter's history; unsaved chats draft from the session's
     if kept is not None and kept.available:
         config = dataclasses.replace(config, history_db=str(kept.path))
-    if conversation.params.mode == "ar":  # nothing would ever ask the draft for a token
-        config = config.without_draft()
+    config = config.for_mode(conversation.params.mode)
 
     if remote is not None:  # connected once already; the TUI's Restart connects anew
         first = [remote]

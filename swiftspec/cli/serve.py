@@ -78,8 +78,7 @@ def serve(
     from swiftspec.server.app import ServerSettings
     from swiftspec.server.serve import serve as run_server
 
-    if params.mode == "ar":  # nothing would ever ask the draft for a token
-        config = config.without_draft()
+    config = config.for_mode(params.mode)
     settings = ServerSettings(host, port, api_key, max_queue, tuple(cors_origin or ()), log_prompts,
                               tuple(allowed_host or ()), shutdown_timeout)
     say = lambda line: typer.echo(f"swiftspec: {line}", err=True)
