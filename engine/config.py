@@ -25,6 +25,11 @@ class Device(StrEnum):
     CPU = "cpu"
     CUDA = "cuda"
 
+    @classmethod
+    def of(cls, device: object) -> Device:
+        """The kind of a torch device or its name ("cuda:1" is CUDA): where a placed device's type is read."""
+        return cls(str(device).partition(":")[0])
+
 
 class Dtype(StrEnum):
     """The width the target runs at (--dtype). On the CPU, ``gguf`` runs a GGUF's own blocks and ``int4``

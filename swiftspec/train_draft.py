@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from swiftspec import kernels
-from swiftspec.engine.config import Dtype
+from swiftspec.engine.config import Device, Dtype
 from swiftspec.engine.host.encode import encode_chat
 from swiftspec.engine.model.fp16_linear import fbgemm_available, pack_fp16_linears
 from swiftspec.engine.model.loader import load_hf_model, load_model
@@ -72,7 +72,7 @@ def _hf_model(target_dir: Path, device: torch.device):
     its linears take fp16 weights (FBGEMM, fp32 math, as ``--dtype float16`` runs the target): a batch of
     answers is faster, and the features move by fp16 rounding only."""
     model = load_hf_model(target_dir, torch.float32).to(device).eval()
-    if device.type == "cpu" and fbgemm_available():
+    if Device.of(device) is Device.CPU and fbgemm_available():
         pack_fp16_linears(model)
     return model
 

@@ -139,3 +139,34 @@ def test_a_lazy_import_counts(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def f():\n    from swiftspec.engine.host import client\n")
     assert imports("swiftspec.engine.model.m", f, modules()) == {"swiftspec.engine.host.client"}
+
+
+# The words of the typed vocabularies: device kinds (Device), draft kinds (DraftKind), dtypes (Dtype)
+VOCABULARY = {"cpu", "cuda", "suffix", "int8", "float32", "bfloat16", "float16", "gguf", "int4"}
+
+
+def vocabulary_comparisons(path: Path) -> list[str]:
+    """Each comparison of a value with one of the vocabularies' words as a string literal."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            words = [c for side in sides for c in (side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side])
+                     if isinstance(c, ast.Constant) and c.value in VOCABULARY]
+            if words:
+                where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_engine_and_the_app_compare_no_device_draft_or_dtype_word_as_a_string():
+    """Device.of, DraftKind and Dtype read those words in engine/config.py alone; the kernels below the
+    engine speak torch's own device types."""
+    found = [hit for name, path in modules().items() if layer(name) > 0 for hit in vocabulary_comparisons(path)]
+    assert found == []
+
+
+def test_the_vocabulary_scan_finds_a_word_compared(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('if x.type == "cuda" or kind in ("suffix", other):\n    pass\n')
+    assert len(vocabulary_comparisons(f)) == 2

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from swiftspec.engine.config import Dtype
+from swiftspec.engine.config import Device, Dtype
 from swiftspec.engine.model import cpu_backends, cpu_blocks, tp
 from swiftspec.engine.model.fp16_linear import fbgemm_available, pack_fp16_linears
 from swiftspec.engine.model.gguf_io import BLOCK_FORMATS, GGUF_METADATA, dequantize
@@ -134,7 +134,7 @@ def convert_hf_state_dict(hf: dict[str, torch.Tensor], args: ModelArgs, kinds: d
 def default_dtype(device: torch.device, dtype: Dtype = Dtype.AUTO) -> torch.dtype:
     """The dtype a model computes in (its activations and KV cache): fp32 on the CPU, whatever the
     weights' format (engine/model/cpu_backends.py); on GPUs the dtype asked for (bf16 for auto)."""
-    if device.type == "cpu":
+    if Device.of(device) is Device.CPU:
         return torch.float32
     return getattr(torch, resolved_dtype(True, dtype))
 
@@ -168,7 +168,7 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: Dtype
     device = torch.device(device)
     args = read_args(model_dir)
     hf, kinds = read_weights(model_dir)
-    cpu = device.type == "cpu"
+    cpu = Device.of(device) is Device.CPU
     quantize = dtype is Dtype.INT4
     if dtype.blocks and not cpu:
         raise LoadError(f"--dtype {dtype} is a CPU backend; on GPUs use auto, bfloat16, float16 or float32")

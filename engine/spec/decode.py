@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from swiftspec.engine.config import ConfigError, Grammar, TreeParams
+from swiftspec.engine.config import ConfigError, Device, Grammar, TreeParams
 from swiftspec.engine.spec.draft_io import Drafter, Expansion, Features
 from swiftspec.engine.spec.grammar import Constraint, Vocabulary, single_token
 from swiftspec.engine.spec.messages import WireError
@@ -303,7 +303,7 @@ def tree_forward_ms(target: TargetState, n: int, reps: int = 3, timer: CleanTime
 
 
 def _timer(target: TargetState) -> CleanTimer:
-    return CleanTimer(cpu_bound=torch.device(target.device).type == "cpu")
+    return CleanTimer(cpu_bound=Device.of(target.device) is Device.CPU)
 
 
 def _tree_forward_s(target: TargetState, n: int, timer: CleanTimer) -> float:

@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from swiftspec.engine.config import Device
+
 
 @dataclass
 class Rows:
@@ -74,7 +76,7 @@ class Staging:
     def _reserve(self, n: int) -> None:
         if n > len(self._host_np):
             size = max(n, 2 * len(self._host_np), 256)
-            self._host = torch.empty(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            self._host = torch.empty(size, dtype=torch.int64, pin_memory=Device.of(self.device) is Device.CUDA)
             self._host_np = self._host.numpy()
             self._dev = torch.empty(size, dtype=torch.int64, device=self.device)
 
@@ -128,7 +130,7 @@ class TransferCounter(TorchFunctionMode):
                 self.down += 1
                 self.calls[name] += 1
         elif func in MAKERS and kwargs.get("device") is not None:
-            if torch.device(kwargs["device"]).type != "cpu" or not torch.cuda.is_available():
+            if Device.of(torch.device(kwargs["device"])) is not Device.CPU or not torch.cuda.is_available():
                 self.up += 1
                 self.calls[name] += 1
         elif func in MOVES and _moves(func, args, kwargs):
@@ -164,4 +166,4 @@ def _moves(func, args, kwargs) -> bool:
     if not torch.cuda.is_available():
         return True
     target = target.device if isinstance(target, Tensor) else torch.device(target)
-    return target.type == "cuda" and not src.is_cuda
+    return Device.of(target) is Device.CUDA and not src.is_cuda

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from swiftspec.engine.config import BatchInvariance, DraftKind, Dtype, SamplingParams
+from swiftspec.engine.config import BatchInvariance, Device, DraftKind, Dtype, SamplingParams
 from swiftspec.engine.host.protocol import RankInfo
 from swiftspec.engine.model import cpu_backends, cpu_blocks
 from swiftspec.engine.model.model_dir import gguf_block_kinds, read_args, stored_float_dtype
@@ -94,7 +94,7 @@ def _step_times(tuned: Tuned, ranks: list[RankInfo], say: Callable[[str], None])
         t_verify, t_expand, cost = cached.t_verify, cached.t_expand, cached.cost
     else:
         # a TP group's ranks forward together: none may time a call again alone
-        timer = CleanTimer(cpu_bound=tuned.device.type == "cpu", retries=RETRIES if tuned.tp_world == 1 else 0)
+        timer = CleanTimer(cpu_bound=Device.of(tuned.device) is Device.CPU, retries=RETRIES if tuned.tp_world == 1 else 0)
         if tuned.role == "target":  # the target's forwards first, alone: a draft beside them would slow them
             t_verify, t_expand, cost = _measure(tuned, timer)
         barrier()
@@ -236,7 +236,7 @@ def profile_path(loaded: Loaded, ranks: list[RankInfo], kernel_threads: dict[str
 def gpu_names(ranks: list[RankInfo]) -> list[str]:
     """The node's GPUs, where a rank runs on one; none for a CPU setup, which must not touch CUDA: its
     workers are forked, and on a GPU machine the fork follows torchrun's own CUDA probe."""
-    if not any(torch.device(r.device).type == "cuda" for r in ranks):
+    if not any(Device.of(r.device) is Device.CUDA for r in ranks):
         return []
     return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 
@@ -328,7 +328,7 @@ def target_dtype(place: Placement, say: Callable[[str], None]) -> Dtype:
     """The dtype this rank loads at (setup.load): the config's, but on a CPU target with --dtype auto and
     batch invariance not off, the backend choose_cpu_backend measures."""
     config = place.spec.config
-    if (place.role == "target" and place.device.type == "cpu" and config.dtype is Dtype.AUTO
+    if (place.role == "target" and Device.of(place.device) is Device.CPU and config.dtype is Dtype.AUTO
             and config.batch_invariant != BatchInvariance.OFF):
         return choose_cpu_backend(place, say)
     return config.dtype

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from swiftspec.engine.config import SamplingParams
+from swiftspec.engine.config import Device, SamplingParams
 from swiftspec.engine.host import protocol
 from swiftspec.engine.host.frames import Failure, Hello, Ready
 from swiftspec.engine.host.launcher import ENV_STORE
@@ -122,7 +122,7 @@ def serve(profiled: Profiled, io, link: SocketLink | DistLink | None) -> None:
             fin = Finisher(req, profiled.spec.config.max_seq_len, profiled.eos, lambda rid=req.id: io.cancelled(rid))
             lead_target(profiled.target, link, req, fin, lambda step, rid=req.id: io.step(rid, step),
                         profiled.tell, profiled.features and req.params.mode != "ar",
-                        hold_steps=profiled.device.type == "cpu")
+                        hold_steps=Device.of(profiled.device) is Device.CPU)
         elif profiled.role == "target":
             follow_target(profiled.target, req, profiled.next_step)
         elif req.params.mode == "ar":

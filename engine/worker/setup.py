@@ -245,7 +245,7 @@ def setup(spec: WorkerSpec) -> Placement:
     else:
         devices = [Device.CUDA if config.device == Device.CUDA else Device.CPU] * world
     device = torch.device(devices[rank] if devices[rank] != Device.CUDA else f"cuda:{os.environ['LOCAL_RANK']}")
-    if device.type == "cuda":
+    if Device.of(device) is Device.CUDA:
         torch.cuda.set_device(device)
         share = launcher.memory_fraction(devices, rank, n_target)
         if share is not None:
@@ -283,7 +283,7 @@ def barrier() -> None:
 
 def gather_ranks(place: Placement) -> list[RankInfo]:
     """Every rank's pid, device and threads, on every rank."""
-    mine = RankReport(os.getpid(), place.threads, -1 if place.device.type == "cpu" else place.device.index,
+    mine = RankReport(os.getpid(), place.threads, -1 if Device.of(place.device) is Device.CPU else place.device.index,
                       socket.gethostname())
     ranks = []
     for r, report in enumerate(RankReport.gather(mine)):
@@ -311,7 +311,7 @@ def load(place: Placement, dtype: Dtype) -> Loaded:
         scratch slot, hidden from the caller). Drafts skip the batch-invariant mode on CUDA (their rounding
         only changes what is proposed, never what is output); on the CPU the invariant kernels are also
         the fast ones, and a draft runs them too."""
-        cuda = place.device.type == "cuda"
+        cuda = Device.of(place.device) is Device.CUDA
         model = load_model(path, place.device, dtype, max_slots=n_slots + cuda, tp_group=group,
                            tp_rank=place.tp_rank, tp_world=place.tp_world, int8=int8, batch_invariant=batch_invariant)
         return GraphedModel(model) if cuda else model
@@ -322,11 +322,11 @@ def load(place: Placement, dtype: Dtype) -> Loaded:
                           eos=frozenset(eos))
     drafter = make_drafter(spec.draft_spec, target_dir, config.trust_remote_code, config.draft_history,
                            lambda path, int8: model_for(path, slots + DRAFT_TREE_SLOTS, place.draft_group, int8,
-                                                        None if place.device.type == "cpu" else False),
+                                                        None if Device.of(place.device) is Device.CPU else False),
                            place.device, default_dtype(place.device, dtype), slots + DRAFT_TREE_SLOTS,
                            Path(spec.corpus) if spec.corpus else None, spec.vocab_size,
                            Path(config.history_db) if config.drafts_from_store else None)
-    if place.device.type == "cpu" and spec.draft_spec.own_model:
+    if Device.of(place.device) is Device.CPU and spec.draft_spec.own_model:
         if kernels_available() is None:  # a draft model runs the kernels too, on its share of the cores
             set_kernel_threads(place.threads)
     if drafter.wants_features and place.tp_world > 1:
@@ -347,4 +347,4 @@ def target_precision(loaded: Loaded) -> str:
     model = getattr(loaded.target.model, "model", loaded.target.model)  # through a CUDA-graphs wrapper
     if model.precision:
         return model.precision
-    return precision_label(Path(loaded.spec.target_dir), resolved_dtype(loaded.device.type == "cuda", loaded.dtype))
+    return precision_label(Path(loaded.spec.target_dir), resolved_dtype(Device.of(loaded.device) is Device.CUDA, loaded.dtype))
