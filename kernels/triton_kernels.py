@@ -36,7 +36,8 @@ def _counters_for(device: torch.device, n: int) -> Tensor:
     its own), so CUDA graphs replay without a memset; the buffer is made once per device, outside any
     capture, and never resized, so captured graphs keep a valid address. Split launches on one device
     must therefore not overlap in time (keep them on one stream)."""
-    assert n <= MAX_COUNTERS, n
+    if n > MAX_COUNTERS:
+        raise ValueError(f"tree_attention: {n} split programs, above the {MAX_COUNTERS} arrival counters")
     buf = _counters.get(device)
     if buf is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -175,14 +176,17 @@ def tree_attention(
     """
     T, H, D = q.shape
     Hkv, S, _ = k_cache.shape
-    assert H % Hkv == 0 and D >= 16 and D & (D - 1) == 0, (H, Hkv, D)
-    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    if H % Hkv or D < 16 or D & (D - 1):
+        raise ValueError(f"tree_attention: heads {H} over {Hkv} kv heads of size {D} (a power of two, at least 16)")
+    if not q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1:
+        raise ValueError("tree_attention: q, k and v need contiguous rows")
     G = H // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     invariant = isinstance(mask, KeyList)
     if invariant:
-        assert mask.slots.shape == (T, S) and num_splits is None, (mask.slots.shape, num_splits)
+        if mask.slots.shape != (T, S) or num_splits is not None:
+            raise ValueError(f"tree_attention: slots {tuple(mask.slots.shape)} for {T} rows of {S} keys, no split")
         keys, lengths = mask.slots.contiguous(), mask.lengths
         mask_arg = keys  # the kernel reads KeySlots and Lengths only
         block_m = max(16, triton.next_power_of_2(G))
@@ -190,7 +194,8 @@ def tree_attention(
         keys_per_split = INVARIANT_KEYS_PER_SPLIT
         num_splits = triton.cdiv(S, keys_per_split)
     else:
-        assert mask.shape == (T, S), mask.shape
+        if mask.shape != (T, S):
+            raise ValueError(f"tree_attention: a mask of {tuple(mask.shape)} for {T} rows of {S} keys")
         mask_arg = mask.contiguous().view(torch.uint8)
         keys = lengths = mask_arg  # the kernel reads Mask only
         block_m = min(64, max(16, triton.next_power_of_2(T * G)))
@@ -244,7 +249,8 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
     N = x.shape[-1]
     x2 = x.reshape(-1, N)
     r2 = x2 if residual is None else residual.reshape(-1, N)
-    assert x2.stride(-1) == r2.stride(-1) == weight.stride(-1) == 1
+    if not x2.stride(-1) == r2.stride(-1) == weight.stride(-1) == 1:
+        raise ValueError("rms_norm: x, the residual and the weight need contiguous rows")
     out = torch.empty_like(x2)
     new_res = x2 if residual is None else torch.empty_like(x2)
     block = triton.next_power_of_2(N)
@@ -299,7 +305,8 @@ def swiglu(x: Tensor, w_gate_up: Tensor, inter: int, invariant: bool = False) ->
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    assert w_gate_up.shape == (2 * inter, K) and x2.stride(-1) == w_gate_up.stride(-1) == 1
+    if w_gate_up.shape != (2 * inter, K) or not x2.stride(-1) == w_gate_up.stride(-1) == 1:
+        raise ValueError(f"swiglu: a gate-up weight of {tuple(w_gate_up.shape)} for {inter} x {K}, contiguous rows")
     y = torch.empty(M, inter, dtype=x.dtype, device=x.device)
     block_m = 16 if invariant else min(64, max(16, triton.next_power_of_2(M)))
     block_k = 128 if x.element_size() == 2 else 64
@@ -361,7 +368,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M, N = x2.shape[0], weight.shape[0]
-    assert weight.shape[1] == K and weight.stride(-1) == 1, (weight.shape, K)
+    if weight.shape[1] != K or weight.stride(-1) != 1:
+        raise ValueError(f"linear: a weight of {tuple(weight.shape)} for {K} inputs, contiguous rows")
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     block_m, block_n, block_k = _linear_tiles(N, x.device, x.element_size())
     _linear_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
@@ -458,7 +466,9 @@ def rms_norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps
     r2 = x2 if residual is None else residual.reshape(-1, K)
     M = x2.shape[0]
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    assert weight.shape[1] == K and norm_weight.shape == (K,) and not (swiglu and bias is not None), weight.shape
+    if weight.shape[1] != K or norm_weight.shape != (K,) or (swiglu and bias is not None):
+        raise ValueError(f"rms_norm_linear: a weight of {tuple(weight.shape)} and a norm of {tuple(norm_weight.shape)} "
+                         f"for {K} inputs{', SwiGLU without a bias' if swiglu else ''}")
     assert x2.stride(-1) == r2.stride(-1) == weight.stride(-1) == norm_weight.stride(-1) == 1
     if residual is None:
         residual_out = x

@@ -186,7 +186,8 @@ class NormedGateUp(InvariantGateUp):
     def swiglu(self, x: NormedRows, inter: int) -> Tensor:
         from swiftspec.kernels import triton_kernels  # triton: imported where a CUDA kernel first runs
 
-        assert self.weight.shape[0] == 2 * inter, (self.weight.shape, inter)
+        if self.weight.shape[0] != 2 * inter:
+            raise ValueError(f"swiglu: a gate-up weight of {tuple(self.weight.shape)} rows for {inter} x 2")
         return triton_kernels.rms_norm_linear(x.x, x.residual, x.weight, x.eps, self.weight, swiglu=True,
                                               residual_out=x.new_residual)[0]
 
