@@ -18,13 +18,13 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from swiftspec.engine.model import cpu_backends
 from swiftspec.kernels import cpu_linear
 from swiftspec.kernels.cpu_linear import Format
 
@@ -85,6 +85,32 @@ def check(dll, paths: list[str]) -> list[str]:
     return wrong
 
 
+def time_linears(dll, paths: list[str], threads: list[int], reps: int, chosen: cpu_linear.PathChoice) -> list[dict]:
+    """Each path's linears at 1, 2, 4 and 8 rows on each thread count, printed as a table and returned."""
+    g = torch.Generator().manual_seed(0)
+    print(f"\n{'path':<14}{'thr':>4}  {'linear':<14}" + "".join(f"{f'{r} row':>10}" for r in ROWS)
+          + f"{'8 ÷ 1':>8}{'GMAC/s@8':>10}")
+    found = []
+    for n_threads in threads:
+        cpu_linear.set_threads(dll, n_threads)
+        for name in paths:
+            cpu_linear.use_path(dll, name)
+            for fmt, n, k in SHAPES:
+                w, d, m = weights(g, fmt, n, k)
+                us = {}
+                for rows in ROWS:
+                    x = torch.randn(rows, k, generator=g)
+                    us[rows] = median_us(partial(cpu_linear.linear, dll, fmt, x, n, w, d, m), reps)
+                mark = ("*" if name == chosen.rows else " ") + ("1" if name == chosen.one_row else " ")
+                print(f"{name + mark:<14}{n_threads:>4}  {f'{fmt.name} {n}x{k}':<14}"
+                      + "".join(f"{us[r]:>8.1f}µs" for r in ROWS) + f"{us[8] / us[1]:>8.2f}{8 * n * k / us[8] / 1e3:>10.1f}")
+                found.append({"path": name, "threads": n_threads, "format": fmt.name, "n": n, "k": k,
+                              "us": {str(r): round(us[r], 2) for r in ROWS}})
+    print("\n* the path the engine picks for several rows on this CPU, 1 for one row; '8 ÷ 1' is what a "
+          "verification of 8 rows costs in one-row linears")
+    return found
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", default="1", help="comma-separated kernel thread counts (default 1)")
@@ -94,44 +120,22 @@ def main() -> int:
     p.add_argument("--check", action="store_true", help="first check every path against the portable bits")
     args = p.parse_args()
 
-    with tempfile.TemporaryDirectory() as build:
-        dll = cpu_linear.load(Path(build))
-        chosen = cpu_linear.paths_in_use(dll)
-        running = [kp.name for kp in cpu_linear.paths(dll) if kp.runs]
-        paths = [s for s in args.paths.split(",") if s] or running
-        unknown = [s for s in paths if s not in running]
-        if unknown:
-            print(f"cpu_kernels: no path {', '.join(unknown)} runs here (these do: {', '.join(running)})",
-                  file=sys.stderr)
-            return 2
-        result: dict = {"cpu": cpu_name(), "chosen": {"rows": chosen.rows, "one_row": chosen.one_row}, "paths": running,
-                        "linears": []}
-        print(f"CPU: {result['cpu']}\npaths that run: {', '.join(running)}; the engine picks {cpu_linear.isa(dll)}")
-        if args.check:
-            result["differ"] = check(dll, running)
-            print("bits: every path equals portable" if not result["differ"]
-                  else f"bits DIFFER: {', '.join(result['differ'])}")
-        g = torch.Generator().manual_seed(0)
-        print(f"\n{'path':<14}{'thr':>4}  {'linear':<14}" + "".join(f"{f'{r} row':>10}" for r in ROWS)
-              + f"{'8 ÷ 1':>8}{'GMAC/s@8':>10}")
-        for threads in (int(t) for t in args.threads.split(",")):
-            cpu_linear.set_threads(dll, threads)
-            for name in paths:
-                cpu_linear.use_path(dll, name)
-                for fmt, n, k in SHAPES:
-                    w, d, m = weights(g, fmt, n, k)
-                    us = {}
-                    for rows in ROWS:
-                        x = torch.randn(rows, k, generator=g)
-                        us[rows] = median_us(partial(cpu_linear.linear, dll, fmt, x, n, w, d, m), args.reps)
-                    gmacs = 8 * n * k / us[8] / 1e3
-                    mark = ("*" if name == chosen.rows else " ") + ("1" if name == chosen.one_row else " ")
-                    print(f"{name + mark:<14}{threads:>4}  {f'{fmt.name} {n}x{k}':<14}"
-                          + "".join(f"{us[r]:>8.1f}µs" for r in ROWS) + f"{us[8] / us[1]:>8.2f}{gmacs:>10.1f}")
-                    result["linears"].append({"path": name, "threads": threads, "format": fmt.name, "n": n, "k": k,
-                                              "us": {str(r): round(us[r], 2) for r in ROWS}})
-        print("\n* the path the engine picks for several rows on this CPU, 1 for one row; '8 ÷ 1' is what a "
-              "verification of 8 rows costs in one-row linears")
+    dll = cpu_backends.library()  # the engine's own build, and the paths it chose
+    chosen = cpu_linear.paths_in_use(dll)
+    running = [kp.name for kp in cpu_linear.paths(dll) if kp.runs]
+    paths = [s for s in args.paths.split(",") if s] or running
+    unknown = [s for s in paths if s not in running]
+    if unknown:
+        print(f"cpu_kernels: no path {', '.join(unknown)} runs here (these do: {', '.join(running)})", file=sys.stderr)
+        return 2
+    result: dict = {"cpu": cpu_name(), "chosen": {"rows": chosen.rows, "one_row": chosen.one_row}, "paths": running}
+    print(f"CPU: {result['cpu']}\npaths that run: {', '.join(running)}; the engine picks {cpu_linear.isa(dll)}")
+    if args.check:
+        result["differ"] = check(dll, running)
+        print("bits: every path equals portable" if not result["differ"]
+              else f"bits DIFFER: {', '.join(result['differ'])}")
+    result["linears"] = time_linears(dll, paths, [int(t) for t in args.threads.split(",")], args.reps, chosen)
+    cpu_linear.use_paths(dll, chosen)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

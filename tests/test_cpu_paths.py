@@ -4,6 +4,9 @@ one thread or two; every path, whether it runs here or not, compiles; the librar
 one it measured fastest."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,3 +211,18 @@ def test_a_path_that_cannot_run_is_refused(dll):
     with pytest.raises(ValueError, match="no path"):
         cpu_linear.use_path(dll, "AVX-1024")
     assert cpu_linear.isa(dll) in running(dll)
+
+
+def test_the_kernel_benchmark_checks_the_bits_and_times_every_row_count(dll, tmp_path):
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_kernels.py"
+    out = tmp_path / "kernels.json"
+    proc = subprocess.run([sys.executable, str(script), "--check", "--paths", running(dll)[0], "--reps", "2", "--json",
+                           str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["differ"] == [] and set(result["paths"]) == set(running(dll))
+    assert {(r["format"], r["path"]) for r in result["linears"]} == {("Q4", running(dll)[0]), ("Q8", running(dll)[0])}
+    assert all(set(r["us"]) == {"1", "2", "4", "8"} and min(r["us"].values()) > 0 for r in result["linears"])
+    refused = subprocess.run([sys.executable, str(script), "--paths", "AVX-1024"], capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode == 2 and "no path AVX-1024 runs here" in refused.stderr
