@@ -4,8 +4,8 @@ For every path this CPU runs (portable, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI), 
 small model's decode step and verification are made of (the embedded SmolLM2's shapes: Q4 gate/up and
 down, a Q8 weight of the same width) at 1, 2, 4 and 8 rows, for each thread count asked, and prints the
 time, the cost of n rows as a multiple of one row, and the int16 multiply-adds per second. The paths the
-engine picks (the fastest for several rows and for one, measured at load) are marked. With ``--check`` it first confirms that every path
-gives the portable path's bits on these shapes.
+engine picks (the fastest for several rows and for one, measured at load) are marked. With ``--check`` it
+first confirms that every path gives the portable path's bits on these shapes.
 
     python benchmarks/cpu_kernels.py [--threads 1,2] [--reps 200] [--json out.json] [--check]
 """

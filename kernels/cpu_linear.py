@@ -4,9 +4,9 @@ glue), built with the host's C compiler for the machine at hand and loaded throu
 The library holds one path per ISA family (portable C, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI), each file
 compiled with its own target flags, so every path is built on every x86 machine, whether it can run there
 or not; ``cpu/dispatch.c`` runs the one chosen. Every path computes the same bits (cpu/kernels.h says how),
-so the choice is one of speed alone: on first use each path this CPU runs is timed on a few linears, and the
-fastest for one row (a decode step) and the fastest for several (a verification) are kept. The library and that choice are built once per machine and source (several seconds)
-into the build directory the caller names, under a name made of the sources' hash, the compiler's version
+so the choice is one of speed alone: on first use each path this CPU runs is timed on a few linears, and
+the fastest for one row (a decode step) and the fastest for several (a verification) are kept. The library
+and that choice are built once per machine and source (several seconds) into the build directory the caller names, under a name made of the sources' hash, the compiler's version
 and the CPU's flags, so a copied cache or an upgraded compiler never loads a library built for another
 machine. Without a C compiler the kernels are unavailable (``load`` says why) and the CPU falls back to
 torch's own ops.
@@ -226,9 +226,10 @@ def isa(dll: ctypes.CDLL) -> str:
     return choice.rows if choice.rows == choice.one_row else f"{choice.rows}, one row {choice.one_row}"
 
 
-def _path_seconds(dll: ctypes.CDLL, name: str) -> tuple[float, float]:
+def _path_seconds(dll: ctypes.CDLL, name: str) -> dict[str, float]:
     """One path's time on the linears a decode step and a verification are made of: Q4 and Q8 weights of a
-    small model's shapes, one thread, the best of several calls; for one row, and for eight."""
+    small model's shapes, one thread, the best of several calls; for one row and for eight, by the
+    PathChoice field each decides."""
     g = torch.Generator().manual_seed(0)
     use_path(dll, name)
     total = {1: 0.0, 8: 0.0}
@@ -244,7 +245,7 @@ def _path_seconds(dll: ctypes.CDLL, name: str) -> tuple[float, float]:
                 linear(dll, fmt, x, n, w, d, m)
                 best = min(best, time.perf_counter() - t0)
             total[rows] += best
-    return total[1], total[8]
+    return {"one_row": total[1], "rows": total[8]}
 
 
 def fastest_paths(dll: ctypes.CDLL, record: Path) -> PathChoice:
@@ -264,12 +265,11 @@ def fastest_paths(dll: ctypes.CDLL, record: Path) -> PathChoice:
         seconds = {p.name: _path_seconds(dll, p.name) for p in paths(dll) if p.runs}
     finally:
         set_threads(dll, previous)
-    choice = PathChoice(rows=min(seconds, key=lambda name: seconds[name][1]),
-                        one_row=min(seconds, key=lambda name: seconds[name][0]))
+    choice = PathChoice(rows=min(seconds, key=lambda name: seconds[name]["rows"]),
+                        one_row=min(seconds, key=lambda name: seconds[name]["one_row"]))
     fd, tmp = tempfile.mkstemp(suffix=".json", dir=record.parent)
     with os.fdopen(fd, "w") as f:
-        json.dump({**asdict(choice), "seconds": {name: {"one_row": s[0], "rows": s[1]}
-                                                             for name, s in seconds.items()}}, f)
+        json.dump({**asdict(choice), "seconds": seconds}, f)
     os.replace(tmp, record)
     return choice
 
