@@ -1,6 +1,6 @@
 """The CPU kernels' linears by ISA path: what a verified row costs against one decode row, on this machine.
 
-For every path this CPU runs (portable, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI), times the packed linears a
+For every path this CPU runs (portable, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI, AMX), times the packed linears a
 small model's decode step and verification are made of (the embedded SmolLM2's shapes: Q4 gate/up and
 down, a Q8 weight of the same width) at 1, 2, 4 and 8 rows, for each thread count asked, and prints the
 time, the cost of n rows as a multiple of one row, and the int16 multiply-adds per second. The paths the
@@ -42,7 +42,7 @@ def cpu_name() -> str:
     except OSError:
         return platform.processor() or platform.machine()
     flags = [f for f in fields.get("flags", "").split()
-             if f in ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16")]
+             if f in ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")]
     return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}; "
             f"{os.cpu_count()} CPUs; {' '.join(flags)})")
 

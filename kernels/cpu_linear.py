@@ -1,7 +1,7 @@
 """The row-invariant CPU kernels of ``cpu/`` (linears over packed weights, tree attention, decoder-block
 glue), built with the host's C compiler for the machine at hand and loaded through ctypes.
 
-The library holds one path per ISA family (portable C, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI), each file
+The library holds one path per ISA family (portable C, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI, AMX), each file
 compiled with its own target flags, so every path is built on every x86 machine, whether it can run there
 or not; ``cpu/dispatch.c`` runs the one chosen. Every path computes the same bits (cpu/kernels.h says how),
 so the choice is one of speed alone: on first use each path this CPU runs is timed on a few linears, and
@@ -44,8 +44,11 @@ PATH_OBJECTS = {
         "avx_vnni": ("avx2.c", [*_AVX2, "-mavxvnni", "-DSS_VNNI"]),
         "avx512": ("avx512.c", _AVX512),
         "avx512_vnni": ("avx512.c", [*_AVX512, "-mavx512vnni", "-DSS_VNNI"]),
+        "amx": ("amx.c", [*_AVX512, "-mavx512vnni", "-mamx-tile", "-mamx-int8"]),
     } if X86 else {}),
 }
+# The AMX path's logic with its tile instructions in plain C, for the tests of machines without AMX.
+EMULATED_AMX = ("amx.c", ["-DSS_AMX_EMULATE", "-Wno-psabi"])
 HOST_OBJECTS = ("dispatch.c", "pool.c", "blocks.c")
 # -ffp-contract=off: no multiply and add fused where the canonical order keeps them apart (cpu/kernels.h)
 CFLAGS = ["-O3", "-std=gnu11", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
@@ -104,10 +107,10 @@ def compile_object(cc: str, source: str, flags: list[str], out: Path) -> subproc
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def _build(cc: str, lib: Path) -> None:
+def _build(cc: str, lib: Path, paths: dict[str, tuple[str, list[str]]]) -> None:
     """Compiles every object (at once) and links the library into ``lib``, atomically. A path's object that
     this compiler cannot build is left out (dispatch.c finds it absent); any other failure raises."""
-    recipes = PATH_OBJECTS | {Path(src).stem: (src, ["-march=native"] if X86 else []) for src in HOST_OBJECTS}
+    recipes = paths | {Path(src).stem: (src, ["-march=native"] if X86 else []) for src in HOST_OBJECTS}
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         outs = {name: Path(tmp) / f"{name}.o" for name in recipes}
         jobs = {name: compile_object(cc, src, flags, outs[name]) for name, (src, flags) in recipes.items()}
@@ -116,7 +119,7 @@ def _build(cc: str, lib: Path) -> None:
             _, err = job.communicate(timeout=300)
             if job.returncode == 0:
                 objects.append(str(outs[name]))
-            elif name not in PATH_OBJECTS or name == "portable":
+            elif name not in paths or name == "portable":
                 raise KernelsUnavailable(f"compiling {recipes[name][0]} failed: {err.strip()[-2000:]}")
         so = Path(tmp) / lib.name
         done = subprocess.run([cc, "-shared", "-o", str(so), *objects, "-lpthread", "-lm"], capture_output=True,
@@ -139,11 +142,22 @@ def load(build_dir: Path) -> ctypes.CDLL:
     lib = Path(build_dir) / f"cpu_linear-{key.hexdigest()[:16]}.so"
     if not lib.is_file():
         lib.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            _build(cc, lib)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise KernelsUnavailable(f"compiling the CPU kernels failed: {e}") from None
-    dll = ctypes.CDLL(str(lib))
+        build(lib)
+    dll = bind(ctypes.CDLL(str(lib)))
+    use_paths(dll, fastest_paths(dll, lib.with_suffix(".path.json")))
+    return dll
+
+
+def build(lib: Path, paths: dict[str, tuple[str, list[str]]] = PATH_OBJECTS) -> None:
+    """Builds the library of ``paths`` (each path's source and flags) into ``lib``."""
+    try:
+        _build(_compiler(), lib, paths)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelsUnavailable(f"compiling the CPU kernels failed: {e}") from None
+
+
+def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
+    """The library with its entry points' argument types declared."""
     dll.ss_linear.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 6
     dll.ss_linear.restype = ctypes.c_int
     dll.ss_set_threads.argtypes = [ctypes.c_int]
@@ -164,7 +178,6 @@ def load(build_dir: Path) -> ctypes.CDLL:
     dll.ss_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] \
         + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     dll.ss_layers.restype = ctypes.c_int
-    use_paths(dll, fastest_paths(dll, lib.with_suffix(".path.json")))
     return dll
 
 

@@ -3,6 +3,7 @@ computes, bit for bit, on random shapes (partial panels, odd block counts), ever
 one thread or two; every path, whether it runs here or not, compiles; the library names the path it runs and keeps the
 one it measured fastest."""
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -58,7 +59,7 @@ def test_the_portable_path_and_a_vector_one_run_on_x86(dll):
     names = {p.name for p in cpu_linear.paths(dll)}
     assert PORTABLE in names
     if cpu_linear.X86:
-        assert {"AVX2", "AVX-VNNI", "AVX-512", "AVX-512 VNNI"} <= names  # compiled, whether they run here or not
+        assert {"AVX2", "AVX-VNNI", "AVX-512", "AVX-512 VNNI", "AMX"} <= names  # compiled, whether they run here or not
         assert cpu_linear.isa(dll) in running(dll)
 
 
@@ -134,6 +135,40 @@ def test_the_paths_compute_the_format(dll):
     want = x @ blocks.dequantize().T
     out = cpu_linear.linear(dll, Format.Q4, x, 64, w, d, m)
     assert (out - want).abs().max() <= 2e-4 * want.abs().max()
+
+
+@pytest.fixture(scope="module")
+def emulated_amx(tmp_path_factory):
+    """A library of the portable path and the AMX path with its tile instructions in C: the AMX path's
+    layouts and arithmetic, checked on any machine."""
+    lib = tmp_path_factory.mktemp("amx") / "cpu_linear.so"
+    cpu_linear.build(lib, {"portable": cpu_linear.PATH_OBJECTS["portable"], "amx": cpu_linear.EMULATED_AMX})
+    dll = cpu_linear.bind(ctypes.CDLL(str(lib)))
+    assert running(dll) == ["AMX (emulated)", PORTABLE]
+    return dll
+
+
+@pytest.mark.parametrize("fmt", [Format.Q4, Format.Q8])
+@pytest.mark.parametrize("blocks", [1, 7, 18])
+@pytest.mark.parametrize("half", [False, True])
+def test_the_amx_path_computes_the_portable_bits(emulated_amx, fmt, blocks, half):
+    """Every tile of rows (1 to 8, and 9 to 17 split in two), an odd number of panels (a tile of one panel
+    last), a partial last panel, a bias, half scales and two threads."""
+    g = torch.Generator().manual_seed(blocks + 100 * half)
+    k, n = 32 * blocks, 105
+    w, d, m = weights(g, fmt, n, k)
+    if half:
+        d, m = d.half(), m.half()
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(17, k, generator=g)
+    x[3, 5] = 60.0
+    x[7, :32] = 0.0
+    cpu_linear.set_threads(emulated_amx, 2)
+    cpu_linear.use_path(emulated_amx, PORTABLE)
+    want = cpu_linear.linear(emulated_amx, fmt, x, n, w, d, m, bias)
+    cpu_linear.use_path(emulated_amx, "AMX (emulated)")
+    for rows in (1, 2, 3, 5, 8, 9, 16, 17):
+        assert torch.equal(cpu_linear.linear(emulated_amx, fmt, x[:rows], n, w, d, m, bias), want[:rows]), rows
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 32, 40, 36])  # the constant-D copies, the general loop, no 8

@@ -5,6 +5,10 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "kernels.h"
 
@@ -13,11 +17,22 @@ extern const ss_path_t ss_path_avx2 __attribute__((weak));
 extern const ss_path_t ss_path_avx_vnni __attribute__((weak));
 extern const ss_path_t ss_path_avx512 __attribute__((weak));
 extern const ss_path_t ss_path_avx512_vnni __attribute__((weak));
+extern const ss_path_t ss_path_amx __attribute__((weak));
 
 /* Every path, widest first. */
-static const ss_path_t *const paths[] = {&ss_path_avx512_vnni, &ss_path_avx512, &ss_path_avx_vnni, &ss_path_avx2,
+static const ss_path_t *const paths[] = {&ss_path_amx, &ss_path_avx512_vnni, &ss_path_avx512, &ss_path_avx_vnni, &ss_path_avx2,
                                          &ss_path_portable};
 enum { N_PATHS = sizeof paths / sizeof paths[0] };
+
+/* Whether this process may use the AMX tiles: Linux grants their (8 KiB a thread) state on request. */
+static int amx_permitted(void) {
+#if defined(__linux__) && defined(__x86_64__)
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return 0;
+#endif
+}
 
 static unsigned cpu_features(void) {
     unsigned f = 0;
@@ -28,12 +43,13 @@ static unsigned cpu_features(void) {
     unsigned lo, hi;
     __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     (void)hi;
-    const int ymm = (lo & 0x6) == 0x6, zmm = ymm && (lo & 0xE0) == 0xE0;
+    const int ymm = (lo & 0x6) == 0x6, zmm = ymm && (lo & 0xE0) == 0xE0, tiles = (lo & 0x60000) == 0x60000;
     if (!avx || !ymm || __get_cpuid_max(0, 0) < 7) return 0;
     __cpuid_count(7, 0, a, b, c, d);
     if ((b & bit_AVX2) && fma && f16c) f |= SS_CPU_AVX2;
     if (zmm && (b & bit_AVX512F) && (b & bit_AVX512BW) && (b & bit_AVX512VL)) f |= SS_CPU_AVX512;
     if ((f & SS_CPU_AVX512) && (c & bit_AVX512VNNI)) f |= SS_CPU_AVX512_VNNI;
+    if (tiles && (d & (1u << 24)) && (d & (1u << 25)) && amx_permitted()) f |= SS_CPU_AMX; /* AMX-TILE, -INT8 */
     const unsigned leaves = a;
     if (leaves >= 1) {
         __cpuid_count(7, 1, a, b, c, d);

@@ -97,6 +97,7 @@ enum {
     SS_CPU_AVX_VNNI = 1 << 1,
     SS_CPU_AVX512 = 1 << 2, /* F, BW and VL */
     SS_CPU_AVX512_VNNI = 1 << 3,
+    SS_CPU_AMX = 1 << 4, /* AMX-TILE and AMX-INT8, the OS saving the tiles and letting this process use them */
 };
 
 /* A path: one ISA family's kernels. */
@@ -146,6 +147,27 @@ static inline int ss_keys(const attn_t *a, int t, int *keys) {
     for (int s = 0; s < a->S; s++)
         if (mrow[s]) keys[n++] = s;
     return n;
+}
+
+/* An IEEE half as a float, exactly (what F16C's conversion gives). */
+static inline float ss_half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 static inline float ss_r8(const float *t) {

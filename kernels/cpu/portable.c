@@ -15,26 +15,6 @@ static void quantise(const float *v, int16_t *q, float *scale, float *sum) {
     *sum = ss_r8(t);
 }
 
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000 | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* Value k of block b of column n, from its panel (kernels.h). */
 static inline int int_weight(const job_t *j, int n, int b, int k) {
     const int c = n % SS_PANEL;
@@ -47,7 +27,7 @@ static inline int int_weight(const job_t *j, int n, int b, int k) {
 
 static inline float float_weight(const job_t *j, int n, int k) {
     const size_t at = (size_t)n * j->K + k;
-    if (j->fmt == FMT_F16) return half_to_float(((const uint16_t *)j->w)[at]);
+    if (j->fmt == FMT_F16) return ss_half_to_float(((const uint16_t *)j->w)[at]);
     if (j->fmt == FMT_BF16) {
         uint32_t bits = (uint32_t)((const uint16_t *)j->w)[at] << 16;
         float f;
@@ -61,7 +41,7 @@ static inline float float_weight(const job_t *j, int n, int k) {
 static inline float scale(const job_t *j, const void *scales, int n, int b) {
     const size_t at = (size_t)b * SS_PANEL + n % SS_PANEL;
     const void *panel = ss_panel_scales(j, scales, n / SS_PANEL);
-    return j->half ? half_to_float(((const uint16_t *)panel)[at]) : ((const float *)panel)[at];
+    return j->half ? ss_half_to_float(((const uint16_t *)panel)[at]) : ((const float *)panel)[at];
 }
 
 static float int_dot(const job_t *j, int r, int n) {

@@ -1,0 +1,297 @@
+/* The AMX path: the Q4 and Q8 linears' block dot products on the tile unit (AMX-INT8), whose one
+ * instruction does a tile's R x 16 x 32 byte multiply-adds, so that a verification's extra rows cost little
+ * more than their fp32 scaling. The float formats, the quantiser's arithmetic and attention are the
+ * AVX-512 VNNI path's.
+ *
+ * The tile unit multiplies bytes, the activations are int16 (kernels.h): each is split into a signed high
+ * byte and an unsigned low one, x = 256 xh + xl, so a block's dot product is 256 (q . xh) + (q . xl), the
+ * first a TDPBSSD, the second a TDPBUSD, both exact in int32 (|q . xh| <= 32 * 128 * 128): the same
+ * integer as every other path's, scaled in the canonical order, so the same bits.
+ *
+ * Layouts. A tile row of activations is one block's 32 bytes in the order the weights' tile wants: for
+ * r = 0 .. 7, elements 2r, 2r + 1, 2r + 16, 2r + 17 (a Q4 panel's pair r holds 2r, 2r + 1 in its low
+ * nibbles and 2r + 16, 2r + 17 in its high ones). This path's quantiser writes a block's 64 bytes as its
+ * 32 low bytes then its 32 high bytes in that order (only this path's linears read them). The weights'
+ * tile (8 rows of 64 bytes: row r, column n, the 4 weights of elements above) is unpacked from the panel,
+ * per block, into a buffer the tile loads from.
+ *
+ * Built with -DSS_AMX_EMULATE, the tile instructions are plain C and the rest is the portable path's: the
+ * same layouts and arithmetic, on any CPU, so the tests check this path's logic bit for bit where no AMX
+ * runs (the machine with AMX checks the instructions themselves). */
+#include "kernels.h"
+
+#define INLINE static inline __attribute__((always_inline))
+#define MAX_R 8 /* rows per tile: a tile of 2 panels keeps their 2 x MAX_R fp32 accumulators in registers */
+
+typedef int8_t v32b __attribute__((vector_size(32)));
+typedef int16_t v32s __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef float v16f __attribute__((vector_size(64)));
+
+/* The tile registers (numerals: the instructions name them in their text): the activations' low and high
+ * bytes (R rows x 32 bytes), two panels' weights (8 x 64), the two panels' dot products of the low and
+ * the high bytes (R x 64). */
+#define A_LO 0
+#define A_HI 1
+#define B0 2
+#define B1 3
+#define C0_LO 4
+#define C0_HI 5
+#define C1_LO 6
+#define C1_HI 7
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+#ifdef SS_AMX_EMULATE
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+#define PATH ss_path_amx
+#define NAME "AMX (emulated)"
+#define NEEDS 0
+#define BASE ss_path_portable
+
+/* The tile instructions as the architecture defines them, one thread's tiles in C. */
+static _Thread_local struct {
+    int rows, colsb;
+    uint8_t data[16][64];
+} tiles[8];
+
+static void tile_config(const tile_config_t *c) {
+    for (int t = 0; t < 8; t++) tiles[t].rows = c->rows[t], tiles[t].colsb = c->colsb[t];
+}
+static void tile_load(int t, const void *base, long stride) {
+    memset(tiles[t].data, 0, sizeof tiles[t].data);
+    for (int r = 0; r < tiles[t].rows; r++) memcpy(tiles[t].data[r], (const char *)base + r * stride, tiles[t].colsb);
+}
+static void tile_store(int t, void *base, long stride) {
+    for (int r = 0; r < tiles[t].rows; r++) memcpy((char *)base + r * stride, tiles[t].data[r], tiles[t].colsb);
+}
+static void tile_zero(int t) { memset(tiles[t].data, 0, sizeof tiles[t].data); }
+/* c += a . b, a's bytes signed or not, b's signed: c[m][n] += sum over k of a[m][k] b[k / 4][4 n + k % 4] */
+static void tile_dot(int c, int a, int b, int a_signed) {
+    for (int m = 0; m < tiles[c].rows; m++)
+        for (int n = 0; n < tiles[c].colsb / 4; n++) {
+            int32_t s;
+            memcpy(&s, tiles[c].data[m] + 4 * n, 4);
+            for (int k = 0; k < tiles[a].colsb; k++) {
+                const int x = a_signed ? (int8_t)tiles[a].data[m][k] : tiles[a].data[m][k];
+                s += x * (int8_t)tiles[b].data[k / 4][4 * n + k % 4];
+            }
+            memcpy(tiles[c].data[m] + 4 * n, &s, 4);
+        }
+}
+#define TILE_CONFIG(cfg) tile_config(cfg)
+#define TILE_RELEASE() ((void)0)
+#define TILE_LOAD(t, base, stride) tile_load((t), (base), (stride))
+#define TILE_STORE(t, base, stride) tile_store((t), (base), (stride))
+#define TILE_ZERO(t) tile_zero(t)
+#define TILE_DPBUSD(c, a, b) tile_dot((c), (a), (b), 0)
+#define TILE_DPBSSD(c, a, b) tile_dot((c), (a), (b), 1)
+#else
+#include <immintrin.h>
+
+#define PATH ss_path_amx
+#define NAME "AMX"
+#define NEEDS (SS_CPU_AVX2 | SS_CPU_AVX512 | SS_CPU_AVX512_VNNI | SS_CPU_AMX)
+#define BASE ss_path_avx512_vnni
+#define TILE_CONFIG(cfg) _tile_loadconfig(cfg)
+#define TILE_RELEASE() _tile_release()
+/* the compiler's barrier first: the instruction's asm does not say it reads memory, and the weights'
+ * tile written just before must be stored, not dropped as unread */
+#define TILE_LOAD(t, base, stride)                    \
+    do {                                              \
+        __asm__ volatile("" ::: "memory");            \
+        _tile_loadd(t, (base), (stride));             \
+    } while (0)
+#define TILE_STORE(t, base, stride) _tile_stored(t, (base), (stride))
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_DPBUSD(c, a, b) _tile_dpbusd(c, a, b)
+#define TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+#endif
+
+extern const ss_path_t BASE;
+
+/* The base path's quantisation, written as this path's tiles read it: 32 low bytes, then 32 high ones,
+ * each in the order of the header's comment. */
+static void quantise(const float *v, int16_t *q, float *scale, float *sum) {
+    v32s x;
+    BASE.quantise(v, (int16_t *)&x, scale, sum);
+    const v32s order = {0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23,
+                        8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31};
+    const v32s y = __builtin_shuffle(x, order);
+    const v32b lo = __builtin_convertvector(y, v32b), hi = __builtin_convertvector(y >> 8, v32b);
+    memcpy(q, &lo, 32);
+    memcpy((char *)q + 32, &hi, 32);
+}
+
+INLINE v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+INLINE v16f fma16(v16f a, v16f b, v16f c) {
+#ifdef __AVX512F__
+    return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+    for (int l = 0; l < 16; l++) c[l] = fmaf(a[l], b[l], c[l]);
+    return c;
+#endif
+}
+
+/* SS_PANEL scales (d or m) of a panel's block b, floats or halves. */
+INLINE v16f scales16(const job_t *j, const void *panel, int b) {
+    v16f s;
+    if (!j->half) {
+        memcpy(&s, (const float *)panel + (size_t)b * SS_PANEL, sizeof s);
+        return s;
+    }
+    const uint16_t *h = (const uint16_t *)panel + (size_t)b * SS_PANEL;
+#ifdef __AVX512F__
+    s = (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+#else
+    for (int l = 0; l < 16; l++) s[l] = ss_half_to_float(h[l]);
+#endif
+    return s;
+}
+
+/* 16 uint16 at p, zero-extended (GCC splits the generic conversion in two halves) */
+INLINE v16u zext16(const uint8_t *p) {
+#ifdef __AVX512F__
+    return (v16u)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+#else
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, v16u);
+#endif
+}
+
+/* The weights' tile of one panel's block (256 bytes of Q4, 512 of Q8) into out[8][64]. */
+INLINE void weight_tile(const int fmt, const uint8_t *block, uint8_t *out) {
+    for (int r = 0; r < 8; r++) {
+        v16u row;
+        if (fmt == FMT_Q4) { /* a column's 2 bytes: the low nibbles are 2r, 2r + 1, the high 2r + 16, 2r + 17 */
+            const v16u z = zext16(block + r * 32);
+            row = (z & 0x0F0F) | ((z << 12) & 0x0F0F0000);
+        } else { /* pair r holds 2r, 2r + 1, pair r + 8 holds 2r + 16, 2r + 17 */
+            row = zext16(block + r * 32) | zext16(block + (r + 8) * 32) << 16;
+        }
+        memcpy(out + r * 64, &row, 64);
+    }
+}
+
+/* Rows r0 .. r0 + R - 1 (the tiles configured for R) of panels p .. p + C - 1, columns below n1. Per block:
+ * each panel's weight tile, the low and high dot products on the tile unit, then (kernels.h) each column's
+ * D_b = 256 hi + lo, exact, scaled into one fp32 accumulator a lane. */
+INLINE void int_tile(const job_t *j, const int fmt, const int R, const int C, int r0, int p, int n1) {
+    const int nb = j->K / 32, bytes = fmt == FMT_Q4 ? 256 : 512;
+    _Alignas(64) uint8_t w[2][8 * 64];
+    _Alignas(64) int32_t dot[2][2][MAX_R][16]; /* [panel][low, high][row][column] */
+    v16f acc[MAX_R][2];
+    const void *dp[2], *mp[2];
+    const uint8_t *pw[2];
+    for (int c = 0; c < C; c++) {
+        for (int r = 0; r < R; r++) acc[r][c] = (v16f){0};
+        pw[c] = ss_panel_weights(j, p + c);
+        dp[c] = ss_panel_scales(j, j->d, p + c), mp[c] = fmt == FMT_Q4 ? ss_panel_scales(j, j->m, p + c) : 0;
+    }
+    const uint8_t *x = (const uint8_t *)(j->qx + (size_t)r0 * nb * 32); /* a row's blocks: 64 bytes each */
+    const long stride = (long)nb * 64;
+    for (int b = 0; b < nb; b++) {
+        TILE_LOAD(A_LO, x + (size_t)b * 64, stride);
+        TILE_LOAD(A_HI, x + (size_t)b * 64 + 32, stride);
+        weight_tile(fmt, pw[0] + (size_t)b * bytes, w[0]);
+        TILE_LOAD(B0, w[0], 64);
+        TILE_ZERO(C0_LO);
+        TILE_ZERO(C0_HI);
+        TILE_DPBUSD(C0_LO, A_LO, B0);
+        TILE_DPBSSD(C0_HI, A_HI, B0);
+        if (C == 2) {
+            weight_tile(fmt, pw[1] + (size_t)b * bytes, w[1]);
+            TILE_LOAD(B1, w[1], 64);
+            TILE_ZERO(C1_LO);
+            TILE_ZERO(C1_HI);
+            TILE_DPBUSD(C1_LO, A_LO, B1);
+            TILE_DPBSSD(C1_HI, A_HI, B1);
+        }
+        TILE_STORE(C0_LO, dot[0][0], 64);
+        TILE_STORE(C0_HI, dot[0][1], 64);
+        if (C == 2) {
+            TILE_STORE(C1_LO, dot[1][0], 64);
+            TILE_STORE(C1_HI, dot[1][1], 64);
+        }
+        for (int c = 0; c < C; c++) {
+            const v16f d16 = scales16(j, dp[c], b), m16 = fmt == FMT_Q4 ? scales16(j, mp[c], b) : (v16f){0};
+            for (int r = 0; r < R; r++) {
+                const size_t at = (size_t)(r0 + r) * nb + b;
+                v16u hi;
+                v16i lo;
+                memcpy(&lo, dot[c][0][r], 64);
+                memcpy(&hi, dot[c][1][r], 64);
+                const v16i D = (v16i)(hi << 8) + lo;
+                acc[r][c] = fma16(__builtin_convertvector(D, v16f), d16 * splat(j->dx[at]), acc[r][c]);
+                if (fmt == FMT_Q4) acc[r][c] = fma16(m16, splat(j->xsum[at]), acc[r][c]);
+            }
+        }
+    }
+    for (int c = 0; c < C; c++) {
+        const int n = (p + c) * SS_PANEL, valid = n1 - n < SS_PANEL ? n1 - n : SS_PANEL;
+        v16f bias = {0};
+        if (j->bias) memcpy(&bias, j->bias + n, sizeof(float) * valid);
+        for (int r = 0; r < R; r++) {
+            const v16f v = j->bias ? acc[r][c] + bias : acc[r][c];
+            memcpy(j->out + (size_t)(r0 + r) * j->N + n, &v, sizeof(float) * valid);
+        }
+    }
+}
+
+/* Panels p0 .. p1 - 1 of rows r0 .. r0 + R - 1, two at a time. */
+INLINE void int_rows(const job_t *j, const int fmt, const int R, int r0, int p0, int p1, int n1) {
+    int p = p0;
+    for (; p + 2 <= p1; p += 2) int_tile(j, fmt, R, 2, r0, p, n1);
+    if (p < p1) int_tile(j, fmt, R, 1, r0, p, n1);
+}
+
+/* The tiles for R rows. Configured on every call: the thread's tiles are its own state, which other code
+ * on the same thread (a library's matrix multiply) may have configured otherwise since. */
+static void configure(int R) {
+    tile_config_t cfg = {.palette = 1};
+    cfg.rows[A_LO] = cfg.rows[A_HI] = (uint8_t)R, cfg.colsb[A_LO] = cfg.colsb[A_HI] = 32;
+    cfg.rows[B0] = cfg.rows[B1] = 8, cfg.colsb[B0] = cfg.colsb[B1] = 64;
+    for (int t = C0_LO; t <= C1_HI; t++) cfg.rows[t] = (uint8_t)R, cfg.colsb[t] = 64;
+    TILE_CONFIG(&cfg);
+}
+
+/* Columns n0 (a panel's first) .. n1 - 1 of the integer formats: the rows in tiles of at most MAX_R, as
+ * even as they go (9 rows are 5 + 4), each over every panel. */
+static void int_columns(const job_t *j, const int fmt, int n0, int n1) {
+    const int p0 = n0 / SS_PANEL, p1 = (n1 + SS_PANEL - 1) / SS_PANEL;
+    int r0 = 0;
+    for (int tiles = (j->M + MAX_R - 1) / MAX_R; tiles > 0; tiles--) {
+        const int R = (j->M - r0 + tiles - 1) / tiles;
+        configure(R);
+        switch (R) {
+        case 8: int_rows(j, fmt, 8, r0, p0, p1, n1); break;
+        case 7: int_rows(j, fmt, 7, r0, p0, p1, n1); break;
+        case 6: int_rows(j, fmt, 6, r0, p0, p1, n1); break;
+        case 5: int_rows(j, fmt, 5, r0, p0, p1, n1); break;
+        case 4: int_rows(j, fmt, 4, r0, p0, p1, n1); break;
+        case 3: int_rows(j, fmt, 3, r0, p0, p1, n1); break;
+        case 2: int_rows(j, fmt, 2, r0, p0, p1, n1); break;
+        default: int_rows(j, fmt, 1, r0, p0, p1, n1);
+        }
+        r0 += R;
+    }
+    TILE_RELEASE();
+}
+
+static void columns(const job_t *j, int n0, int n1) {
+    if (j->fmt == FMT_Q4) int_columns(j, FMT_Q4, n0, n1);
+    else if (j->fmt == FMT_Q8) int_columns(j, FMT_Q8, n0, n1);
+    else BASE.columns(j, n0, n1);
+}
+
+static void attend(const attn_t *a, int t, int g, int *keys, float *buf) { BASE.attend(a, t, g, keys, buf); }
+
+const ss_path_t PATH = {NAME, NEEDS, quantise, columns, attend};
