@@ -21,7 +21,8 @@
 #include "kernels.h"
 
 #define INLINE static inline __attribute__((always_inline))
-#define MAX_R 8 /* rows per tile: a tile of 2 panels keeps their 2 x MAX_R fp32 accumulators in registers */
+#define MAX_R 8 /* rows per tile */
+#define CHUNK 8 /* panels a pass over the blocks */
 
 typedef int8_t v32b __attribute__((vector_size(32)));
 typedef int16_t v32s __attribute__((vector_size(64)));
@@ -181,76 +182,78 @@ INLINE void weight_tile(const int fmt, const uint8_t *block, uint8_t *out) {
     }
 }
 
-/* Rows r0 .. r0 + R - 1 (the tiles configured for R) of panels p .. p + C - 1, columns below n1. Per block:
- * each panel's weight tile, the low and high dot products on the tile unit, then (kernels.h) each column's
- * D_b = 256 hi + lo, exact, scaled into one fp32 accumulator a lane. */
-INLINE void int_tile(const job_t *j, const int fmt, const int R, const int C, int r0, int p, int n1) {
-    const int nb = j->K / 32, bytes = fmt == FMT_Q4 ? 256 : 512;
-    _Alignas(64) uint8_t w[2][8 * 64];
-    _Alignas(64) int32_t dot[2][2][MAX_R][16]; /* [panel][low, high][row][column] */
-    v16f acc[MAX_R][2];
-    const void *dp[2], *mp[2];
-    const uint8_t *pw[2];
-    for (int c = 0; c < C; c++) {
-        for (int r = 0; r < R; r++) acc[r][c] = (v16f){0};
-        pw[c] = ss_panel_weights(j, p + c);
-        dp[c] = ss_panel_scales(j, j->d, p + c), mp[c] = fmt == FMT_Q4 ? ss_panel_scales(j, j->m, p + c) : 0;
+/* Panel p's block b of rows r0 .. r0 + R - 1 scaled into acc[R] (kernels.h): each column's exact
+ * D_b = 256 hi + lo from the tile unit's dot products, then one fma a row (two for Q4). */
+INLINE void scale(const job_t *j, const int fmt, const int R, int r0, int p, int b, const int32_t (*dot)[MAX_R][16],
+                  v16f *acc) {
+    const int nb = j->K / 32;
+    const v16f d16 = scales16(j, ss_panel_scales(j, j->d, p), b);
+    const v16f m16 = fmt == FMT_Q4 ? scales16(j, ss_panel_scales(j, j->m, p), b) : (v16f){0};
+    for (int r = 0; r < R; r++) {
+        const size_t at = (size_t)(r0 + r) * nb + b;
+        v16u hi;
+        v16i lo;
+        memcpy(&lo, dot[0][r], 64);
+        memcpy(&hi, dot[1][r], 64);
+        const v16i D = (v16i)(hi << 8) + lo;
+        acc[r] = fma16(__builtin_convertvector(D, v16f), d16 * splat(j->dx[at]), acc[r]);
+        if (fmt == FMT_Q4) acc[r] = fma16(m16, splat(j->xsum[at]), acc[r]);
     }
+}
+
+/* One panel's block on tile set s (its weights' tile, its two dot products) into dot. */
+#define PANEL_DOTS(B, C_LO, C_HI, w, dot)       \
+    do {                                        \
+        TILE_LOAD(B, (w), 64);                  \
+        TILE_ZERO(C_LO);                        \
+        TILE_ZERO(C_HI);                        \
+        TILE_DPBUSD(C_LO, A_LO, B);             \
+        TILE_DPBSSD(C_HI, A_HI, B);             \
+        TILE_STORE(C_LO, (dot)[0], 64);         \
+        TILE_STORE(C_HI, (dot)[1], 64);         \
+    } while (0)
+
+/* Rows r0 .. r0 + R - 1 (the tiles configured for R) of panels q0 .. q1 - 1 (at most CHUNK), columns below
+ * n1. Block by block, the activations' tiles loaded once for every panel; panel by panel, in a pipeline
+ * over two sets of tiles and buffers, so that no step waits on the one before: panel i + 1's weights are
+ * unpacked while panel i's tile is loaded, and panel i - 1 is scaled after panel i's dot products are
+ * issued (the tile unit's stores and loads go through memory, which forwards nothing to them). */
+INLINE void int_chunk(const job_t *j, const int fmt, const int R, int r0, int q0, int q1, int n1) {
+    const int nb = j->K / 32, bytes = fmt == FMT_Q4 ? 256 : 512, P = q1 - q0;
+    _Alignas(64) uint8_t w[2][8 * 64];
+    _Alignas(64) int32_t dot[2][2][MAX_R][16]; /* [set][low, high][row][column] */
+    v16f acc[CHUNK][MAX_R];
+    for (int i = 0; i < P; i++)
+        for (int r = 0; r < R; r++) acc[i][r] = (v16f){0};
     const uint8_t *x = (const uint8_t *)(j->qx + (size_t)r0 * nb * 32); /* a row's blocks: 64 bytes each */
     const long stride = (long)nb * 64;
     for (int b = 0; b < nb; b++) {
         TILE_LOAD(A_LO, x + (size_t)b * 64, stride);
         TILE_LOAD(A_HI, x + (size_t)b * 64 + 32, stride);
-        weight_tile(fmt, pw[0] + (size_t)b * bytes, w[0]);
-        TILE_LOAD(B0, w[0], 64);
-        TILE_ZERO(C0_LO);
-        TILE_ZERO(C0_HI);
-        TILE_DPBUSD(C0_LO, A_LO, B0);
-        TILE_DPBSSD(C0_HI, A_HI, B0);
-        if (C == 2) {
-            weight_tile(fmt, pw[1] + (size_t)b * bytes, w[1]);
-            TILE_LOAD(B1, w[1], 64);
-            TILE_ZERO(C1_LO);
-            TILE_ZERO(C1_HI);
-            TILE_DPBUSD(C1_LO, A_LO, B1);
-            TILE_DPBSSD(C1_HI, A_HI, B1);
+        weight_tile(fmt, ss_panel_weights(j, q0) + (size_t)b * bytes, w[0]);
+        for (int i = 0; i < P; i++) {
+            if (i + 1 < P) weight_tile(fmt, ss_panel_weights(j, q0 + i + 1) + (size_t)b * bytes, w[(i + 1) & 1]);
+            if (i & 1) PANEL_DOTS(B1, C1_LO, C1_HI, w[1], dot[1]);
+            else PANEL_DOTS(B0, C0_LO, C0_HI, w[0], dot[0]);
+            if (i > 0) scale(j, fmt, R, r0, q0 + i - 1, b, dot[(i - 1) & 1], acc[i - 1]);
         }
-        TILE_STORE(C0_LO, dot[0][0], 64);
-        TILE_STORE(C0_HI, dot[0][1], 64);
-        if (C == 2) {
-            TILE_STORE(C1_LO, dot[1][0], 64);
-            TILE_STORE(C1_HI, dot[1][1], 64);
-        }
-        for (int c = 0; c < C; c++) {
-            const v16f d16 = scales16(j, dp[c], b), m16 = fmt == FMT_Q4 ? scales16(j, mp[c], b) : (v16f){0};
-            for (int r = 0; r < R; r++) {
-                const size_t at = (size_t)(r0 + r) * nb + b;
-                v16u hi;
-                v16i lo;
-                memcpy(&lo, dot[c][0][r], 64);
-                memcpy(&hi, dot[c][1][r], 64);
-                const v16i D = (v16i)(hi << 8) + lo;
-                acc[r][c] = fma16(__builtin_convertvector(D, v16f), d16 * splat(j->dx[at]), acc[r][c]);
-                if (fmt == FMT_Q4) acc[r][c] = fma16(m16, splat(j->xsum[at]), acc[r][c]);
-            }
-        }
+        scale(j, fmt, R, r0, q1 - 1, b, dot[(P - 1) & 1], acc[P - 1]);
     }
-    for (int c = 0; c < C; c++) {
-        const int n = (p + c) * SS_PANEL, valid = n1 - n < SS_PANEL ? n1 - n : SS_PANEL;
+    for (int i = 0; i < P; i++) {
+        const int n = (q0 + i) * SS_PANEL, valid = n1 - n < SS_PANEL ? n1 - n : SS_PANEL;
         v16f bias = {0};
         if (j->bias) memcpy(&bias, j->bias + n, sizeof(float) * valid);
         for (int r = 0; r < R; r++) {
-            const v16f v = j->bias ? acc[r][c] + bias : acc[r][c];
+            const v16f v = j->bias ? acc[i][r] + bias : acc[i][r];
             memcpy(j->out + (size_t)(r0 + r) * j->N + n, &v, sizeof(float) * valid);
         }
     }
 }
 
-/* Panels p0 .. p1 - 1 of rows r0 .. r0 + R - 1, two at a time. */
+/* Panels p0 .. p1 - 1 of rows r0 .. r0 + R - 1, CHUNK at a time: their accumulators stay in the first
+ * level of cache. */
 INLINE void int_rows(const job_t *j, const int fmt, const int R, int r0, int p0, int p1, int n1) {
-    int p = p0;
-    for (; p + 2 <= p1; p += 2) int_tile(j, fmt, R, 2, r0, p, n1);
-    if (p < p1) int_tile(j, fmt, R, 1, r0, p, n1);
+    for (int q0 = p0; q0 < p1; q0 += CHUNK) int_chunk(j, fmt, R, r0, q0, q0 + CHUNK < p1 ? q0 + CHUNK : p1, n1);
 }
 
 /* The tiles for R rows. Configured on every call: the thread's tiles are its own state, which other code
