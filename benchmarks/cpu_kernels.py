@@ -1,10 +1,11 @@
 """The CPU kernels' linears by ISA path: what a verified row costs against one decode row, on this machine.
 
 For every path this CPU runs (portable, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI, AMX), times the packed linears a
-small model's decode step and verification are made of (the embedded SmolLM2's shapes: Q4 gate/up and
-down, a Q8 weight of the same width) at 1, 2, 4 and 8 rows, for each thread count asked, and prints the
-time, the cost of n rows as a multiple of one row, and the int16 multiply-adds per second. The paths the
-engine picks (the fastest for several rows and for one, measured at load) are marked. With ``--check`` it
+small model's decode step, verification and prefill are made of (the embedded SmolLM2's shapes: Q4 gate/up
+and down, a Q8 weight of the same width) at 1, 2, 4, 8 and 32 rows, for each thread count asked, and prints
+the time, the cost of 8 rows as a multiple of one row, and the int16 multiply-adds per second at 8 and 32
+rows. The paths the engine picks (the fastest for one row, several and many, measured at load) are
+marked. With ``--check`` it
 first confirms that every path gives the portable path's bits on these shapes.
 
     python benchmarks/cpu_kernels.py [--threads 1,2] [--reps 200] [--json out.json] [--check]
@@ -19,6 +20,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from swiftspec.kernels import cpu_linear
 from swiftspec.kernels.cpu_linear import Format
 
 SHAPES = ((Format.Q4, 3072, 576), (Format.Q4, 576, 1536), (Format.Q8, 4096, 576))
-ROWS = (1, 2, 4, 8)
+ROWS = (1, 2, 4, 8, 32)
 
 
 def cpu_name() -> str:
@@ -86,10 +88,10 @@ def check(dll, paths: list[str]) -> list[str]:
 
 
 def time_linears(dll, paths: list[str], threads: list[int], reps: int, chosen: cpu_linear.PathChoice) -> list[dict]:
-    """Each path's linears at 1, 2, 4 and 8 rows on each thread count, printed as a table and returned."""
+    """Each path's linears at each of ROWS on each thread count, printed as a table and returned."""
     g = torch.Generator().manual_seed(0)
-    print(f"\n{'path':<14}{'thr':>4}  {'linear':<14}" + "".join(f"{f'{r} row':>10}" for r in ROWS)
-          + f"{'8 ÷ 1':>8}{'GMAC/s@8':>10}")
+    print(f"\n{'path':<16}{'thr':>4}  {'linear':<14}" + "".join(f"{f'{r} row':>10}" for r in ROWS)
+          + f"{'8 ÷ 1':>8}{'GMAC/s@8':>10}{'@32':>7}")
     found = []
     for n_threads in threads:
         cpu_linear.set_threads(dll, n_threads)
@@ -101,13 +103,15 @@ def time_linears(dll, paths: list[str], threads: list[int], reps: int, chosen: c
                 for rows in ROWS:
                     x = torch.randn(rows, k, generator=g)
                     us[rows] = median_us(partial(cpu_linear.linear, dll, fmt, x, n, w, d, m), reps)
-                mark = ("*" if name == chosen.rows else " ") + ("1" if name == chosen.one_row else " ")
-                print(f"{name + mark:<14}{n_threads:>4}  {f'{fmt.name} {n}x{k}':<14}"
-                      + "".join(f"{us[r]:>8.1f}µs" for r in ROWS) + f"{us[8] / us[1]:>8.2f}{8 * n * k / us[8] / 1e3:>10.1f}")
+                mark = "".join(sign if name == path else " " for sign, path in
+                               (("*", chosen.rows), ("1", chosen.one_row), ("+", chosen.many_rows)))
+                print(f"{name + mark:<16}{n_threads:>4}  {f'{fmt.name} {n}x{k}':<14}"
+                      + "".join(f"{us[r]:>8.1f}µs" for r in ROWS) + f"{us[8] / us[1]:>8.2f}"
+                      + f"{8 * n * k / us[8] / 1e3:>10.1f}{32 * n * k / us[32] / 1e3:>7.1f}")
                 found.append({"path": name, "threads": n_threads, "format": fmt.name, "n": n, "k": k,
                               "us": {str(r): round(us[r], 2) for r in ROWS}})
-    print("\n* the path the engine picks for several rows on this CPU, 1 for one row; '8 ÷ 1' is what a "
-          "verification of 8 rows costs in one-row linears")
+    print("\n* the path the engine picks for several rows on this CPU, 1 for one row, + for many; '8 ÷ 1' is "
+          "what a verification of 8 rows costs in one-row linears")
     return found
 
 
@@ -128,7 +132,7 @@ def main() -> int:
     if unknown:
         print(f"cpu_kernels: no path {', '.join(unknown)} runs here (these do: {', '.join(running)})", file=sys.stderr)
         return 2
-    result: dict = {"cpu": cpu_name(), "chosen": {"rows": chosen.rows, "one_row": chosen.one_row}, "paths": running}
+    result: dict = {"cpu": cpu_name(), "chosen": asdict(chosen), "paths": running}
     print(f"CPU: {result['cpu']}\npaths that run: {', '.join(running)}; the engine picks {cpu_linear.isa(dll)}")
     if args.check:
         result["differ"] = check(dll, running)

@@ -5,7 +5,7 @@ The library holds one path per ISA family (portable C, AVX2, AVX-VNNI, AVX-512, 
 compiled with its own target flags, so every path is built on every x86 machine, whether it can run there
 or not; ``cpu/dispatch.c`` runs the one chosen. Every path computes the same bits (cpu/kernels.h says how),
 so the choice is one of speed alone: on first use each path this CPU runs is timed on a few linears, and
-the fastest for one row (a decode step) and the fastest for several (a verification) are kept. The library
+the fastest for one row (a decode step), for several (a verification) and for many (a prefill) are kept. The library
 and that choice are built once per machine and source (several seconds) into the build directory the caller names, under a name made of the sources' hash, the compiler's version
 and the CPU's flags, so a copied cache or an upgraded compiler never loads a library built for another
 machine. Without a C compiler the kernels are unavailable (``load`` says why) and the CPU falls back to
@@ -168,7 +168,7 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     dll.ss_path_name.restype = ctypes.c_char_p
     dll.ss_path_runs.argtypes = [ctypes.c_int]
     dll.ss_use_path.argtypes = [ctypes.c_int]
-    dll.ss_use_one_row_path.argtypes = [ctypes.c_int]
+    dll.ss_use_path_for.argtypes = [ctypes.c_int, ctypes.c_int]
     dll.ss_path_for.argtypes = [ctypes.c_int]
     dll.ss_attention_block.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] \
         + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
@@ -202,11 +202,17 @@ def paths(dll: ctypes.CDLL) -> list[KernelPath]:
 
 @dataclass(frozen=True)
 class PathChoice:
-    """The paths in use, by name: one for calls of several rows, one for calls of one row (every path gives
-    the same bits, so each row count may take the path that runs it fastest)."""
+    """The paths in use, by name, one a class of calls by their rows (cpu/dispatch.c): several rows (a
+    verification), one row (a decode step), many rows (a prefill; dispatch.c's ss_many_rows() and more).
+    Every path gives the same bits, so each class may take the path that runs it fastest."""
 
     rows: str
     one_row: str
+    many_rows: str
+
+
+# The rows of a call of each PathChoice class: what it is measured at and how dispatch.c is told its class.
+CLASS_ROWS = {"rows": 8, "one_row": 1, "many_rows": 32}
 
 
 def _index(dll: ctypes.CDLL, name: str) -> int:
@@ -222,53 +228,58 @@ def use_path(dll: ctypes.CDLL, name: str) -> None:
 
 
 def use_paths(dll: ctypes.CDLL, choice: PathChoice) -> None:
-    """Runs ``choice.rows`` for calls of several rows and ``choice.one_row`` for calls of one."""
-    rows, one_row = _index(dll, choice.rows), _index(dll, choice.one_row)
-    dll.ss_use_path(rows)
-    dll.ss_use_one_row_path(one_row)
+    """Runs each class's path of ``choice`` for its calls."""
+    indices = {cls: _index(dll, name) for cls, name in asdict(choice).items()}
+    for cls, i in indices.items():
+        dll.ss_use_path_for(CLASS_ROWS[cls], i)
 
 
 def paths_in_use(dll: ctypes.CDLL) -> PathChoice:
-    return PathChoice(dll.ss_path_name(dll.ss_path_for(2)).decode(), dll.ss_path_name(dll.ss_path_for(1)).decode())
+    return PathChoice(**{cls: dll.ss_path_name(dll.ss_path_for(rows)).decode() for cls, rows in CLASS_ROWS.items()})
 
 
 def isa(dll: ctypes.CDLL) -> str:
-    """The paths in use, as the precision label shows them: "AVX-512 VNNI", or with another path for one
-    row, "AVX-512 VNNI, one row AVX-VNNI"."""
+    """The paths in use, as the precision label shows them: "AVX-512 VNNI", and where another path runs one
+    row or many, "AVX-512 VNNI, one row AVX-VNNI, 16+ rows AMX"."""
     choice = paths_in_use(dll)
-    return choice.rows if choice.rows == choice.one_row else f"{choice.rows}, one row {choice.one_row}"
+    label = [choice.rows]
+    if choice.one_row != choice.rows:
+        label.append(f"one row {choice.one_row}")
+    if choice.many_rows != choice.rows:
+        label.append(f"{dll.ss_many_rows()}+ rows {choice.many_rows}")
+    return ", ".join(label)
 
 
 def _path_seconds(dll: ctypes.CDLL, name: str) -> dict[str, float]:
-    """One path's time on the linears a decode step and a verification are made of: Q4 and Q8 weights of a
-    small model's shapes, one thread, the best of several calls; for one row and for eight, by the
-    PathChoice field each decides."""
+    """One path's time on the linears a decode step, a verification and a prefill are made of: Q4 and Q8
+    weights of a small model's shapes, one thread, the best of several calls; for each PathChoice class,
+    at its CLASS_ROWS."""
     g = torch.Generator().manual_seed(0)
     use_path(dll, name)
-    total = {1: 0.0, 8: 0.0}
+    total = dict.fromkeys(CLASS_ROWS, 0.0)
     for fmt, n, k in ((Format.Q4, 1536, 576), (Format.Q4, 576, 1536), (Format.Q8, 4096, 576)):
         nb = k // 32
         w = torch.randint(-100, 100, (n, nb * (16 if fmt == Format.Q4 else 32)), generator=g, dtype=torch.int8)
         d, m = torch.rand(n, nb, generator=g), torch.rand(n, nb, generator=g)
-        for rows in total:
+        for cls, rows in CLASS_ROWS.items():
             x = torch.randn(rows, k, generator=g)
             best = float("inf")
             for _ in range(5):
                 t0 = time.perf_counter()
                 linear(dll, fmt, x, n, w, d, m)
                 best = min(best, time.perf_counter() - t0)
-            total[rows] += best
-    return {"one_row": total[1], "rows": total[8]}
+            total[cls] += best
+    return total
 
 
 def fastest_paths(dll: ctypes.CDLL, record: Path) -> PathChoice:
-    """The fastest paths this CPU runs, for one row and for several, measured once and kept in ``record``
-    beside the library."""
+    """The fastest paths this CPU runs, for each class of calls, measured once and kept in ``record`` beside
+    the library."""
     runs = {p.name for p in paths(dll) if p.runs}
     try:
         kept = json.loads(record.read_text())
-        choice = PathChoice(kept["rows"], kept["one_row"])
-        if {choice.rows, choice.one_row} <= runs:
+        choice = PathChoice(**{cls: kept[cls] for cls in CLASS_ROWS})
+        if set(asdict(choice).values()) <= runs:
             return choice
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -278,8 +289,7 @@ def fastest_paths(dll: ctypes.CDLL, record: Path) -> PathChoice:
         seconds = {p.name: _path_seconds(dll, p.name) for p in paths(dll) if p.runs}
     finally:
         set_threads(dll, previous)
-    choice = PathChoice(rows=min(seconds, key=lambda name: seconds[name]["rows"]),
-                        one_row=min(seconds, key=lambda name: seconds[name]["one_row"]))
+    choice = PathChoice(**{cls: min(seconds, key=lambda name, cls=cls: seconds[name][cls]) for cls in CLASS_ROWS})
     fd, tmp = tempfile.mkstemp(suffix=".json", dir=record.parent)
     with os.fdopen(fd, "w") as f:
         json.dump({**asdict(choice), "seconds": seconds}, f)

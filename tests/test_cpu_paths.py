@@ -153,7 +153,7 @@ def emulated_amx(tmp_path_factory):
 @pytest.mark.parametrize("blocks, n", [(1, 105), (7, 300), (18, 105)])
 @pytest.mark.parametrize("half", [False, True])
 def test_the_amx_path_computes_the_portable_bits(emulated_amx, fmt, blocks, n, half):
-    """Every tile of rows (1 to 8, and 9 to 17 split in two), an odd number of panels in a pass, several
+    """Every size of tile of rows (1 to 16, and 17 split in two), an odd number of panels in a pass, several
     passes, a partial last panel, a bias, half scales and two threads."""
     g = torch.Generator().manual_seed(blocks + 100 * half)
     k = 32 * blocks
@@ -207,40 +207,55 @@ def test_the_fastest_paths_are_measured_once_and_kept(dll, tmp_path):
     chosen = cpu_linear.fastest_paths(dll, record)
     kept = json.loads(record.read_text())
     seconds = kept["seconds"]
-    assert (kept["rows"], kept["one_row"]) == (chosen.rows, chosen.one_row) and set(seconds) == set(running(dll))
-    assert chosen.rows == min(seconds, key=lambda name: seconds[name]["rows"])
-    assert chosen.one_row == min(seconds, key=lambda name: seconds[name]["one_row"])
+    assert set(seconds) == set(running(dll))
+    for cls in cpu_linear.CLASS_ROWS:
+        assert kept[cls] == getattr(chosen, cls) == min(seconds, key=lambda name, cls=cls: seconds[name][cls])
     vector = running(dll)[0]
-    record.write_text(json.dumps({"rows": PORTABLE, "one_row": vector, "seconds": {}}))
-    assert cpu_linear.fastest_paths(dll, record) == cpu_linear.PathChoice(PORTABLE, vector)  # read, not measured
-    record.write_text(json.dumps({"rows": "a path of another machine", "one_row": PORTABLE}))
+    record.write_text(json.dumps({"rows": PORTABLE, "one_row": vector, "many_rows": PORTABLE, "seconds": {}}))
+    assert cpu_linear.fastest_paths(dll, record) == cpu_linear.PathChoice(PORTABLE, vector, PORTABLE)  # read
+    record.write_text(json.dumps({"rows": "a path of another machine", "one_row": PORTABLE, "many_rows": PORTABLE}))
     assert cpu_linear.fastest_paths(dll, record).rows in running(dll)
+    record.write_text(json.dumps({"rows": PORTABLE, "one_row": PORTABLE}))  # a record of fewer classes
+    cpu_linear.fastest_paths(dll, record)
+    assert set(cpu_linear.CLASS_ROWS) <= set(json.loads(record.read_text()))  # measured again
 
 
-def test_one_row_and_several_rows_take_their_own_paths(dll):
-    """A decode step's one-row calls run the one-row path and every other call the rows path, each with its
-    own activations: mixed both ways, linears and attention give the portable bits."""
+def test_each_class_of_rows_takes_its_own_path(dll):
+    """A decode step's one-row calls run the one-row path, a prefill's many rows the many-rows path and every
+    other call the rows path, each with its own activations: mixed every way, linears and attention give
+    the portable bits."""
     g = torch.Generator().manual_seed(5)
     vector = running(dll)[0]
+    many = dll.ss_many_rows()
     w, d, m = weights(g, Format.Q4, 40, 96)
-    x = torch.randn(5, 96, generator=g)
-    q, k, v = torch.randn(3, 4, 32, generator=g), torch.randn(2, 20, 32, generator=g), torch.randn(2, 20, 32, generator=g)
-    mask = torch.rand(3, 20, generator=g) > 0.3
+    x = torch.randn(many + 3, 96, generator=g)
+    q = torch.randn(many + 1, 4, 32, generator=g)
+    k, v = torch.randn(2, 20, 32, generator=g), torch.randn(2, 20, 32, generator=g)
+    mask = torch.rand(many + 1, 20, generator=g) > 0.3
     mask[:, 0] = True
+    counts = (1, 5, many, many + 3)
 
     def outputs():
-        return ([cpu_linear.linear(dll, Format.Q4, x[:rows], 40, w, d, m) for rows in (1, 5)]
-                + [cpu_linear.attention(dll, q[:rows], k, v, mask[:rows], 0.2) for rows in (1, 3)])
+        return ([cpu_linear.linear(dll, Format.Q4, x[:rows], 40, w, d, m) for rows in counts]
+                + [cpu_linear.attention(dll, q[:rows], k, v, mask[:rows], 0.2) for rows in (1, 3, many + 1)])
 
     cpu_linear.use_path(dll, PORTABLE)
     want = outputs()
-    for rows, one_row in ((vector, PORTABLE), (PORTABLE, vector)):
-        cpu_linear.use_paths(dll, cpu_linear.PathChoice(rows, one_row))
-        assert [dll.ss_path_name(dll.ss_path_for(n)).decode() for n in (1, 2, 8)] == [one_row, rows, rows]
-        assert cpu_linear.isa(dll) == (rows if rows == one_row else f"{rows}, one row {one_row}")
+    for choice in (cpu_linear.PathChoice(vector, PORTABLE, PORTABLE), cpu_linear.PathChoice(PORTABLE, vector, PORTABLE),
+                   cpu_linear.PathChoice(PORTABLE, PORTABLE, vector), cpu_linear.PathChoice(vector, PORTABLE, vector)):
+        cpu_linear.use_paths(dll, choice)
+        assert cpu_linear.paths_in_use(dll) == choice
+        assert [dll.ss_path_name(dll.ss_path_for(n)).decode() for n in (1, 2, many - 1, many, 256)] \
+            == [choice.one_row, choice.rows, choice.rows, choice.many_rows, choice.many_rows]
         for got, expected in zip(outputs(), want, strict=True):
             assert torch.equal(got, expected)
+    if vector != PORTABLE:
+        cpu_linear.use_paths(dll, cpu_linear.PathChoice(PORTABLE, vector, vector))
+        assert cpu_linear.isa(dll) == f"{PORTABLE}, one row {vector}, {many}+ rows {vector}"
+        cpu_linear.use_paths(dll, cpu_linear.PathChoice(PORTABLE, PORTABLE, vector))
+        assert cpu_linear.isa(dll) == f"{PORTABLE}, {many}+ rows {vector}"
     cpu_linear.use_path(dll, vector)
+    assert cpu_linear.isa(dll) == vector
 
 
 def test_a_path_that_cannot_run_is_refused(dll):
@@ -259,7 +274,7 @@ def test_the_kernel_benchmark_checks_the_bits_and_times_every_row_count(dll, tmp
     result = json.loads(out.read_text())
     assert result["differ"] == [] and set(result["paths"]) == set(running(dll))
     assert {(r["format"], r["path"]) for r in result["linears"]} == {("Q4", running(dll)[0]), ("Q8", running(dll)[0])}
-    assert all(set(r["us"]) == {"1", "2", "4", "8"} and min(r["us"].values()) > 0 for r in result["linears"])
+    assert all(set(r["us"]) == {"1", "2", "4", "8", "32"} and min(r["us"].values()) > 0 for r in result["linears"])
     refused = subprocess.run([sys.executable, str(script), "--paths", "AVX-1024"], capture_output=True, text=True,
                              timeout=300)
     assert refused.returncode == 2 and "no path AVX-1024 runs here" in refused.stderr

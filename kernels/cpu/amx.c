@@ -21,7 +21,7 @@
 #include "kernels.h"
 
 #define INLINE static inline __attribute__((always_inline))
-#define MAX_R 8 /* rows per tile */
+#define MAX_R 16 /* rows per tile: the most a tile holds */
 #define CHUNK 8 /* panels a pass over the blocks */
 
 typedef int8_t v32b __attribute__((vector_size(32)));
@@ -267,23 +267,14 @@ static void configure(int R) {
 }
 
 /* Columns n0 (a panel's first) .. n1 - 1 of the integer formats: the rows in tiles of at most MAX_R, as
- * even as they go (9 rows are 5 + 4), each over every panel. */
+ * even as they go (17 rows are 9 + 8), each over every panel. */
 static void int_columns(const job_t *j, const int fmt, int n0, int n1) {
     const int p0 = n0 / SS_PANEL, p1 = (n1 + SS_PANEL - 1) / SS_PANEL;
     int r0 = 0;
     for (int tiles = (j->M + MAX_R - 1) / MAX_R; tiles > 0; tiles--) {
         const int R = (j->M - r0 + tiles - 1) / tiles;
         configure(R);
-        switch (R) {
-        case 8: int_rows(j, fmt, 8, r0, p0, p1, n1); break;
-        case 7: int_rows(j, fmt, 7, r0, p0, p1, n1); break;
-        case 6: int_rows(j, fmt, 6, r0, p0, p1, n1); break;
-        case 5: int_rows(j, fmt, 5, r0, p0, p1, n1); break;
-        case 4: int_rows(j, fmt, 4, r0, p0, p1, n1); break;
-        case 3: int_rows(j, fmt, 3, r0, p0, p1, n1); break;
-        case 2: int_rows(j, fmt, 2, r0, p0, p1, n1); break;
-        default: int_rows(j, fmt, 1, r0, p0, p1, n1);
-        }
+        int_rows(j, fmt, R, r0, p0, p1, n1);
         r0 += R;
     }
     TILE_RELEASE();

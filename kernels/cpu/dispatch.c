@@ -71,21 +71,27 @@ int ss_path_count(void) { return N_PATHS; }
 /* Path i's name, or NULL when it was not compiled. */
 const char *ss_path_name(int i) { return i >= 0 && i < N_PATHS && paths[i] ? paths[i]->name : 0; }
 
-/* The paths in use: one for calls of several rows (verifications, prefills), one for calls of one row
- * (decode steps), each the widest that runs until ss_use_path / ss_use_one_row_path choose. Every path
- * computes the same bits, so a call may take either; which is faster can differ with the rows (a 256-bit
- * path can stream one row faster than a 512-bit one whose tiles win at eight). */
-static const ss_path_t *active, *active_one_row;
+/* The paths in use, one a class of calls by their rows: one row (decode steps), several (verifications),
+ * many (SS_MANY_ROWS and more: prefills, large trees), each the widest that runs until ss_use_path /
+ * ss_use_class_path choose. Every path computes the same bits, so a call may take any; which is fastest
+ * differs with the rows (a 256-bit path can stream one row faster than a 512-bit one whose tiles win at
+ * eight, and the tile unit's fixed cost a block pays only over many rows). */
+enum { ONE_ROW = 0, SEVERAL_ROWS = 1, MANY_ROWS = 2, N_CLASSES = 3, SS_MANY_ROWS = 16 };
+static const ss_path_t *active[N_CLASSES];
 
 static void choose_widest(void) {
-    for (int i = 0; i < N_PATHS && !active; i++)
-        if (ss_path_runs(i)) active = active_one_row = paths[i];
+    for (int i = 0; i < N_PATHS && !active[0]; i++)
+        if (ss_path_runs(i))
+            for (int c = 0; c < N_CLASSES; c++) active[c] = paths[i];
 }
+
+/* The class of a call of ``rows`` rows. */
+static int class_of(int rows) { return rows == 1 ? ONE_ROW : rows < SS_MANY_ROWS ? SEVERAL_ROWS : MANY_ROWS; }
 
 /* The path for a call of ``rows`` rows. */
 static const ss_path_t *path(int rows) {
     choose_widest();
-    return rows == 1 ? active_one_row : active;
+    return active[class_of(rows)];
 }
 
 static int index_of(const ss_path_t *p) {
@@ -97,18 +103,22 @@ static int index_of(const ss_path_t *p) {
 /* The index of the path in use for calls of ``rows`` rows. */
 int ss_path_for(int rows) { return index_of(path(rows)); }
 
+/* The fewest rows of a call in the class of many. */
+int ss_many_rows(void) { return SS_MANY_ROWS; }
+
 /* Runs path i from now on, for every call; -1 (and no change) when it cannot run here. */
 int ss_use_path(int i) {
     if (!ss_path_runs(i)) return -1;
-    active = active_one_row = paths[i];
+    for (int c = 0; c < N_CLASSES; c++) active[c] = paths[i];
     return 0;
 }
 
-/* Runs path i from now on for the calls of one row alone; -1 (and no change) when it cannot run here. */
-int ss_use_one_row_path(int i) {
+/* Runs path i from now on for the calls of the class of ``rows`` rows; -1 (and no change) when it cannot
+ * run here. */
+int ss_use_path_for(int rows, int i) {
     if (!ss_path_runs(i)) return -1;
     choose_widest();
-    active_one_row = paths[i];
+    active[class_of(rows)] = paths[i];
     return 0;
 }
 
