@@ -1,9 +1,9 @@
 /* What the CPU kernels' files share: the job descriptions, the canonical arithmetic and the dispatch
  * table's entry type.
  *
- * The files, ggml-cpu's way: one per ISA family (portable.c, avx2.c, avx512.c), each compiled with its
- * own target flags (kernels/cpu_linear.py holds the recipe; avx2.c and avx512.c are built twice, with
- * and without VNNI), and dispatch.c, which holds the one table of paths, picks the one in use and owns
+ * The files, ggml-cpu's way: one per ISA family (portable.c, avx2.c, avx512.c, amx.c), each compiled
+ * with its own target flags (kernels/cpu_linear.py holds the recipe; avx2.c and avx512.c are built twice,
+ * with and without VNNI), and dispatch.c, which holds the one table of paths, picks the one in use and owns
  * the entry points; pool.c is the thread pool, blocks.c the decoder-block glue; vec256.h holds the
  * helpers that the AVX2 and AVX-512 paths share.
  *
