@@ -62,8 +62,12 @@ static _Thread_local struct {
     uint8_t data[16][64];
 } tiles[8];
 
+static void tile_zero(int t) { memset(tiles[t].data, 0, sizeof tiles[t].data); }
+static _Thread_local tile_config_t config; /* palette 0: released */
+
 static void tile_config(const tile_config_t *c) {
-    for (int t = 0; t < 8; t++) tiles[t].rows = c->rows[t], tiles[t].colsb = c->colsb[t];
+    config = *c;
+    for (int t = 0; t < 8; t++) tiles[t].rows = c->rows[t], tiles[t].colsb = c->colsb[t], tile_zero(t);
 }
 static void tile_load(int t, const void *base, long stride) {
     memset(tiles[t].data, 0, sizeof tiles[t].data);
@@ -72,7 +76,6 @@ static void tile_load(int t, const void *base, long stride) {
 static void tile_store(int t, void *base, long stride) {
     for (int r = 0; r < tiles[t].rows; r++) memcpy((char *)base + r * stride, tiles[t].data[r], tiles[t].colsb);
 }
-static void tile_zero(int t) { memset(tiles[t].data, 0, sizeof tiles[t].data); }
 /* c += a . b, a's bytes signed or not, b's signed: c[m][n] += sum over k of a[m][k] b[k / 4][4 n + k % 4] */
 static void tile_dot(int c, int a, int b, int a_signed) {
     for (int m = 0; m < tiles[c].rows; m++)
@@ -87,7 +90,8 @@ static void tile_dot(int c, int a, int b, int a_signed) {
         }
 }
 #define TILE_CONFIG(cfg) tile_config(cfg)
-#define TILE_RELEASE() ((void)0)
+#define TILE_SAVE_CONFIG(cfg) (*(cfg) = config)
+#define TILE_RELEASE() memset(&config, 0, sizeof config)
 #define TILE_LOAD(t, base, stride) tile_load((t), (base), (stride))
 #define TILE_STORE(t, base, stride) tile_store((t), (base), (stride))
 #define TILE_ZERO(t) tile_zero(t)
@@ -101,6 +105,7 @@ static void tile_dot(int c, int a, int b, int a_signed) {
 #define NEEDS (SS_CPU_AVX2 | SS_CPU_AVX512 | SS_CPU_AVX512_VNNI | SS_CPU_AMX)
 #define BASE ss_path_avx512_vnni
 #define TILE_CONFIG(cfg) _tile_loadconfig(cfg)
+#define TILE_SAVE_CONFIG(cfg) _tile_storeconfig(cfg)
 #define TILE_RELEASE() _tile_release()
 /* the compiler's barrier first: the instruction's asm does not say it reads memory, and the weights'
  * tile written just before must be stored, not dropped as unread */
@@ -256,7 +261,7 @@ INLINE void int_rows(const job_t *j, const int fmt, const int R, int r0, int p0,
     for (int q0 = p0; q0 < p1; q0 += CHUNK) int_chunk(j, fmt, R, r0, q0, q0 + CHUNK < p1 ? q0 + CHUNK : p1, n1);
 }
 
-/* The tiles for R rows. Configured on every call: the thread's tiles are its own state, which other code
+/* The tiles for R rows, configured on every call: the thread's tiles are its own state, which other code
  * on the same thread (a library's matrix multiply) may have configured otherwise since. */
 static void configure(int R) {
     tile_config_t cfg = {.palette = 1};
@@ -267,9 +272,12 @@ static void configure(int R) {
 }
 
 /* Columns n0 (a panel's first) .. n1 - 1 of the integer formats: the rows in tiles of at most MAX_R, as
- * even as they go (17 rows are 9 + 8), each over every panel. */
+ * even as they go (17 rows are 9 + 8), each over every panel. The thread's tile configuration is put back
+ * as it was found (released, or another library's, which may count on it staying). */
 static void int_columns(const job_t *j, const int fmt, int n0, int n1) {
     const int p0 = n0 / SS_PANEL, p1 = (n1 + SS_PANEL - 1) / SS_PANEL;
+    _Alignas(64) tile_config_t found;
+    TILE_SAVE_CONFIG(&found);
     int r0 = 0;
     for (int tiles = (j->M + MAX_R - 1) / MAX_R; tiles > 0; tiles--) {
         const int R = (j->M - r0 + tiles - 1) / tiles;
@@ -277,7 +285,8 @@ static void int_columns(const job_t *j, const int fmt, int n0, int n1) {
         int_rows(j, fmt, R, r0, p0, p1, n1);
         r0 += R;
     }
-    TILE_RELEASE();
+    if (found.palette) TILE_CONFIG(&found);
+    else TILE_RELEASE();
 }
 
 static void columns(const job_t *j, int n0, int n1) {
