@@ -167,6 +167,7 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     dll.ss_path_name.argtypes = [ctypes.c_int]
     dll.ss_path_name.restype = ctypes.c_char_p
     dll.ss_path_runs.argtypes = [ctypes.c_int]
+    dll.ss_path_min_rows.argtypes = [ctypes.c_int]
     dll.ss_use_path.argtypes = [ctypes.c_int]
     dll.ss_use_path_for.argtypes = [ctypes.c_int, ctypes.c_int]
     dll.ss_path_for.argtypes = [ctypes.c_int]
@@ -183,11 +184,13 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
 
 @dataclass(frozen=True)
 class KernelPath:
-    """One of the library's paths: its index in dispatch.c's table, its name, whether this CPU runs it."""
+    """One of the library's paths: its index in dispatch.c's table, its name, whether this CPU runs it, and
+    the fewest rows of the calls it is chosen for."""
 
     index: int
     name: str
     runs: bool
+    min_rows: int
 
 
 def paths(dll: ctypes.CDLL) -> list[KernelPath]:
@@ -196,7 +199,7 @@ def paths(dll: ctypes.CDLL) -> list[KernelPath]:
     for i in range(dll.ss_path_count()):
         name = dll.ss_path_name(i)
         if name is not None:
-            found.append(KernelPath(i, name.decode(), bool(dll.ss_path_runs(i))))
+            found.append(KernelPath(i, name.decode(), bool(dll.ss_path_runs(i)), dll.ss_path_min_rows(i)))
     return found
 
 
@@ -250,18 +253,19 @@ def isa(dll: ctypes.CDLL) -> str:
     return ", ".join(label)
 
 
-def _path_seconds(dll: ctypes.CDLL, name: str) -> dict[str, float]:
+def _path_seconds(dll: ctypes.CDLL, path: KernelPath) -> dict[str, float]:
     """One path's time on the linears a decode step, a verification and a prefill are made of: Q4 and Q8
-    weights of a small model's shapes, one thread, the best of several calls; for each PathChoice class,
-    at its CLASS_ROWS."""
+    weights of a small model's shapes, one thread, the best of several calls; for each PathChoice class the
+    path is meant for (its min_rows), at the class's CLASS_ROWS."""
     g = torch.Generator().manual_seed(0)
-    use_path(dll, name)
-    total = dict.fromkeys(CLASS_ROWS, 0.0)
+    use_path(dll, path.name)
+    classes = {cls: rows for cls, rows in CLASS_ROWS.items() if rows >= path.min_rows}
+    total = dict.fromkeys(classes, 0.0)
     for fmt, n, k in ((Format.Q4, 1536, 576), (Format.Q4, 576, 1536), (Format.Q8, 4096, 576)):
         nb = k // 32
         w = torch.randint(-100, 100, (n, nb * (16 if fmt == Format.Q4 else 32)), generator=g, dtype=torch.int8)
         d, m = torch.rand(n, nb, generator=g), torch.rand(n, nb, generator=g)
-        for cls, rows in CLASS_ROWS.items():
+        for cls, rows in classes.items():
             x = torch.randn(rows, k, generator=g)
             best = float("inf")
             for _ in range(5):
@@ -273,8 +277,8 @@ def _path_seconds(dll: ctypes.CDLL, name: str) -> dict[str, float]:
 
 
 def fastest_paths(dll: ctypes.CDLL, record: Path) -> PathChoice:
-    """The fastest paths this CPU runs, for each class of calls, measured once and kept in ``record`` beside
-    the library."""
+    """The fastest paths this CPU runs, for each class of calls among the paths meant for it, measured once
+    and kept in ``record`` beside the library."""
     runs = {p.name for p in paths(dll) if p.runs}
     try:
         kept = json.loads(record.read_text())
@@ -286,10 +290,11 @@ def fastest_paths(dll: ctypes.CDLL, record: Path) -> PathChoice:
     previous = dll.ss_threads()
     set_threads(dll, 1)
     try:
-        seconds = {p.name: _path_seconds(dll, p.name) for p in paths(dll) if p.runs}
+        seconds = {p.name: _path_seconds(dll, p) for p in paths(dll) if p.runs}
     finally:
         set_threads(dll, previous)
-    choice = PathChoice(**{cls: min(seconds, key=lambda name, cls=cls: seconds[name][cls]) for cls in CLASS_ROWS})
+    choice = PathChoice(**{cls: min((name for name in seconds if cls in seconds[name]),
+                                    key=lambda name, cls=cls: seconds[name][cls]) for cls in CLASS_ROWS})
     fd, tmp = tempfile.mkstemp(suffix=".json", dir=record.parent)
     with os.fdopen(fd, "w") as f:
         json.dump({**asdict(choice), "seconds": seconds}, f)

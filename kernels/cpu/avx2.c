@@ -260,4 +260,4 @@ void ss_avx2_attend_head(const attn_t *a, int t, int h, const int *keys, int n, 
 }
 #endif
 
-const ss_path_t PATH = {NAME, NEEDS, quantise, columns, attend};
+const ss_path_t PATH = {NAME, NEEDS, 1, quantise, columns, attend};

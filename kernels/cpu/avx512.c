@@ -306,4 +306,4 @@ static void attend(const attn_t *a, int t, int g, int *keys, float *buf) {
     for (; h < (g + 1) * G; h++) ss_avx2_attend_head(a, t, h, keys, n, buf);
 }
 
-const ss_path_t PATH = {NAME, NEEDS, quantise, columns, attend};
+const ss_path_t PATH = {NAME, NEEDS, 1, quantise, columns, attend};

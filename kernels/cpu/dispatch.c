@@ -71,18 +71,23 @@ int ss_path_count(void) { return N_PATHS; }
 /* Path i's name, or NULL when it was not compiled. */
 const char *ss_path_name(int i) { return i >= 0 && i < N_PATHS && paths[i] ? paths[i]->name : 0; }
 
+/* The fewest rows of the calls path i is chosen for (0 when it was not compiled). */
+int ss_path_min_rows(int i) { return i >= 0 && i < N_PATHS && paths[i] ? paths[i]->min_rows : 0; }
+
 /* The paths in use, one a class of calls by their rows: one row (decode steps), several (verifications),
- * many (SS_MANY_ROWS and more: prefills, large trees), each the widest that runs until ss_use_path /
- * ss_use_class_path choose. Every path computes the same bits, so a call may take any; which is fastest
+ * many (SS_MANY_ROWS and more: prefills, large trees), each the widest that runs and is meant for such
+ * calls (min_rows) until ss_use_path / ss_use_path_for choose. Every path computes the same bits, so a call may take any; which is fastest
  * differs with the rows (a 256-bit path can stream one row faster than a 512-bit one whose tiles win at
  * eight, and the tile unit's fixed cost a block pays only over many rows). */
-enum { ONE_ROW = 0, SEVERAL_ROWS = 1, MANY_ROWS = 2, N_CLASSES = 3, SS_MANY_ROWS = 16 };
+enum { ONE_ROW = 0, SEVERAL_ROWS = 1, MANY_ROWS = 2, N_CLASSES = 3 };
+static const int class_rows[N_CLASSES] = {1, 2, SS_MANY_ROWS}; /* the fewest rows of a call of each class */
 static const ss_path_t *active[N_CLASSES];
 
 static void choose_widest(void) {
-    for (int i = 0; i < N_PATHS && !active[0]; i++)
-        if (ss_path_runs(i))
-            for (int c = 0; c < N_CLASSES; c++) active[c] = paths[i];
+    if (active[ONE_ROW]) return;
+    for (int c = 0; c < N_CLASSES; c++)
+        for (int i = 0; i < N_PATHS && !active[c]; i++)
+            if (ss_path_runs(i) && paths[i]->min_rows <= class_rows[c]) active[c] = paths[i];
 }
 
 /* The class of a call of ``rows`` rows. */

@@ -64,6 +64,9 @@ enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_F16 = 2, FMT_BF16 = 3, FMT_F32 = 4 };
  * block scaling is one lane of a vector. The activations' int16 blocks (qx) are in their natural order. */
 #define SS_PANEL 16
 
+/* The fewest rows of a call in the class of many (dispatch.c): prefills, large trees. */
+#define SS_MANY_ROWS 16
+
 /* A flag of ss_linear's format: the integer formats' d and m are IEEE halves, not floats (a GGUF's own
  * scales are, exactly; they are 2 bytes of a block's 18 or 20, not 4 of 24). */
 #define SS_HALF_SCALES 8
@@ -104,6 +107,8 @@ enum {
 typedef struct {
     const char *name;    /* what the precision label shows: "AVX-512 VNNI" */
     unsigned needs;      /* the CPU features it runs on (SS_CPU_*) */
+    int min_rows;        /* the fewest rows of the calls it is chosen for: below, its fixed cost a call outweighs
+                            what it saves (it computes the same bits for any rows, and runs any when told) */
     /* block v[32] -> q[32] int16 in order, its scale and its sum, as the canonical order says */
     void (*quantise)(const float *v, int16_t *q, float *scale, float *sum);
     /* columns n0 .. n1 - 1 of every row of the job */

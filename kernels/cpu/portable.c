@@ -108,4 +108,4 @@ static void attend(const attn_t *a, int t, int g, int *keys, float *buf) {
     for (int h = g * G; h < (g + 1) * G; h++) ss_portable_attend_head(a, t, h, keys, n, buf);
 }
 
-const ss_path_t ss_path_portable = {"portable C", 0, quantise, columns, attend};
+const ss_path_t ss_path_portable = {"portable C", 0, 1, quantise, columns, attend};
