@@ -104,8 +104,18 @@ static void tile_dot(int c, int a, int b, int a_signed) {
 #define NAME "AMX"
 #define NEEDS (SS_CPU_AVX2 | SS_CPU_AVX512 | SS_CPU_AVX512_VNNI | SS_CPU_AMX)
 #define BASE ss_path_avx512_vnni
-#define TILE_CONFIG(cfg) _tile_loadconfig(cfg)
-#define TILE_SAVE_CONFIG(cfg) _tile_storeconfig(cfg)
+/* the configuration instructions' asm names 8 of its 64 bytes: the barriers say all of them are read,
+ * or written, so that none of the fields written before is dropped as unread */
+#define TILE_CONFIG(cfg)                                  \
+    do {                                                  \
+        __asm__ volatile("" : : "r"(cfg) : "memory");     \
+        _tile_loadconfig(cfg);                            \
+    } while (0)
+#define TILE_SAVE_CONFIG(cfg)                             \
+    do {                                                  \
+        _tile_storeconfig(cfg);                           \
+        __asm__ volatile("" : : "r"(cfg) : "memory");     \
+    } while (0)
 #define TILE_RELEASE() _tile_release()
 /* the compiler's barrier first: the instruction's asm does not say it reads memory, and the weights'
  * tile written just before must be stored, not dropped as unread */
