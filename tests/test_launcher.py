@@ -19,7 +19,7 @@ from swiftspec.engine.host.client import Engine
 from swiftspec.engine.host.protocol import RankInfo
 from swiftspec.engine.host.worker_spec import WorkerSpec
 from swiftspec.engine.spec.draft_spec import DraftSpec
-from swiftspec.engine.worker.profiling import choose_d, gpu_names
+from swiftspec.engine.worker.profiling import choose_d, gpu_names, interleaved_medians
 from swiftspec.engine.worker.setup import _cpu_threads, draft_shares_cores, parse_args
 
 
@@ -163,6 +163,24 @@ def test_cpu_threads_never_oversubscribe_the_cores(monkeypatch, tmp_path):
             monkeypatch.setenv("LOCAL_RANK", str(rank))
             got.append(_cpu_threads(threads, DraftSpec.of(draft), rank, n_target=1))
         assert got == want, (threads, draft)
+
+
+def test_kernel_threads_are_timed_in_turn_so_a_burst_slows_every_candidate_alike():
+    """Two candidates, 1 and 2 threads, 2 truly the faster; a burst of other work on the cores lasts the
+    first three timings. Timed one candidate after the other, the burst would fall on 1's three timings
+    and make 1 look slow, or on 2's and pick 1; in turn, each candidate's median is its own speed."""
+    calls: list[int] = []
+    true_ms = {1: (8.0, 30.0), 2: (6.0, 18.0)}
+
+    def time_one(n: int) -> tuple[float, float]:
+        calls.append(n)
+        step, verify = true_ms[n]
+        burst = 3.0 if len(calls) <= 3 else 1.0
+        return step * burst, verify * burst
+
+    step, verify = interleaved_medians([1, 2], 5, time_one)
+    assert calls == [1, 2] * 5
+    assert step == {1: 8.0, 2: 6.0} and verify == {1: 30.0, 2: 18.0}
 
 
 def test_an_async_draft_shares_cores_where_the_targets_async_threads_leave_it_none(monkeypatch):

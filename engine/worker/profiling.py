@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -157,20 +158,38 @@ def choose_kernel_threads(loaded: Loaded, ranks: list[RankInfo], say: Callable[[
     return kernel_threads
 
 
+THREAD_ROUNDS = 5
+
+
+def interleaved_medians(candidates: list[int], rounds: int,
+                        time_one: Callable[[int], tuple[float, float]]) -> tuple[dict[int, float], dict[int, float]]:
+    """The median over ``rounds`` of each candidate's (step, verification) times, the candidates taken in
+    turn within each round: a burst of other work on the cores (another rank finishing its start, the pool
+    running alone a while) then slows every candidate alike instead of the one measured during it."""
+    times: dict[int, list[tuple[float, float]]] = {n: [] for n in candidates}
+    for _ in range(rounds):
+        for n in candidates:
+            times[n].append(time_one(n))
+    return ({n: statistics.median(t[0] for t in ts) for n, ts in times.items()},
+            {n: statistics.median(t[1] for t in ts) for n, ts in times.items()})
+
+
 def _measure_threads(loaded: Loaded, candidates: list[int], timer: CleanTimer,
                      say: Callable[[str], None]) -> KernelThreads:
     """choose_kernel_threads' measurement: the target leader times a one-row step and a verification of
-    bs nodes with each candidate, and says what it measured; returns the threads for ar, sync and async
-    (on every rank)."""
-    bs, reps = loaded.spec.config.tree.bs, 3
+    bs nodes with each candidate, in interleaved rounds, and says what it measured; returns the threads
+    for ar, sync and async (on every rank)."""
+    bs = loaded.spec.config.tree.bs
     choice = None
     if loaded.rank == 0:
         if loaded.target.cache.prefix_len == 0:
             loaded.target.prefill(DUMMY, Sampler(SamplingParams(), loaded.device))
-        step, verify = {}, {}
-        for n in candidates:
+
+        def time_one(n: int) -> tuple[float, float]:
             set_kernel_threads(n)
-            step[n], verify[n] = tree_forward_ms(loaded.target, 1, reps, timer), tree_forward_ms(loaded.target, bs, reps, timer)
+            return tree_forward_ms(loaded.target, 1, 1, timer), tree_forward_ms(loaded.target, bs, 1, timer)
+
+        step, verify = interleaved_medians(candidates, THREAD_ROUNDS, time_one)
         say("CPU kernel threads measured: " + ", ".join(f"{n}: step {step[n]:.2f} ms, verify({bs}) {verify[n]:.2f} ms"
                                                          for n in candidates))
         choice = KernelThreads(min(candidates, key=step.get), min(candidates, key=verify.get),
