@@ -20,8 +20,8 @@ extern const ss_path_t ss_path_avx512_vnni __attribute__((weak));
 extern const ss_path_t ss_path_amx __attribute__((weak));
 
 /* Every path, widest first. */
-static const ss_path_t *const paths[] = {&ss_path_amx, &ss_path_avx512_vnni, &ss_path_avx512, &ss_path_avx_vnni, &ss_path_avx2,
-                                         &ss_path_portable};
+static const ss_path_t *const paths[] = {&ss_path_amx,      &ss_path_avx512_vnni, &ss_path_avx512,
+                                         &ss_path_avx_vnni, &ss_path_avx2,        &ss_path_portable};
 enum { N_PATHS = sizeof paths / sizeof paths[0] };
 
 /* Whether this process may use the AMX tiles: Linux grants their (8 KiB a thread) state on request. */
@@ -76,9 +76,10 @@ int ss_path_min_rows(int i) { return i >= 0 && i < N_PATHS && paths[i] ? paths[i
 
 /* The paths in use, one a class of calls by their rows: one row (decode steps), several (verifications),
  * many (SS_MANY_ROWS and more: prefills, large trees), each the widest that runs and is meant for such
- * calls (min_rows) until ss_use_path / ss_use_path_for choose. Every path computes the same bits, so a call may take any; which is fastest
- * differs with the rows (a 256-bit path can stream one row faster than a 512-bit one whose tiles win at
- * eight, and the tile unit's fixed cost a block pays only over many rows). */
+ * calls (min_rows) until ss_use_path / ss_use_path_for choose. Every path computes the same bits, so a
+ * call may take any; which is fastest differs with the rows (a 256-bit path can stream one row faster
+ * than a 512-bit one whose tiles win at eight, and the tile unit's fixed cost a block pays only over many
+ * rows). */
 enum { ONE_ROW = 0, SEVERAL_ROWS = 1, MANY_ROWS = 2, N_CLASSES = 3 };
 static const int class_rows[N_CLASSES] = {1, 2, SS_MANY_ROWS}; /* the fewest rows of a call of each class */
 static const ss_path_t *active[N_CLASSES];
