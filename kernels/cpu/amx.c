@@ -1,6 +1,8 @@
 /* The AMX path: the Q4 and Q8 linears' block dot products on the tile unit (AMX-INT8), whose one
- * instruction does a tile's R x 16 x 32 byte multiply-adds, so that a verification's extra rows cost little
- * more than their fp32 scaling. The float formats, the quantiser's arithmetic and attention are the
+ * instruction does a tile's R x 16 x 32 byte multiply-adds, so that a call's extra rows cost little more
+ * than their fp32 scaling. Each block's fixed cost (two tile instructions, its sums' round trip through
+ * memory) is paid whatever the rows, so the path is meant for calls of many rows (min_rows: prefills),
+ * where it outruns the vector paths. The float formats, the quantiser's arithmetic and attention are the
  * AVX-512 VNNI path's.
  *
  * The tile unit multiplies bytes, the activations are int16 (kernels.h): each is split into a signed high
