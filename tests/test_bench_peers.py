@@ -1,8 +1,9 @@
 """The bench's peers: llama.cpp in a process of its own (a crash is reported as the peer's, the run goes
-on), threads per mode and the load-average warning in the report."""
+on), threads per mode, the profiled verification cost and the load-average warning in the report."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -82,6 +83,24 @@ def test_peers_show_how_many_prompts_agree_instead_of_failing_identity():
                or line.strip().startswith("llama.cpp"))
     assert "1/2" in row and "NO" not in row
     assert "llama.cpp/ar" in speedup and "ar/llama.cpp" in speedup
+
+
+def test_the_report_gives_the_profiled_cost_of_each_verification_size():
+    """What a verified row costs, in one-node forwards, read off the engine's profile: the figure the CPU
+    kernels are judged by (8 nodes in at most 1.8 steps); none where it was not measured."""
+    from rich.console import Console
+
+    prompts = [Prompt("qa", "q1", "x")]
+    samples = {"ar": [Sample([1, 2], 1.0, [(0.5, 1), (1.0, 1)])]}
+    results, speedup = summarise(samples, prompts)
+    for info, want in ((dataclasses.replace(INFO, verify_cost=[1.0, 1.12, 1.3, 2.19]),
+                        "2 nodes 1.12, 3 nodes 1.30, 4 nodes 2.19."), (INFO, None)):
+        config = report_config(EngineConfig(), info, list(samples), prompts, SamplingParams(), None)
+        assert config["engine"]["verify_cost"] == info.verify_cost
+        console = Console(record=True, width=250)
+        console.print(render_table({"config": config, "results": results, "speedup": speedup}))
+        text = console.export_text()
+        assert (want in text) if want else "verification cost" not in text
 
 
 def test_the_llama_cpp_mode_needs_the_package_and_a_gguf(monkeypatch, tmp_path):

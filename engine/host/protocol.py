@@ -241,6 +241,8 @@ class EngineInfo:
     max_context: int = 0  # the models' own limit of positions (context_length is at most this); 0: unknown
     kernel_threads: dict[str, int] = field(default_factory=dict)  # the target's CPU kernel threads by mode
     vocab: str = ""  # the target tokenizer's fingerprint (history_corpus.tokenizer_fingerprint); "": unknown
+    verify_cost: list[float] = field(default_factory=list)  # profiled verification of 1..bs nodes, in one-node
+    # forwards, on sync's kernel threads ([]: not measured)
 
     @property
     def speculative(self) -> bool:

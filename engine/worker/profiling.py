@@ -77,15 +77,18 @@ def profile(tuned: Tuned, ranks: list[RankInfo], say: Callable[[str], None]) -> 
     verify_cost the draft also gets the target's cost of verifying 1..bs nodes (DraftState.verify_cost)."""
     config = tuned.spec.config
     if not tuned.spec.draft_spec.speculative:  # plain decoding: no d to choose, no tree to size
-        return next_phase(Profiled, tuned, t_verify_ms=0.0, t_expand_ms=0.0, d=0)
-    t_verify, t_expand = _step_times(tuned, ranks, say)
+        return next_phase(Profiled, tuned, t_verify_ms=0.0, t_expand_ms=0.0, d=0, verify_cost=())
+    t_verify, t_expand, cost = _step_times(tuned, ranks, say)
     return next_phase(Profiled, tuned, t_verify_ms=t_verify, t_expand_ms=t_expand,
-                      d=config.tree.d or choose_d(t_verify, t_expand))
+                      d=config.tree.d or choose_d(t_verify, t_expand),
+                      verify_cost=tuple(cost) if config.verify_cost else ())
 
 
-def _step_times(tuned: Tuned, ranks: list[RankInfo], say: Callable[[str], None]) -> tuple[float, float]:
-    """profile's figures with a draft: read from the cache, or measured (and then cached where no rank was
-    disturbed); the draft's DraftState gets its costs here."""
+def _step_times(tuned: Tuned, ranks: list[RankInfo],
+                say: Callable[[str], None]) -> tuple[float, float, list[float]]:
+    """profile's figures with a draft (the verification of bs nodes, the expansion, the cost of verifying
+    1..bs nodes): read from the cache, or measured (and then cached where no rank was disturbed); the
+    draft's DraftState gets its costs here."""
     config = tuned.spec.config
     bs = config.tree.bs
     path = profile_path(tuned, ranks, tuned.kernel_threads) if tuned.rank == 0 else None
@@ -113,7 +116,7 @@ def _step_times(tuned: Tuned, ranks: list[RankInfo], say: Callable[[str], None])
         tuned.draft.shares_cores = draft_shares_cores(tuned, ranks)
         if config.tree.d is None:  # an explicit d means d expansions a round, whatever they cost
             tuned.draft.step_ms = t_verify / cost[-1]  # a one-node share of the verification
-    return t_verify, t_expand
+    return t_verify, t_expand, cost
 
 
 BUSY = "the machine was busy while measuring: these figures serve this run and are not cached"

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 context_length=config.max_seq_len, backend=profiled.backend, bs=config.tree.bs, w=config.tree.w,
                 d=profiled.d, d_auto=config.tree.d is None, t_verify_ms=profiled.t_verify_ms,
                 t_expand_ms=profiled.t_expand_ms, eos_token_ids=sorted(profiled.eos),
-                kernel_threads=profiled.kernel_threads)
+                kernel_threads=profiled.kernel_threads, verify_cost=list(profiled.verify_cost))
             io.send(Ready(info))
         serve(profiled, io, link)
     except BaseException as e:

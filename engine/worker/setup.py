@@ -117,6 +117,7 @@ class Profiled(Tuned):
     t_verify_ms: float  # the slowest rank's target verification of bs nodes (0 without a draft)
     t_expand_ms: float  # the slowest rank's draft expansion (0 without a draft)
     d: int  # draft expansions per round (0 without a draft)
+    verify_cost: tuple[float, ...]  # the target's verification of 1..bs nodes in one-node forwards (): unmeasured
 
 
 P = TypeVar("P", bound=Placement)

@@ -163,6 +163,10 @@ def render_table(report: dict[str, Any]):
                f"{STEP_MS}.", f"= target: same tokens as {ref} on every prompt (peers, with kernels of their "
                               "own, show how many prompts agree).",
                "threads: " + ", ".join(f"{m} {t}" for m, t in cfg.get("threads", {}).items()) + "."]
+    cost = (cfg.get("engine") or {}).get("verify_cost") or []
+    if len(cost) > 1:
+        caption.append("profiled verification cost, in one-node target forwards: "
+                       + ", ".join(f"{n} nodes {c:.2f}" for n, c in enumerate(cost, 1) if n > 1) + ".")
     caption += [f"{VALID}."] if schemas else []
     caption += [f"[red]WARNING: {w}[/]" for w in cfg.get("warnings", [])]
     caption += [f"[red]{m}: {why}[/]" for m, why in report.get("crashed", {}).items()]
