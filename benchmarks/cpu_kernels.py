@@ -1,12 +1,12 @@
 """The CPU kernels' linears by ISA path: what a verified row costs against one decode row, on this machine.
 
-For every path this CPU runs (portable, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI, AMX), times the packed linears a
-small model's decode step, verification and prefill are made of (the embedded SmolLM2's shapes: Q4 gate/up
-and down, a Q8 weight of the same width) at 1, 2, 4, 8 and 32 rows, for each thread count asked, and prints
-the time, the cost of 8 rows as a multiple of one row, and the int16 multiply-adds per second at 8 and 32
-rows. The paths the engine picks (the fastest for one row, several and many, measured at load) are
-marked. With ``--check`` it
-first confirms that every path gives the portable path's bits on these shapes.
+For every path this CPU runs (portable, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI, AMX), times the packed
+linears a small model's decode step, verification and prefill are made of (the embedded SmolLM2's shapes:
+Q4 gate/up and down, a Q8 weight of the same width) at 1, 2, 4, 8 and 32 rows, for each thread count asked,
+and prints the time, the cost of 8 rows as a multiple of one row, and the int16 multiply-adds per second
+at 8 and 32 rows. The paths the engine picks (the fastest for one row, several and many, measured at
+load) are marked. With ``--check`` it first confirms that every path gives the portable path's bits on
+these shapes.
 
     python benchmarks/cpu_kernels.py [--threads 1,2] [--reps 200] [--json out.json] [--check]
 """

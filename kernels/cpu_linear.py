@@ -1,12 +1,12 @@
 """The row-invariant CPU kernels of ``cpu/`` (linears over packed weights, tree attention, decoder-block
 glue), built with the host's C compiler for the machine at hand and loaded through ctypes.
 
-The library holds one path per ISA family (portable C, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI, AMX), each file
-compiled with its own target flags, so every path is built on every x86 machine, whether it can run there
-or not; ``cpu/dispatch.c`` runs the one chosen. Every path computes the same bits (cpu/kernels.h says how),
-so the choice is one of speed alone: on first use each path this CPU runs is timed on a few linears, and
-the fastest for one row (a decode step), for several (a verification) and for many (a prefill) are kept. The library
-and that choice are built once per machine and source (several seconds) into the build directory the caller names, under a name made of the sources' hash, the compiler's version
+The library holds one path per ISA family (portable C, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI, AMX), each
+file compiled with its own target flags, so every path is built on every x86 machine, whether it can run
+there or not; ``cpu/dispatch.c`` runs the one chosen. Every path computes the same bits (cpu/kernels.h says
+how), so the choice is one of speed alone: on first use each path this CPU runs is timed on a few linears,
+and the fastest for one row (a decode step), for several (a verification) and for many (a prefill) are
+kept. The library and that choice are built once per machine and source (several seconds) into the build directory the caller names, under a name made of the sources' hash, the compiler's version
 and the CPU's flags, so a copied cache or an upgraded compiler never loads a library built for another
 machine. Without a C compiler the kernels are unavailable (``load`` says why) and the CPU falls back to
 torch's own ops.
