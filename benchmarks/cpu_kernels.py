@@ -3,12 +3,15 @@
 For every path this CPU runs (portable, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI, AMX), times the packed
 linears a small model's decode step, verification and prefill are made of (the embedded SmolLM2's shapes:
 Q4 gate/up and down, a Q8 weight of the same width) at 1, 2, 4, 8 and 32 rows, for each thread count asked,
-and prints the time, the cost of 8 rows as a multiple of one row, and the int16 multiply-adds per second
+and prints the time, the cost of 8 rows as a multiple of one row, and the multiply-adds per second
 at 8 and 32 rows. The paths the engine picks (the fastest for one row, several and many, measured at
 load) are marked. With ``--check`` it first confirms that every path gives the portable path's bits on
 these shapes.
 
-    python benchmarks/cpu_kernels.py [--threads 1,2] [--reps 200] [--json out.json] [--check]
+With ``--activations int16,int8`` it does all this for each width the integer formats' activations are
+quantised to (the int8 tiles: vpmaddubsw, vpdpbusd, one AMX dot product a block).
+
+    python benchmarks/cpu_kernels.py [--threads 1,2] [--reps 200] [--json out.json] [--check] [--activations int16,int8]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from swiftspec.engine.config import ACTIVATIONS, Activations
 from swiftspec.engine.model import cpu_backends
 from swiftspec.kernels import cpu_linear
 from swiftspec.kernels.cpu_linear import Format
@@ -122,24 +126,37 @@ def main() -> int:
     p.add_argument("--paths", default="", help="comma-separated path names as listed, e.g. 'AVX2' (default: every path that runs)")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--check", action="store_true", help="first check every path against the portable bits")
+    p.add_argument("--activations", default="int16",
+                   help="comma-separated activation widths, each timed in turn: int16 (default), int8 or int16,int8")
     args = p.parse_args()
+    try:
+        widths = [Activations(w) for w in args.activations.split(",") if w]
+    except ValueError:
+        print(f"cpu_kernels: --activations takes {' or '.join(ACTIVATIONS)}, not {args.activations!r}", file=sys.stderr)
+        return 2
 
-    dll = cpu_backends.library()  # the engine's own build, and the paths it chose
-    chosen = cpu_linear.paths_in_use(dll)
+    dll = cpu_backends.library()  # the engine's own build
     running = [kp.name for kp in cpu_linear.paths(dll) if kp.runs]
     paths = [s for s in args.paths.split(",") if s] or running
     unknown = [s for s in paths if s not in running]
     if unknown:
         print(f"cpu_kernels: no path {', '.join(unknown)} runs here (these do: {', '.join(running)})", file=sys.stderr)
         return 2
-    result: dict = {"cpu": cpu_name(), "chosen": asdict(chosen), "paths": running}
-    print(f"CPU: {result['cpu']}\npaths that run: {', '.join(running)}; the engine picks {cpu_linear.isa(dll)}")
-    if args.check:
-        result["differ"] = check(dll, running)
-        print("bits: every path equals portable" if not result["differ"]
-              else f"bits DIFFER: {', '.join(result['differ'])}")
-    result["linears"] = time_linears(dll, paths, [int(t) for t in args.threads.split(",")], args.reps, chosen)
-    cpu_linear.use_paths(dll, chosen)
+    result: dict = {"cpu": cpu_name(), "paths": running, "activations": {}}
+    print(f"CPU: {result['cpu']}\npaths that run: {', '.join(running)}")
+    for width in widths:
+        dll = cpu_backends.library(width)  # and the paths the engine picks for this width
+        chosen = cpu_linear.paths_in_use(dll)
+        found: dict = {"chosen": asdict(chosen)}
+        print(f"\n{width} activations: the engine picks {cpu_linear.isa(dll)}")
+        if args.check:
+            found["differ"] = check(dll, running)
+            print("bits: every path equals portable" if not found["differ"]
+                  else f"bits DIFFER: {', '.join(found['differ'])}")
+        found["linears"] = time_linears(dll, paths, [int(t) for t in args.threads.split(",")], args.reps, chosen)
+        cpu_linear.use_paths(dll, chosen)
+        result["activations"][str(width)] = found
+    cpu_backends.library(Activations.INT16)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

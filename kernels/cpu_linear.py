@@ -47,8 +47,11 @@ PATH_OBJECTS = {
         "amx": ("amx.c", [*_AVX512, "-mavx512vnni", "-mamx-tile", "-mamx-int8"]),
     } if X86 else {}),
 }
-# The AMX path's logic with its tile instructions in plain C, for the tests of machines without AMX.
+# For the tests of machines without them: the AMX path's logic with its tile instructions in plain C, the
+# AVX-VNNI path's with its fused multiply-adds as AVX2's, the AVX-512 VNNI path's int8 tile in plain C.
 EMULATED_AMX = ("amx.c", ["-DSS_AMX_EMULATE", "-Wno-psabi"])
+EMULATED_AVX_VNNI = ("avx2.c", [*_AVX2, "-DSS_VNNI", "-DSS_VNNI_EMULATE"])
+EMULATED_AVX512_VNNI = ("vnni512_emulated.c", ["-Wno-psabi"])
 HOST_OBJECTS = ("dispatch.c", "pool.c", "blocks.c")
 # -ffp-contract=off: no multiply and add fused where the canonical order keeps them apart (cpu/kernels.h)
 CFLAGS = ["-O3", "-std=gnu11", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
@@ -57,8 +60,8 @@ CFLAGS = ["-O3", "-std=gnu11", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
 class Format(IntEnum):
     """A packed weight's format, as the kernels number them (cpu/kernels.h)."""
 
-    Q4 = 0  # GGUF Q4_0 / Q4_1 blocks: 16 bytes of nibbles, d and m per 32 weights; int16 activations
-    Q8 = 1  # GGUF Q8_0 blocks: 32 int8, d per 32 weights; int16 activations
+    Q4 = 0  # GGUF Q4_0 / Q4_1 blocks: 16 bytes of nibbles, d and m per 32 weights; int16 or int8 activations
+    Q8 = 1  # GGUF Q8_0 blocks: 32 int8, d per 32 weights; int16 or int8 activations
     F16 = 2
     BF16 = 3
     F32 = 4
@@ -130,8 +133,9 @@ def _build(cc: str, lib: Path, paths: dict[str, tuple[str, list[str]]]) -> None:
 
 
 @functools.cache
-def load(build_dir: Path) -> ctypes.CDLL:
-    """The compiled library, built into ``build_dir`` on first use and running the fastest path here;
+def load(build_dir: Path, activation_bits: int | None = None) -> ctypes.CDLL:
+    """The compiled library, built into ``build_dir`` on first use and running the fastest paths here for
+    its activations' width: ``activation_bits`` (16 or 8) where given, else the width it has (16 at first);
     KernelsUnavailable when it cannot be built."""
     cc = _compiler()
     try:
@@ -144,7 +148,10 @@ def load(build_dir: Path) -> ctypes.CDLL:
         lib.parent.mkdir(parents=True, exist_ok=True)
         build(lib)
     dll = bind(ctypes.CDLL(str(lib)))
-    use_paths(dll, fastest_paths(dll, lib.with_suffix(".path.json")))
+    if activation_bits is not None:
+        set_activation_bits(dll, activation_bits)
+    record = ".path.json" if dll.ss_activation_bits() == 16 else ".path-int8.json"  # each width's fastest
+    use_paths(dll, fastest_paths(dll, lib.with_suffix(record)))
     return dll
 
 
@@ -160,6 +167,8 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     """The library with its entry points' argument types declared."""
     dll.ss_linear.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 6
     dll.ss_linear.restype = ctypes.c_int
+    dll.ss_set_activation_bits.argtypes = [ctypes.c_int]
+    dll.ss_set_activation_bits.restype = ctypes.c_int
     dll.ss_set_threads.argtypes = [ctypes.c_int]
     dll.ss_set_threads.restype = ctypes.c_int
     dll.ss_attention.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_void_p] * 5
@@ -302,6 +311,12 @@ def fastest_paths(dll: ctypes.CDLL, record: Path) -> PathChoice:
     return choice
 
 
+def set_activation_bits(dll: ctypes.CDLL, bits: int) -> None:
+    """Quantises the integer formats' activations to ``bits`` (16, or llama.cpp's 8) from now on."""
+    if dll.ss_set_activation_bits(bits) != 0:
+        raise ValueError(f"the CPU kernels quantise activations to 16 or 8 bits, not {bits}")
+
+
 def set_threads(dll: ctypes.CDLL, n: int) -> int:
     """The kernels' own thread count (their pool is separate from torch's); returns the count in force."""
     return dll.ss_set_threads(n)
@@ -322,7 +337,7 @@ def linear(dll: ctypes.CDLL, fmt: Format, x: Tensor, n: int, w: Tensor, d: Tenso
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
     if dll.ss_linear(scales_format(fmt, d), x2.shape[0], x2.shape[1], n, x2.data_ptr(), w.data_ptr(), _ptr(d), _ptr(m),
                      _ptr(bias), out.data_ptr()) != 0:
-        raise MemoryError("cpu_linear: out of memory for the activations' int16 copy")
+        raise MemoryError("cpu_linear: out of memory for the activations' integer copy")
     return out.view(*shape[:-1], n)
 
 

@@ -1,7 +1,7 @@
 """The CPU kernels' ISA paths (kernels/cpu/): every path this machine runs computes what the portable path
 computes, bit for bit, on random shapes (partial panels, odd block counts), every format and row count,
-one thread or two; every path, whether it runs here or not, compiles; the library names the path it runs and keeps the
-one it measured fastest."""
+one thread or two, with int16 or int8 activations; every path, whether it runs here or not, compiles; the
+library names the path it runs and keeps the one it measured fastest."""
 
 import ctypes
 import json
@@ -45,6 +45,14 @@ def on_every_path(dll, fn) -> dict[str, torch.Tensor]:
         cpu_linear.use_path(dll, name)
         out[name] = fn()
     return out
+
+
+@pytest.fixture(params=[16, 8], ids=["int16", "int8"])
+def bits(request, dll):
+    """The activations' width the library quantises to during the test (both, in turn), then int16 again."""
+    cpu_linear.set_activation_bits(dll, request.param)
+    yield request.param
+    cpu_linear.set_activation_bits(dll, 16)
 
 
 def weights(g: torch.Generator, fmt: Format, n: int, k: int):
@@ -93,7 +101,35 @@ def test_every_path_computes_the_portable_bits(dll, fmt, blocks, threads):
 
 
 @pytest.mark.parametrize("fmt", [Format.Q4, Format.Q8])
-def test_every_row_tile_computes_the_portable_bits(dll, fmt):
+@pytest.mark.parametrize("blocks", [1, 7, 18, 31])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_with_int8_activations_every_path_computes_the_portable_bits(dll, fmt, blocks, threads):
+    """The int8 tiles (byte multiply-adds, their columns in another order) and every other path's int16
+    ones on the same int8 values: one answer, row by row too."""
+    g = torch.Generator().manual_seed(blocks * 10 + int(fmt) + 1)
+    k, n = 32 * blocks, 105 if blocks % 2 else 100
+    w, d, m = weights(g, fmt, n, k)
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(11, k, generator=g)
+    x[3, 5] = 60.0
+    x[7, :32] = 0.0
+    cpu_linear.set_threads(dll, threads)
+    cpu_linear.set_activation_bits(dll, 8)
+    try:
+        outs = on_every_path(dll, lambda: cpu_linear.linear(dll, fmt, x, n, w, d, m, bias))
+        rows = on_every_path(dll, lambda: torch.cat([cpu_linear.linear(dll, fmt, x[i:i + 1], n, w, d, m, bias)
+                                                      for i in range(len(x))]))
+    finally:
+        cpu_linear.set_activation_bits(dll, 16)
+        cpu_linear.set_threads(dll, 1)
+    for name in outs:
+        assert torch.equal(outs[name], outs[PORTABLE]), name
+        assert torch.equal(rows[name], outs[PORTABLE]), name
+    assert not torch.equal(outs[PORTABLE], cpu_linear.linear(dll, fmt, x, n, w, d, m, bias))  # int16's differ
+
+
+@pytest.mark.parametrize("fmt", [Format.Q4, Format.Q8])
+def test_every_row_tile_computes_the_portable_bits(dll, fmt, bits):
     """Every count of rows a verification sends (each tile size, and counts split into several tiles)."""
     g = torch.Generator().manual_seed(int(fmt))
     k, n = 32 * 18, 105
@@ -141,17 +177,33 @@ def test_the_paths_compute_the_format(dll):
     want = x @ blocks.dequantize().T
     out = cpu_linear.linear(dll, Format.Q4, x, 64, w, d, m)
     assert (out - want).abs().max() <= 2e-4 * want.abs().max()
+    cpu_linear.set_activation_bits(dll, 8)
+    try:
+        out = cpu_linear.linear(dll, Format.Q4, x, 64, w, d, m)
+    finally:
+        cpu_linear.set_activation_bits(dll, 16)
+    assert (out - want).abs().max() <= 2e-2 * want.abs().max()  # int8's error: 1/254 of a block's max
+
+
+def test_the_activations_are_16_or_8_bits(dll):
+    with pytest.raises(ValueError, match="16 or 8 bits"):
+        cpu_linear.set_activation_bits(dll, 4)
+    assert dll.ss_activation_bits() == 16
+
+
+def emulated(tmp_path_factory, path: str, recipe: tuple[str, list[str]], name: str):
+    """A library of the portable path and ``path`` built from ``recipe`` (an emulation), which runs as ``name``."""
+    lib = tmp_path_factory.mktemp(path) / "cpu_linear.so"
+    cpu_linear.build(lib, {"portable": cpu_linear.PATH_OBJECTS["portable"], path: recipe})
+    dll = cpu_linear.bind(ctypes.CDLL(str(lib)))
+    assert running(dll) == [name, PORTABLE]
+    return dll
 
 
 @pytest.fixture(scope="module")
 def emulated_amx(tmp_path_factory):
-    """A library of the portable path and the AMX path with its tile instructions in C: the AMX path's
-    layouts and arithmetic, checked on any machine."""
-    lib = tmp_path_factory.mktemp("amx") / "cpu_linear.so"
-    cpu_linear.build(lib, {"portable": cpu_linear.PATH_OBJECTS["portable"], "amx": cpu_linear.EMULATED_AMX})
-    dll = cpu_linear.bind(ctypes.CDLL(str(lib)))
-    assert running(dll) == ["AMX (emulated)", PORTABLE]
-    return dll
+    """The AMX path with its tile instructions in C: its layouts and arithmetic, checked on any machine."""
+    return emulated(tmp_path_factory, "amx", cpu_linear.EMULATED_AMX, "AMX (emulated)")
 
 
 def test_the_amx_path_is_chosen_for_many_rows_alone(emulated_amx, tmp_path):
@@ -165,27 +217,69 @@ def test_the_amx_path_is_chosen_for_many_rows_alone(emulated_amx, tmp_path):
     assert chosen.rows == chosen.one_row == PORTABLE
 
 
-@pytest.mark.parametrize("fmt", [Format.Q4, Format.Q8])
-@pytest.mark.parametrize("blocks, n", [(1, 105), (7, 300), (18, 105)])
-@pytest.mark.parametrize("half", [False, True])
-def test_the_amx_path_computes_the_portable_bits(emulated_amx, fmt, blocks, n, half):
-    """Every size of tile of rows (1 to 16, and 17 split in two), an odd number of panels in a pass, several
-    passes, a partial last panel, a bias, half scales and two threads."""
-    g = torch.Generator().manual_seed(blocks + 100 * half)
+def matches_portable(dll, path: str, fmt: Format, blocks: int, n: int, half: bool, bits: int, counts) -> None:
+    """Path ``path`` of ``dll`` computes the portable bits for each row count of ``counts``: a partial last
+    panel, a bias, a block with one large activation and one of zeros, half or float scales, two threads,
+    the activations quantised to ``bits``."""
+    g = torch.Generator().manual_seed(blocks + 100 * half + bits)
     k = 32 * blocks
     w, d, m = weights(g, fmt, n, k)
     if half:
         d, m = d.half(), m.half()
     bias = torch.randn(n, generator=g)
-    x = torch.randn(17, k, generator=g)
+    x = torch.randn(max(counts), k, generator=g)
     x[3, 5] = 60.0
     x[7, :32] = 0.0
-    cpu_linear.set_threads(emulated_amx, 2)
-    cpu_linear.use_path(emulated_amx, PORTABLE)
-    want = cpu_linear.linear(emulated_amx, fmt, x, n, w, d, m, bias)
-    cpu_linear.use_path(emulated_amx, "AMX (emulated)")
-    for rows in (1, 2, 3, 5, 8, 9, 16, 17):
-        assert torch.equal(cpu_linear.linear(emulated_amx, fmt, x[:rows], n, w, d, m, bias), want[:rows]), rows
+    cpu_linear.set_threads(dll, 2)
+    cpu_linear.set_activation_bits(dll, bits)
+    cpu_linear.use_path(dll, PORTABLE)
+    want = cpu_linear.linear(dll, fmt, x, n, w, d, m, bias)
+    cpu_linear.use_path(dll, path)
+    for rows in counts:
+        assert torch.equal(cpu_linear.linear(dll, fmt, x[:rows], n, w, d, m, bias), want[:rows]), rows
+
+
+@pytest.mark.parametrize("fmt", [Format.Q4, Format.Q8])
+@pytest.mark.parametrize("blocks, n", [(1, 105), (7, 300), (18, 105)])
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_the_amx_path_computes_the_portable_bits(emulated_amx, fmt, blocks, n, half, bits):
+    """Every size of tile of rows (1 to 16, and 17 split in two), an odd number of panels in a pass, several
+    passes."""
+    matches_portable(emulated_amx, "AMX (emulated)", fmt, blocks, n, half, bits, (1, 2, 3, 5, 8, 9, 16, 17))
+
+
+@pytest.fixture(scope="module")
+def emulated_avx_vnni(tmp_path_factory):
+    """The AVX-VNNI path with its fused multiply-adds as AVX2's: the int8 tiles' vpdpbusd layout (a column's
+    4 bytes a lane), checked on any AVX2 machine."""
+    if not cpu_linear.X86 or "AVX2" not in running(cpu_backends.library()):
+        pytest.skip("the emulation needs AVX2")
+    return emulated(tmp_path_factory, "avx_vnni", cpu_linear.EMULATED_AVX_VNNI, "AVX-VNNI (emulated)")
+
+
+@pytest.mark.parametrize("fmt", [Format.Q4, Format.Q8])
+@pytest.mark.parametrize("blocks, n", [(1, 105), (7, 300), (18, 100)])
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_the_avx_vnni_path_computes_the_portable_bits(emulated_avx_vnni, fmt, blocks, n, half, bits):
+    """Tiles of 2 rows and the last one alone."""
+    matches_portable(emulated_avx_vnni, "AVX-VNNI (emulated)", fmt, blocks, n, half, bits, (1, 2, 3, 4, 5, 11))
+
+
+@pytest.fixture(scope="module")
+def emulated_avx512_vnni(tmp_path_factory):
+    """The AVX-512 VNNI path's int8 tiles in plain C (vec512.h), the portable path for the rest."""
+    return emulated(tmp_path_factory, "avx512_vnni", cpu_linear.EMULATED_AVX512_VNNI, "AVX-512 VNNI (emulated)")
+
+
+@pytest.mark.parametrize("fmt", [Format.Q4, Format.Q8])
+@pytest.mark.parametrize("blocks, n", [(1, 105), (7, 300), (18, 100)])
+@pytest.mark.parametrize("half", [False, True])
+def test_the_avx512_vnni_int8_tiles_compute_the_portable_bits(emulated_avx512_vnni, fmt, blocks, n, half):
+    """With int8 activations: tiles of 1 to 8 rows, 11 split in 6 + 5, 17 in three."""
+    matches_portable(emulated_avx512_vnni, "AVX-512 VNNI (emulated)", fmt, blocks, n, half, 8,
+                     (1, 2, 3, 4, 5, 6, 7, 8, 11, 17))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 32, 40, 36])  # the constant-D copies, the general loop, no 8
@@ -285,12 +379,14 @@ def test_the_kernel_benchmark_checks_the_bits_and_times_every_row_count(dll, tmp
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_kernels.py"
     out = tmp_path / "kernels.json"
     proc = subprocess.run([sys.executable, str(script), "--check", "--paths", running(dll)[0], "--reps", "2", "--json",
-                           str(out)], capture_output=True, text=True, timeout=300)
+                           str(out), "--activations", "int16,int8"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["differ"] == [] and set(result["paths"]) == set(running(dll))
-    assert {(r["format"], r["path"]) for r in result["linears"]} == {("Q4", running(dll)[0]), ("Q8", running(dll)[0])}
-    assert all(set(r["us"]) == {"1", "2", "4", "8", "32"} and min(r["us"].values()) > 0 for r in result["linears"])
-    refused = subprocess.run([sys.executable, str(script), "--paths", "AVX-1024"], capture_output=True, text=True,
-                             timeout=300)
-    assert refused.returncode == 2 and "no path AVX-1024 runs here" in refused.stderr
+    assert set(result["paths"]) == set(running(dll)) and set(result["activations"]) == {"int16", "int8"}
+    for width in result["activations"].values():
+        assert width["differ"] == [] and set(width["chosen"].values()) <= set(running(dll))
+        assert {(r["format"], r["path"]) for r in width["linears"]} == {("Q4", running(dll)[0]), ("Q8", running(dll)[0])}
+        assert all(set(r["us"]) == {"1", "2", "4", "8", "32"} and min(r["us"].values()) > 0 for r in width["linears"])
+    for wrong, says in ((["--paths", "AVX-1024"], "no path AVX-1024 runs here"), (["--activations", "int4"], "int16 or int8")):
+        refused = subprocess.run([sys.executable, str(script), *wrong], capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2 and says in refused.stderr

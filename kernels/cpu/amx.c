@@ -10,6 +10,9 @@
  * first a TDPBSSD, the second a TDPBUSD, both exact in int32 (|q . xh| <= 32 * 128 * 128): the same
  * integer as every other path's, scaled in the canonical order, so the same bits.
  *
+ * With int8 activations (kernels.h) each value's low byte, read as signed, is the value itself: one
+ * TDPBSSD a block on the low bytes alone, half the tile unit's work and one round trip of sums.
+ *
  * Layouts. A tile row of activations is one block's 32 bytes in the order the weights' tile wants: for
  * r = 0 .. 7, elements 2r, 2r + 1, 2r + 16, 2r + 17 (a Q4 panel's pair r holds 2r, 2r + 1 in its low
  * nibbles and 2r + 16, 2r + 17 in its high ones). This path's quantiser writes a block's 64 bytes as its
@@ -21,16 +24,10 @@
  * same layouts and arithmetic, on any CPU, so the tests check this path's logic bit for bit where no AMX
  * runs (the machine with AMX checks the instructions themselves). */
 #include "kernels.h"
+#include "vec512.h"
 
-#define INLINE static inline __attribute__((always_inline))
 #define MAX_R 16 /* rows per tile: the most a tile holds */
 #define CHUNK 8 /* panels a pass over the blocks */
-
-typedef int8_t v32b __attribute__((vector_size(32)));
-typedef int16_t v32s __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef float v16f __attribute__((vector_size(64)));
 
 /* The tile registers (numerals: the instructions name them in their text): the activations' low and high
  * bytes (R rows x 32 bytes), two panels' weights (8 x 64), the two panels' dot products of the low and
@@ -51,8 +48,6 @@ typedef struct {
 } tile_config_t;
 
 #ifdef SS_AMX_EMULATE
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
 #define PATH ss_path_amx
 #define NAME "AMX (emulated)"
 #define NEEDS 0
@@ -136,53 +131,15 @@ extern const ss_path_t BASE;
 
 /* The base path's quantisation, written as this path's tiles read it: 32 low bytes, then 32 high ones,
  * each in the order of the header's comment. */
-static void quantise(const float *v, int16_t *q, float *scale, float *sum) {
+static void quantise(const float *v, float levels, int16_t *q, int8_t *q8, float *scale, float *sum) {
     v32s x;
-    BASE.quantise(v, (int16_t *)&x, scale, sum);
+    BASE.quantise(v, levels, (int16_t *)&x, q8, scale, sum);
     const v32s order = {0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23,
                         8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31};
     const v32s y = __builtin_shuffle(x, order);
     const v32b lo = __builtin_convertvector(y, v32b), hi = __builtin_convertvector(y >> 8, v32b);
     memcpy(q, &lo, 32);
     memcpy((char *)q + 32, &hi, 32);
-}
-
-INLINE v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-INLINE v16f fma16(v16f a, v16f b, v16f c) {
-#ifdef __AVX512F__
-    return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#else
-    for (int l = 0; l < 16; l++) c[l] = fmaf(a[l], b[l], c[l]);
-    return c;
-#endif
-}
-
-/* SS_PANEL scales (d or m) of a panel's block b, floats or halves. */
-INLINE v16f scales16(const job_t *j, const void *panel, int b) {
-    v16f s;
-    if (!j->half) {
-        memcpy(&s, (const float *)panel + (size_t)b * SS_PANEL, sizeof s);
-        return s;
-    }
-    const uint16_t *h = (const uint16_t *)panel + (size_t)b * SS_PANEL;
-#ifdef __AVX512F__
-    s = (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
-#else
-    for (int l = 0; l < 16; l++) s[l] = ss_half_to_float(h[l]);
-#endif
-    return s;
-}
-
-/* 16 uint16 at p, zero-extended (GCC splits the generic conversion in two halves) */
-INLINE v16u zext16(const uint8_t *p) {
-#ifdef __AVX512F__
-    return (v16u)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-#else
-    v16h h;
-    memcpy(&h, p, sizeof h);
-    return __builtin_convertvector(h, v16u);
-#endif
 }
 
 /* The weights' tile of one panel's block (256 bytes of Q4, 512 of Q8) into out[8][64]. */
@@ -200,34 +157,43 @@ INLINE void weight_tile(const int fmt, const uint8_t *block, uint8_t *out) {
 }
 
 /* Panel p's block b of rows r0 .. r0 + R - 1 scaled into acc[R] (kernels.h): each column's exact
- * D_b = 256 hi + lo from the tile unit's dot products, then one fma a row (two for Q4). */
-INLINE void scale(const job_t *j, const int fmt, const int R, int r0, int p, int b, const int32_t (*dot)[MAX_R][16],
-                  v16f *acc) {
+ * D_b = 256 hi + lo from the tile unit's dot products (lo alone with int8 activations: narrow), then one
+ * fma a row (two for Q4). */
+INLINE void scale(const job_t *j, const int fmt, const int narrow, const int R, int r0, int p, int b,
+                  const int32_t (*dot)[MAX_R][16], v16f *acc) {
     const int nb = j->K / 32;
-    const v16f d16 = scales16(j, ss_panel_scales(j, j->d, p), b);
-    const v16f m16 = fmt == FMT_Q4 ? scales16(j, ss_panel_scales(j, j->m, p), b) : (v16f){0};
+    const v16f d16 = scales_v16(j, ss_panel_scales(j, j->d, p), b);
+    const v16f m16 = fmt == FMT_Q4 ? scales_v16(j, ss_panel_scales(j, j->m, p), b) : (v16f){0};
     for (int r = 0; r < R; r++) {
         const size_t at = (size_t)(r0 + r) * nb + b;
         v16u hi;
         v16i lo;
         memcpy(&lo, dot[0][r], 64);
-        memcpy(&hi, dot[1][r], 64);
-        const v16i D = (v16i)(hi << 8) + lo;
+        v16i D = lo;
+        if (!narrow) {
+            memcpy(&hi, dot[1][r], 64);
+            D += (v16i)(hi << 8);
+        }
         acc[r] = fma16(__builtin_convertvector(D, v16f), d16 * splat(j->dx[at]), acc[r]);
         if (fmt == FMT_Q4) acc[r] = fma16(m16, splat(j->xsum[at]), acc[r]);
     }
 }
 
-/* One panel's block on tile set s (its weights' tile, its two dot products) into dot. */
-#define PANEL_DOTS(B, C_LO, C_HI, w, dot)       \
-    do {                                        \
-        TILE_LOAD(B, (w), 64);                  \
-        TILE_ZERO(C_LO);                        \
-        TILE_ZERO(C_HI);                        \
-        TILE_DPBUSD(C_LO, A_LO, B);             \
-        TILE_DPBSSD(C_HI, A_HI, B);             \
-        TILE_STORE(C_LO, (dot)[0], 64);         \
-        TILE_STORE(C_HI, (dot)[1], 64);         \
+/* One panel's block on tile set s (its weights' tile, its two dot products) into dot. With int8
+ * activations (narrow) the low bytes are the int8 values themselves, signed: one dot product. */
+#define PANEL_DOTS(narrow, B, C_LO, C_HI, w, dot) \
+    do {                                          \
+        TILE_LOAD(B, (w), 64);                    \
+        TILE_ZERO(C_LO);                          \
+        if (narrow) {                             \
+            TILE_DPBSSD(C_LO, A_LO, B);           \
+        } else {                                  \
+            TILE_ZERO(C_HI);                      \
+            TILE_DPBUSD(C_LO, A_LO, B);           \
+            TILE_DPBSSD(C_HI, A_HI, B);           \
+            TILE_STORE(C_HI, (dot)[1], 64);       \
+        }                                         \
+        TILE_STORE(C_LO, (dot)[0], 64);           \
     } while (0)
 
 /* Rows r0 .. r0 + R - 1 (the tiles configured for R) of panels q0 .. q1 - 1 (at most CHUNK), columns below
@@ -235,7 +201,7 @@ INLINE void scale(const job_t *j, const int fmt, const int R, int r0, int p, int
  * over two sets of tiles and buffers, so that no step waits on the one before: panel i + 1's weights are
  * unpacked while panel i's tile is loaded, and panel i - 1 is scaled after panel i's dot products are
  * issued (the tile unit's stores and loads go through memory, which forwards nothing to them). */
-INLINE void int_chunk(const job_t *j, const int fmt, const int R, int r0, int q0, int q1, int n1) {
+INLINE void int_chunk(const job_t *j, const int fmt, const int narrow, const int R, int r0, int q0, int q1, int n1) {
     const int nb = j->K / 32, bytes = fmt == FMT_Q4 ? 256 : 512, P = q1 - q0;
     _Alignas(64) uint8_t w[2][8 * 64];
     _Alignas(64) int32_t dot[2][2][MAX_R][16]; /* [set][low, high][row][column] */
@@ -246,31 +212,27 @@ INLINE void int_chunk(const job_t *j, const int fmt, const int R, int r0, int q0
     const long stride = (long)nb * 64;
     for (int b = 0; b < nb; b++) {
         TILE_LOAD(A_LO, x + (size_t)b * 64, stride);
-        TILE_LOAD(A_HI, x + (size_t)b * 64 + 32, stride);
+        if (!narrow) TILE_LOAD(A_HI, x + (size_t)b * 64 + 32, stride);
         weight_tile(fmt, ss_panel_weights(j, q0) + (size_t)b * bytes, w[0]);
         for (int i = 0; i < P; i++) {
             if (i + 1 < P) weight_tile(fmt, ss_panel_weights(j, q0 + i + 1) + (size_t)b * bytes, w[(i + 1) & 1]);
-            if (i & 1) PANEL_DOTS(B1, C1_LO, C1_HI, w[1], dot[1]);
-            else PANEL_DOTS(B0, C0_LO, C0_HI, w[0], dot[0]);
-            if (i > 0) scale(j, fmt, R, r0, q0 + i - 1, b, dot[(i - 1) & 1], acc[i - 1]);
+            if (i & 1) PANEL_DOTS(narrow, B1, C1_LO, C1_HI, w[1], dot[1]);
+            else PANEL_DOTS(narrow, B0, C0_LO, C0_HI, w[0], dot[0]);
+            if (i > 0) scale(j, fmt, narrow, R, r0, q0 + i - 1, b, dot[(i - 1) & 1], acc[i - 1]);
         }
-        scale(j, fmt, R, r0, q1 - 1, b, dot[(P - 1) & 1], acc[P - 1]);
+        scale(j, fmt, narrow, R, r0, q1 - 1, b, dot[(P - 1) & 1], acc[P - 1]);
     }
-    for (int i = 0; i < P; i++) {
-        const int n = (q0 + i) * SS_PANEL, valid = n1 - n < SS_PANEL ? n1 - n : SS_PANEL;
-        v16f bias = {0};
-        if (j->bias) memcpy(&bias, j->bias + n, sizeof(float) * valid);
-        for (int r = 0; r < R; r++) {
-            const v16f v = j->bias ? acc[i][r] + bias : acc[i][r];
-            memcpy(j->out + (size_t)(r0 + r) * j->N + n, &v, sizeof(float) * valid);
-        }
-    }
+    for (int i = 0; i < P; i++) store_panel(j, R, r0, q0 + i, n1, acc[i]);
 }
 
 /* Panels p0 .. p1 - 1 of rows r0 .. r0 + R - 1, CHUNK at a time: their accumulators stay in the first
  * level of cache. */
 INLINE void int_rows(const job_t *j, const int fmt, const int R, int r0, int p0, int p1, int n1) {
-    for (int q0 = p0; q0 < p1; q0 += CHUNK) int_chunk(j, fmt, R, r0, q0, q0 + CHUNK < p1 ? q0 + CHUNK : p1, n1);
+    for (int q0 = p0; q0 < p1; q0 += CHUNK) {
+        const int q1 = q0 + CHUNK < p1 ? q0 + CHUNK : p1;
+        if (j->qx8) int_chunk(j, fmt, 1, R, r0, q0, q1, n1);
+        else int_chunk(j, fmt, 0, R, r0, q0, q1, n1);
+    }
 }
 
 /* The tiles for R rows, configured on every call: the thread's tiles are its own state, which other code

@@ -6,7 +6,21 @@
 #include "kernels.h"
 #include "vec256.h"
 
-#ifdef SS_VNNI
+#if defined(SS_VNNI) && defined(SS_VNNI_EMULATE)
+/* The AVX-VNNI path's logic on AVX2 alone, for the tests of machines without AVX-VNNI: each fused
+ * multiply-add as AVX2's multiplies and adds, exactly (vpdpbusd's bytes widened to int16 first). */
+#define PATH ss_path_avx_vnni
+#define NAME "AVX-VNNI (emulated)"
+#define NEEDS SS_CPU_AVX2
+static inline __attribute__((always_inline)) __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
+static inline __attribute__((always_inline)) __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
+    const __m256i a_even = _mm256_and_si256(a, _mm256_set1_epi16(0xFF)), a_odd = _mm256_srli_epi16(a, 8);
+    const __m256i b_even = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8), b_odd = _mm256_srai_epi16(b, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(a_even, b_even), _mm256_madd_epi16(a_odd, b_odd)));
+}
+#elif defined(SS_VNNI)
 #define PATH ss_path_avx_vnni
 #define NAME "AVX-VNNI"
 #define NEEDS (SS_CPU_AVX2 | SS_CPU_AVX_VNNI)
@@ -16,6 +30,13 @@ static inline __attribute__((always_inline)) __m256i dpwssd(__m256i acc, __m256i
     __asm__("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "xm"(b));
     return acc;
 }
+/* acc + a . b by 4 bytes (a unsigned, b signed -> int32) */
+static inline __attribute__((always_inline)) __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "xm"(b));
+    return acc;
+}
+#endif
+#ifdef SS_VNNI
 /* lo += a . x, hi += b . y: two chains, so that each vpdpwssd waits on one of its own latency; 4 of them
  * a row leave registers for 2 rows a tile */
 #define DOT_PAIRS(lo, hi, a, x, b, y) ((lo) = dpwssd((lo), (a), (x)), (hi) = dpwssd((hi), (b), (y)))
@@ -30,11 +51,12 @@ static inline __attribute__((always_inline)) __m256i dpwssd(__m256i acc, __m256i
     ((lo) = _mm256_add_epi32((lo), _mm256_add_epi32(_mm256_madd_epi16((a), (x)), _mm256_madd_epi16((b), (y)))))
 #define MAX_R 4 /* rows per tile */
 #endif
+#define MAX_R8 2 /* rows per int8 tile: AVX2's 2 int16 sums and 2 accumulators a row, AVX-VNNI's 4 chains */
 #define INLINE static inline __attribute__((always_inline))
 #define PREFETCH_PANELS 2 /* how far on the integer tiles ask for weights */
 #define FLOAT_ROWS 3 /* rows per float tile: 4 accumulators a row */
 
-static void quantise(const float *v, int16_t *q, float *scale, float *sum) {
+static void quantise(const float *v, float levels, int16_t *q, int8_t *q8, float *scale, float *sum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 x[4], mx = _mm256_setzero_ps();
     for (int l = 0; l < 4; l++) {
@@ -44,19 +66,38 @@ static void quantise(const float *v, int16_t *q, float *scale, float *sum) {
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    const float s = _mm_cvtss_f32(h) / 32767.0f;
+    const float s = _mm_cvtss_f32(h) / levels;
     *sum = r8(_mm256_add_ps(_mm256_add_ps(x[0], x[2]), _mm256_add_ps(x[1], x[3])));
     const __m256 inv = _mm256_set1_ps(s > 0.0f ? 1.0f / s : 0.0f);
     __m256i r[4];
     for (int l = 0; l < 4; l++) r[l] = _mm256_cvtps_epi32(_mm256_mul_ps(x[l], inv));
     /* int32 -> int16 in order: packs interleave 128-bit lanes, the permute puts them back */
-    for (int l = 0; l < 2; l++)
-        _mm256_storeu_si256((__m256i *)(q + 16 * l), _mm256_permute4x64_epi64(_mm256_packs_epi32(r[2 * l], r[2 * l + 1]), 0xD8));
+    __m256i w[2];
+    for (int l = 0; l < 2; l++) {
+        w[l] = _mm256_permute4x64_epi64(_mm256_packs_epi32(r[2 * l], r[2 * l + 1]), 0xD8);
+        _mm256_storeu_si256((__m256i *)(q + 16 * l), w[l]);
+    }
+    /* int16 -> int8 in order, the same way */
+    if (q8) _mm256_storeu_si256((__m256i *)q8, _mm256_permute4x64_epi64(_mm256_packs_epi16(w[0], w[1]), 0xD8));
     *scale = s;
 }
 
 /* The first n of 8 lanes, as a mask */
 INLINE __m256i first_lanes(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+
+/* A tile's outputs, rows r0 .. r0 + R - 1 of panel p (acc[r][h]: its columns 8h .. 8h + 7), below n1. */
+INLINE void store_tile(const job_t *j, const int R, int r0, int p, int n1, __m256 acc[][2]) {
+    for (int h = 0; h < 2; h++) {
+        const int n = p * SS_PANEL + 8 * h, valid = n1 - n < 8 ? n1 - n : 8;
+        if (valid <= 0) break;
+        const __m256i k = first_lanes(valid);
+        for (int r = 0; r < R; r++) {
+            __m256 v = acc[r][h];
+            if (j->bias) v = _mm256_add_ps(v, _mm256_maskload_ps(j->bias + n, k));
+            _mm256_maskstore_ps(j->out + (size_t)(r0 + r) * j->N + n, k, v);
+        }
+    }
+}
 
 /* Integer formats: rows r0 .. r0 + R - 1 of panel p (its 16 columns, two vectors of 8; R and fmt
  * constant where inlined), columns below n1. A lane is a column: per block, each row's 16 pair products
@@ -107,22 +148,136 @@ INLINE void int_tile(const job_t *j, const int fmt, const int R, int r0, int p, 
             }
         }
     }
-    for (int h = 0; h < 2; h++) {
-        const int n = p * SS_PANEL + 8 * h, valid = n1 - n < 8 ? n1 - n : 8;
-        if (valid <= 0) break;
-        const __m256i k = first_lanes(valid);
+    store_tile(j, R, r0, p, n1, acc);
+}
+
+/* A panel's 16 scales (d or m) of block b as the int8 tiles' lanes hold its columns: columns 0-3 and 8-11,
+ * then 4-7 and 12-15 (what vpunpck*wd's 128-bit lanes give). */
+INLINE void scales16_split(const job_t *j, const void *panel, int b, __m256 s[2]) {
+    const __m256 a = scales8(j, panel, b * SS_PANEL), c = scales8(j, panel, b * SS_PANEL + 8);
+    s[0] = _mm256_permute2f128_ps(a, c, 0x20), s[1] = _mm256_permute2f128_ps(a, c, 0x31);
+}
+
+/* The integer formats with int8 activations: rows r0 .. r0 + R - 1 of panel p, columns below n1. Each
+ * block's exact integer dot products come from byte multiply-adds of the weights with the int8
+ * activations; their lanes hold the columns in scales16_split's order, scaled as kernels.h says, and put
+ * back in order when stored. AVX2 runs Q4 alone (Q8's signed bytes would cost vpmaddubsw a sign a row). */
+INLINE void int8_tile(const job_t *j, const int fmt, const int R, int r0, int p, int n1) {
+    const int nb = j->K / 32, bytes = fmt == FMT_Q4 ? 256 : 512;
+    __m256 acc[MAX_R8][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const uint8_t *w = ss_panel_weights(j, p);
+    const void *dp = ss_panel_scales(j, j->d, p), *mp = fmt == FMT_Q4 ? ss_panel_scales(j, j->m, p) : 0;
+    const size_t ahead = (size_t)PREFETCH_PANELS * nb * bytes;
+    const int fetch = r0 == 0 && p + 1 + PREFETCH_PANELS <= (j->N + SS_PANEL - 1) / SS_PANEL;
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *wb = w + (size_t)b * bytes;
+        if (fetch)
+            for (int at = 0; at < bytes; at += 64) _mm_prefetch((const char *)wb + ahead + at, _MM_HINT_T1);
+        __m256i sum[MAX_R8][2];
+#ifdef SS_VNNI
+        /* a lane is a column's 4 bytes of pairs i and i + 1, interleaved: Q4's elements 2i .. 2i + 3 in the
+         * low nibbles and 2i + 16 .. 2i + 19 in the high ones; Q8's 2i .. 2i + 3, each plus 128 to make it
+         * unsigned, 128 times the block's sum taken back below. Two chains a (row, half). */
+        const int8_t *qx = j->qx8 + (size_t)r0 * nb * 32;
+        __m256i more[MAX_R8][2];
+        for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = more[r][0] = more[r][1] = _mm256_setzero_si256();
+        for (int i = 0; i < (fmt == FMT_Q4 ? 8 : 16); i += (fmt == FMT_Q4 ? 2 : 4)) {
+            __m256i a[2], c[2]; /* the chains' weights, against the activations at 2i and at 2i + off */
+            const int off = fmt == FMT_Q4 ? 16 : 4;
+            for (int half = 0; half < (fmt == FMT_Q4 ? 1 : 2); half++) {
+                const __m256i z0 = _mm256_loadu_si256((const __m256i *)(wb + (i + 2 * half) * 32));
+                const __m256i z1 = _mm256_loadu_si256((const __m256i *)(wb + (i + 2 * half + 1) * 32));
+                const __m256i u[2] = {_mm256_unpacklo_epi16(z0, z1), _mm256_unpackhi_epi16(z0, z1)};
+                for (int h = 0; h < 2; h++) {
+                    if (fmt == FMT_Q4) {
+                        a[h] = _mm256_and_si256(u[h], nibble), c[h] = _mm256_and_si256(_mm256_srli_epi16(u[h], 4), nibble);
+                    } else if (half == 0) {
+                        a[h] = _mm256_xor_si256(u[h], _mm256_set1_epi8(-128));
+                    } else {
+                        c[h] = _mm256_xor_si256(u[h], _mm256_set1_epi8(-128));
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = qx + ((size_t)r * nb + b) * 32;
+                int32_t xa, xc;
+                memcpy(&xa, x + 2 * i, 4), memcpy(&xc, x + 2 * i + off, 4);
+                const __m256i va = _mm256_set1_epi32(xa), vc = _mm256_set1_epi32(xc);
+                for (int h = 0; h < 2; h++) sum[r][h] = dpbusd(sum[r][h], a[h], va), more[r][h] = dpbusd(more[r][h], c[h], vc);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++) {
+                sum[r][h] = _mm256_add_epi32(sum[r][h], more[r][h]);
+                if (fmt == FMT_Q8)
+                    sum[r][h] = _mm256_sub_epi32(sum[r][h], _mm256_set1_epi32(128 * j->sum8[(size_t)(r0 + r) * nb + b]));
+            }
+#else
+        /* a 16-bit lane is a column's pair: vpmaddubsw's sums of two products, at most 2 * 15 * 127, added in
+         * int16 over pairs 0-3 and 8-11, then 4-7 and 12-15 (at most 30480 each), then widened */
+        const int32_t *qx16 = (const int32_t *)(j->qx + (size_t)r0 * nb * 32);
+        const __m256i low_bytes = _mm256_set1_epi32(0x02000200);
+        __m256i s16[MAX_R8][2];
+        for (int r = 0; r < R; r++) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+        for (int i = 0; i < 8; i++) {
+            const __m256i z = _mm256_loadu_si256((const __m256i *)(wb + i * 32));
+            const __m256i lo = _mm256_and_si256(z, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), nibble);
+            for (int r = 0; r < R; r++) {
+                const int32_t *x = qx16 + ((size_t)r * nb + b) * 16;
+                const __m256i xa = _mm256_shuffle_epi8(_mm256_set1_epi32(x[i]), low_bytes);
+                const __m256i xc = _mm256_shuffle_epi8(_mm256_set1_epi32(x[i + 8]), low_bytes);
+                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xc));
+                s16[r][i >> 2] = _mm256_add_epi16(s16[r][i >> 2], t);
+            }
+        }
+        const __m256i ones = _mm256_set1_epi16(1);
         for (int r = 0; r < R; r++) {
-            __m256 v = acc[r][h];
-            if (j->bias) v = _mm256_add_ps(v, _mm256_maskload_ps(j->bias + n, k));
-            _mm256_maskstore_ps(j->out + (size_t)(r0 + r) * j->N + n, k, v);
+            sum[r][0] = _mm256_madd_epi16(_mm256_unpacklo_epi16(s16[r][0], s16[r][1]), ones);
+            sum[r][1] = _mm256_madd_epi16(_mm256_unpackhi_epi16(s16[r][0], s16[r][1]), ones);
+        }
+#endif
+        __m256 d[2], m[2];
+        scales16_split(j, dp, b, d);
+        if (fmt == FMT_Q4) scales16_split(j, mp, b, m);
+        for (int r = 0; r < R; r++) {
+            const size_t at = (size_t)(r0 + r) * nb + b;
+            const __m256 dx = _mm256_set1_ps(j->dx[at]);
+            for (int h = 0; h < 2; h++) {
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(d[h], dx), acc[r][h]);
+                if (fmt == FMT_Q4) acc[r][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(j->xsum[at]), acc[r][h]);
+            }
         }
     }
+    for (int r = 0; r < R; r++) {
+        const __m256 a = acc[r][0], c = acc[r][1];
+        acc[r][0] = _mm256_permute2f128_ps(a, c, 0x20), acc[r][1] = _mm256_permute2f128_ps(a, c, 0x31);
+    }
+    store_tile(j, R, r0, p, n1, acc);
 }
 
 /* Columns n0 (a panel's first) .. n1 - 1, in chunks of 4 panels whose weights stay in cache while every
- * tile of rows passes over them. */
+ * tile of rows passes over them; with int8 activations in their own tiles where this path has them. */
 INLINE void int_columns(const job_t *j, const int fmt, int n0, int n1) {
-    const int rest = j->M % MAX_R, full = j->M - rest, last = (n1 + SS_PANEL - 1) / SS_PANEL;
+    const int last = (n1 + SS_PANEL - 1) / SS_PANEL;
+#ifdef SS_VNNI
+    const int bytes8 = 1; /* Q4 and Q8 */
+#else
+    const int bytes8 = fmt == FMT_Q4;
+#endif
+    if (j->qx8 && bytes8) {
+        const int rest = j->M % MAX_R8, full = j->M - rest;
+        for (int p0 = n0 / SS_PANEL; p0 < last; p0 += 4) {
+            const int p1 = p0 + 4 < last ? p0 + 4 : last;
+            for (int p = p0; p < p1; p++) {
+                for (int r0 = 0; r0 < full; r0 += MAX_R8) int8_tile(j, fmt, MAX_R8, r0, p, n1);
+                if (rest == 1) int8_tile(j, fmt, 1, full, p, n1);
+            }
+        }
+        return;
+    }
+    const int rest = j->M % MAX_R, full = j->M - rest;
     for (int p0 = n0 / SS_PANEL; p0 < last; p0 += 4) {
         const int p1 = p0 + 4 < last ? p0 + 4 : last;
         for (int p = p0; p < p1; p++) {

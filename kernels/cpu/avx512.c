@@ -1,11 +1,13 @@
 /* The 512-bit paths: AVX-512 F/BW/VL and, built with -DSS_VNNI, AVX-512 VNNI (vpdpwssd: the int16
- * multiply-adds fused with their accumulation, 32 a instruction). Bit for bit the canonical order of
+ * multiply-adds fused with their accumulation, 32 a instruction; with int8 activations, Q4 and Q8 on
+ * vpdpbusd's 64 byte multiply-adds, in vec512.h). Bit for bit the canonical order of
  * kernels.h: a lane is one of a panel's 16 columns, and its block dot products are exact integers before
  * the one fp32 accumulation a column. Attention keeps the AVX2 path's 8 lanes a score, two heads a register. */
 #include <immintrin.h>
 
 #include "kernels.h"
 #include "vec256.h"
+#include "vec512.h"
 
 #ifdef SS_VNNI
 #define PATH ss_path_avx512_vnni
@@ -44,13 +46,18 @@ INLINE __m256 halves(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
-static void quantise(const float *v, int16_t *q, float *scale, float *sum) {
+static void quantise(const float *v, float levels, int16_t *q, int8_t *q8, float *scale, float *sum) {
     const __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
-    const float s = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1))) / 32767.0f;
+    const float s = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1))) / levels;
     *sum = r8(halves(_mm512_add_ps(x0, x1)));
     const __m512 inv = _mm512_set1_ps(s > 0.0f ? 1.0f / s : 0.0f);
-    _mm256_storeu_si256((__m256i *)q, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x0, inv))));
-    _mm256_storeu_si256((__m256i *)(q + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
+    const __m512i r0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), r1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+    _mm256_storeu_si256((__m256i *)q, _mm512_cvtsepi32_epi16(r0));
+    _mm256_storeu_si256((__m256i *)(q + 16), _mm512_cvtsepi32_epi16(r1));
+    if (q8) {
+        _mm_storeu_si128((__m128i *)q8, _mm512_cvtsepi32_epi8(r0));
+        _mm_storeu_si128((__m128i *)(q8 + 16), _mm512_cvtsepi32_epi8(r1));
+    }
     *scale = s;
 }
 
@@ -217,6 +224,9 @@ INLINE void float_columns(const job_t *j, const int fmt, int n0, int n1) {
 }
 
 static void columns(const job_t *j, int n0, int n1) {
+#ifdef SS_VNNI
+    if (int8_columns(j, n0, n1)) return; /* with int8 activations, vpdpbusd's byte multiply-adds (vec512.h) */
+#endif
     switch (j->fmt) {
     case FMT_Q4: int_columns(j, FMT_Q4, n0, n1); break;
     case FMT_Q8: int_columns(j, FMT_Q8, n0, n1); break;

@@ -128,12 +128,28 @@ int ss_use_path_for(int rows, int i) {
     return 0;
 }
 
-/* Each row's int16 blocks, their scales and (Q4) exact block sums, into one buffer per thread. */
+/* The activations' integer width, 16 or 8 bits (kernels.h): a setting of the whole library, as the model
+ * it serves has one. */
+static int activation_bits = 16;
+
+/* Quantises the integer formats' activations to `bits` (16 or 8) from now on; -1 (and no change) for
+ * another width. */
+int ss_set_activation_bits(int bits) {
+    if (bits != 16 && bits != 8) return -1;
+    activation_bits = bits;
+    return 0;
+}
+
+int ss_activation_bits(void) { return activation_bits; }
+
+/* Each row's integer blocks (int16, and int8 with int8 activations), their scales and (Q4) exact block
+ * sums, into one buffer per thread. */
 static int prepare_rows(job_t *j) {
     static _Thread_local void *buf;
     static _Thread_local size_t cap;
-    const int nb = j->K / 32;
-    const size_t blocks = (size_t)j->M * nb, need = blocks * (32 * sizeof(int16_t) + 2 * sizeof(float));
+    const int nb = j->K / 32, narrow = activation_bits == 8;
+    const size_t blocks = (size_t)j->M * nb;
+    const size_t need = blocks * (32 * sizeof(int16_t) + (narrow ? 32 + sizeof(int32_t) : 0) + 2 * sizeof(float));
     if (need > cap) {
         free(buf);
         buf = malloc(need);
@@ -142,9 +158,19 @@ static int prepare_rows(job_t *j) {
     }
     float *dx = buf, *xsum = dx + blocks;
     int16_t *qx = (int16_t *)(xsum + blocks);
-    void (*quantise)(const float *, int16_t *, float *, float *) = path(j->M)->quantise;
-    for (size_t i = 0; i < blocks; i++) quantise(j->x + i * 32, qx + i * 32, dx + i, xsum + i);
-    j->qx = qx, j->dx = dx, j->xsum = xsum;
+    int32_t *sum8 = narrow ? (int32_t *)(qx + blocks * 32) : 0;
+    int8_t *qx8 = narrow ? (int8_t *)(sum8 + blocks) : 0;
+    const float levels = narrow ? 127.0f : 32767.0f;
+    void (*quantise)(const float *, float, int16_t *, int8_t *, float *, float *) = path(j->M)->quantise;
+    for (size_t i = 0; i < blocks; i++) {
+        quantise(j->x + i * 32, levels, qx + i * 32, narrow ? qx8 + i * 32 : 0, dx + i, xsum + i);
+        if (narrow) {
+            int32_t s = 0;
+            for (int k = 0; k < 32; k++) s += qx8[i * 32 + k];
+            sum8[i] = s;
+        }
+    }
+    j->qx = qx, j->qx8 = qx8, j->sum8 = sum8, j->dx = dx, j->xsum = xsum;
     return 0;
 }
 
@@ -168,7 +194,7 @@ static void linear_unit(const void *job, int unit, int part) {
  * memory. */
 int ss_linear(int fmt, int M, int K, int N, const float *x, const void *w, const void *d, const void *m,
               const float *bias, float *out) {
-    job_t j = {fmt & ~SS_HALF_SCALES, M, K, N, (fmt & SS_HALF_SCALES) != 0, x, 0, 0, 0, w, d, m, bias, out};
+    job_t j = {fmt & ~SS_HALF_SCALES, M, K, N, (fmt & SS_HALF_SCALES) != 0, x, 0, 0, 0, 0, 0, w, d, m, bias, out};
     fmt = j.fmt;
     path(M); /* chosen here, before the pool's threads read it */
     if ((fmt == FMT_Q4 || fmt == FMT_Q8) && prepare_rows(&j) != 0) return -1;

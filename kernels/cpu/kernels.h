@@ -5,7 +5,8 @@
  * with its own target flags (kernels/cpu_linear.py holds the recipe; avx2.c and avx512.c are built twice,
  * with and without VNNI), and dispatch.c, which holds the one table of paths, picks the one in use and owns
  * the entry points; pool.c is the thread pool, blocks.c the decoder-block glue; vec256.h holds the
- * helpers that the AVX2 and AVX-512 paths share.
+ * helpers that the AVX2 and AVX-512 paths share, vec512.h the generic-vector code of the AMX and AVX-512
+ * VNNI paths (vnni512_emulated.c builds the latter's int8 tiles anywhere, for the tests).
  *
  * Every output element is computed by the same sequence of operations whatever the number of rows in the
  * call, the row's place among them and the number of threads, and each row's own preparation (its int16
@@ -13,11 +14,14 @@
  * one-row decode steps compute, and greedy speculation is exact by construction. Rows are processed in
  * tiles that share each unpacked weight vector, so extra rows cost arithmetic, not weight reads.
  *
- * Q4 and Q8 multiply integers: each row's blocks of 32 are quantised to int16 with one fp32 scale, and
- * each block's integer dot product is scaled by both scales. int16 rather than llama.cpp's int8: a block
- * with one large activation (small models have such channels) would leave the others a few levels of
- * int8, and the error compounds over the layers (5-6 % of the logits' range on SmolLM2 with int8, ~0.1 %
- * with int16), at ~20 % more work per row. The 16- and 32-bit formats multiply in fp32.
+ * Q4 and Q8 multiply integers: each row's blocks of 32 are quantised with one fp32 scale, and each
+ * block's integer dot product is scaled by both scales. By default to int16 (L = 32767 levels a side):
+ * with llama.cpp's int8 (L = 127), a block with one large activation (small models have such channels)
+ * leaves the others a few levels, and the error compounds over the layers (5-6 % of the logits' range on
+ * SmolLM2, ~0.1 % with int16). int8 is the opt-in (ss_set_activation_bits): its byte products halve a
+ * row's multiply-adds (vpmaddubsw, vpdpbusd), which is what makes verified rows cheap. The values of an
+ * int8 block are int16 values too, so a path without int8 kernels computes the same bits from its int16
+ * copy. The 16- and 32-bit formats multiply in fp32.
  *
  * Every path computes every output bit for bit as portable.c does: the block dot products are exact
  * integers, and each path performs the same fp32 operations in the same order (below), so the same
@@ -26,9 +30,10 @@
  *
  * The canonical order:
  *   R8(t)      = ((t0 + t4) + (t1 + t5)) + ((t2 + t6) + (t3 + t7)), the one horizontal sum of 8 lanes.
- *   Quantising a block v[0..31] (Q4, Q8): amax = max |v|, scale = amax / 32767, inv = 1 / scale (0 when
- *              scale is 0), q = round-to-nearest-even(v * inv) saturated to int16, and its sum (Q4's offset
- *              term) R8(t) with t_l = (v[l] + v[16 + l]) + (v[8 + l] + v[24 + l]).
+ *   Quantising a block v[0..31] (Q4, Q8) to L levels: amax = max |v|, scale = amax / L, inv = 1 / scale
+ *              (0 when scale is 0), q = round-to-nearest-even(v * inv) (|q| <= L: v * inv is at most
+ *              L (1 + 2^-23)), and its sum (Q4's offset term) R8(t) with
+ *              t_l = (v[l] + v[16 + l]) + (v[8 + l] + v[24 + l]).
  *   Q4 / Q8 linear, one (row, column): one accumulator a = +0; for the blocks b in increasing order
  *              a = fma(D_b, d_b * dx_b, a), then for Q4 a = fma(m_b, xsum_b, a); out = a (+ bias).
  *              D_b, the block's integer dot product, is exact in int32 (at most 32 * 128 * 32768 < 2^31)
@@ -76,6 +81,8 @@ typedef struct {
     int half;            /* d and m are halves (SS_HALF_SCALES) */
     const float *x;      /* [M][K] fp32: the float formats */
     const int16_t *qx;   /* [M][nb][32] int16 blocks: Q4 and Q8 */
+    const int8_t *qx8;   /* the same values as int8 blocks, in their natural order, with int8 activations */
+    const int32_t *sum8; /* [M][nb] the sums of the int8 blocks: what Q8 on vpdpbusd takes back (w + 128) */
     const float *dx;     /* [M][nb] scales of qx */
     const float *xsum;   /* [M][nb] fp32 block sums of x: Q4 */
     const void *w;
@@ -109,8 +116,9 @@ typedef struct {
     unsigned needs;      /* the CPU features it runs on (SS_CPU_*) */
     int min_rows;        /* the fewest rows of the calls it is chosen for: below, its fixed cost a call outweighs
                             what it saves (it computes the same bits for any rows, and runs any when told) */
-    /* block v[32] -> q[32] int16 in order, its scale and its sum, as the canonical order says */
-    void (*quantise)(const float *v, int16_t *q, float *scale, float *sum);
+    /* block v[32] -> q[32] int16 (in the path's order) to `levels` levels, its scale and its sum, as the
+     * canonical order says; q8, when given, the same values as int8 in their natural order */
+    void (*quantise)(const float *v, float levels, int16_t *q, int8_t *q8, float *scale, float *sum);
     /* columns n0 .. n1 - 1 of every row of the job */
     void (*columns)(const job_t *j, int n0, int n1);
     /* one (row, kv head) of an attention: its H / Hkv query heads, which read each key once; keys holds S

@@ -2,14 +2,15 @@
  * order (kernels.h) that every other path reproduces bit for bit. */
 #include "kernels.h"
 
-static void quantise(const float *v, int16_t *q, float *scale, float *sum) {
+static void quantise(const float *v, float levels, int16_t *q, int8_t *q8, float *scale, float *sum) {
     float amax = 0.0f, t[8];
     for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
     for (int l = 0; l < 8; l++) t[l] = (v[l] + v[16 + l]) + (v[8 + l] + v[24 + l]);
-    const float s = amax / 32767.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    const float s = amax / levels, inv = s > 0.0f ? 1.0f / s : 0.0f;
     for (int k = 0; k < 32; k++) {
         const float r = nearbyintf(v[k] * inv);
-        q[k] = (int16_t)(r > 32767.0f ? 32767.0f : r < -32768.0f ? -32768.0f : r);
+        q[k] = (int16_t)(r > levels ? levels : r < -levels ? -levels : r);
+        if (q8) q8[k] = (int8_t)q[k];
     }
     *scale = s;
     *sum = ss_r8(t);
