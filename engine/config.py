@@ -1,6 +1,6 @@
 """What the Engine starts and how it answers, as the Engine, its workers and the app share them:
 EngineConfig, TreeParams, SamplingParams, and the vocabularies they use (modes, draft kinds, devices,
-dtypes, batch invariance), each parsed and checked here.
+dtypes, activations, batch invariance), each parsed and checked here.
 
 They travel between the Engine and its workers as JSON (``to_dict`` / ``from_dict``), never pickled.
 """
@@ -50,6 +50,23 @@ class Dtype(StrEnum):
 
 DTYPES: tuple[str, ...] = tuple(Dtype)
 FLOAT_DTYPES = (Dtype.FLOAT32, Dtype.FLOAT16, Dtype.BFLOAT16)  # widths a checkpoint is stored at
+
+
+class Activations(StrEnum):
+    """What the CPU kernels quantise the activations to before a GGUF's integer blocks multiply them
+    (--activations): blocks of 32 at int16 (within ~0.1 % of the logits' range of fp32 on SmolLM2), or
+    llama.cpp's int8, whose byte multiply-adds run a row in about half the work (5-6 % of the range).
+    Every decoding mode computes the same tokens at either width."""
+
+    INT16 = "int16"
+    INT8 = "int8"
+
+    @property
+    def bits(self) -> int:
+        return 8 if self is Activations.INT8 else 16
+
+
+ACTIVATIONS: tuple[str, ...] = tuple(Activations)
 
 
 class BatchInvariance(StrEnum):
@@ -320,7 +337,7 @@ class EngineConfig:
     target None means the embedded SmolLM2-135M-Instruct. draft is a built-in word (DraftKind) or a path
     to a draft head or model. On CUDA, target_devices/draft_devices name GPU indices; on CPU,
     target_procs/draft_procs say how many worker processes each group gets. ``validate`` parses the
-    vocabularies (device, dtype, batch_invariant) into their enums.
+    vocabularies (device, dtype, activations, batch_invariant) into their enums.
     """
 
     target: str | None = None
@@ -332,6 +349,7 @@ class EngineConfig:
     draft_procs: int = 1
     device: Device = Device.AUTO
     dtype: Dtype = Dtype.AUTO
+    activations: Activations = Activations.INT16
     batch_invariant: BatchInvariance = BatchInvariance.AUTO
     max_seq_len: int = 4096
     tree: TreeParams = field(default_factory=TreeParams)
@@ -366,6 +384,10 @@ class EngineConfig:
             raise ConfigError.refused("max-seq-len", "a whole number >= 16", self.max_seq_len)
         self.device = _parse(Device, self.device, "device")
         self.dtype = _parse(Dtype, self.dtype, "dtype")
+        self.activations = _parse(Activations, self.activations, "activations")
+        if self.activations is Activations.INT8 and self.dtype in FLOAT_DTYPES:
+            raise ConfigError(f"--activations int8: quantises what a GGUF's integer blocks multiply; --dtype "
+                              f"{self.dtype} multiplies in fp32 (use --dtype gguf, int4 or auto)")
         self.batch_invariant = _parse(BatchInvariance, self.batch_invariant, "batch-invariant")
         if self.corpus_file is not None and self.builtin_draft is not DraftKind.SUFFIX:
             raise ConfigError("a draft corpus feeds the suffix drafter: give --draft-corpus with --draft suffix")

@@ -142,6 +142,26 @@ def test_16_bit_on_the_cpu_every_mode_equals_ar(target_dir, dtype):
 
 
 @pytest.mark.slow
+def test_int8_activations_every_mode_equals_ar(target_dir):
+    """--activations int8 changes what the target computes (the label says so), not that every mode
+    computes it: sync and async give ar's tokens."""
+    with start(target_dir, "self", dtype="int4", activations="int8") as eng:
+        assert "int8 activations" in eng.info.target
+        for messages in PROMPTS:
+            ar, _, _ = answer(eng, messages, mode="ar", max_new_tokens=N_TOKENS, ignore_eos=True)
+            for mode in ("async", "sync"):
+                assert answer(eng, messages, mode=mode, max_new_tokens=N_TOKENS, ignore_eos=True)[0] == ar, mode
+    assert no_processes_left(eng)
+
+
+def test_int8_activations_need_integer_blocks():
+    with pytest.raises(ConfigError, match="--activations int8"):
+        EngineConfig(dtype="float32", activations="int8").validate()
+    with pytest.raises(ConfigError, match="activations"):
+        EngineConfig(activations="int4").validate()
+
+
+@pytest.mark.slow
 def test_step_times_are_measured_once_then_read_from_the_profile_cache(target_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SWIFTSPEC_CACHE", str(tmp_path))  # the workers inherit it
     said: list[str] = []

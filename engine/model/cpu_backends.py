@@ -20,7 +20,7 @@ import ctypes
 import torch
 from torch import Tensor, nn
 
-from swiftspec.engine.config import Dtype
+from swiftspec.engine.config import Activations, Dtype
 from swiftspec.engine.model.cpu_blocks import Blocks, narrow_scales
 from swiftspec.engine.model.tp import shard_layout
 from swiftspec.engine.model.transformer import LayerInputs, Layers, TransformerBlock
@@ -32,9 +32,10 @@ from swiftspec.kernels.cpu_linear import Format, KernelsUnavailable
 FLOAT_FORMATS = {Dtype.FLOAT32: Format.F32, Dtype.FLOAT16: Format.F16, Dtype.BFLOAT16: Format.BF16}
 
 
-def library() -> ctypes.CDLL:
-    """The kernels, built on first use into the cache (KernelsUnavailable without a C compiler)."""
-    return cpu_linear.load(cache_dir() / "kernels")
+def library(activations: Activations | None = None) -> ctypes.CDLL:
+    """The kernels, built on first use into the cache (KernelsUnavailable without a C compiler), quantising
+    the activations of the integer blocks to ``activations`` from now on where given."""
+    return cpu_linear.load(cache_dir() / "kernels", activations.bits if activations else None)
 
 
 def kernels_available(args=None, tp_world: int = 1) -> str | None:
@@ -209,15 +210,17 @@ def _linears(model: nn.Module):
                 yield mod, name, child
 
 
-def apply(model: nn.Module, backend: Dtype, blocks: dict[str, Blocks] | None = None, quantize: bool = False) -> str:
+def apply(model: nn.Module, backend: Dtype, blocks: dict[str, Blocks] | None = None, quantize: bool = False,
+          activations: Activations = Activations.INT16) -> str:
     """Replaces the model's linears (and, with blocks, its embedding) by packed ones and its attention by
     the library's; returns the precision label ("gguf (Q4_1 blocks) · int16 activations · AVX2").
 
     ``blocks``: the GGUF blocks by our parameter name (``layers.0.attention.wqkv.weight``,
     ``tok_embeddings.weight``); a linear without blocks keeps fp32 weights. ``quantize`` (gguf backend on a
-    float checkpoint): every linear packed as Q4 blocks, the lm_head and embedding as Q8.
+    float checkpoint): every linear packed as Q4 blocks, the lm_head and embedding as Q8. ``activations``:
+    what the integer blocks multiply.
     """
-    dll = library()
+    dll = library(activations)
     blocks = dict(blocks or {})
     names = {id(mod): prefix for prefix, mod in model.named_modules()}
     if backend == Dtype.GGUF and quantize:
@@ -245,10 +248,11 @@ def apply(model: nn.Module, backend: Dtype, blocks: dict[str, Blocks] | None = N
         setattr(mod, name, packed)
     model.attention_ops = CpuAttention(dll)
     model.layers = CpuLayers(dll, [CpuBlock(dll, layer) for layer in model.layers], whole=model.tp_world == 1)
-    return label(backend, blocks, dll, quantize)
+    return label(backend, blocks, dll, quantize, activations)
 
 
-def label(backend: Dtype, blocks: dict[str, Blocks], dll: ctypes.CDLL, quantized: bool = False) -> str:
+def label(backend: Dtype, blocks: dict[str, Blocks], dll: ctypes.CDLL, quantized: bool = False,
+          activations: Activations = Activations.INT16) -> str:
     """What the title bar shows, in --dtype's own words: "gguf (Q4_1 blocks) · int16 activations · AVX2" (a
     GGUF's own blocks, named by their 4-bit types, else their types), "int4 (packed at load) · …",
     "float16 weights · fp32 math · AVX2"."""
@@ -258,15 +262,15 @@ def label(backend: Dtype, blocks: dict[str, Blocks], dll: ctypes.CDLL, quantized
     linears = [b for k, b in blocks.items() if k != "tok_embeddings.weight"]
     kinds = sorted({b.kind for b in linears if b.fmt == Format.Q4}) or sorted({b.kind for b in linears})
     what = "int4 (packed at load)" if quantized else f"gguf ({'/'.join(kinds)} blocks)"
-    return f"{what} · int16 activations · {isa}"
+    return f"{what} · {activations} activations · {isa}"
 
 
-def synthetic_costs(args, backend: Dtype, rows: int, layers: int | None = None, timer: CleanTimer | None = None
-                    ) -> list[float]:
+def synthetic_costs(args, backend: Dtype, rows: int, layers: int | None = None, timer: CleanTimer | None = None,
+                    activations: Activations = Activations.INT16) -> list[float]:
     """Milliseconds of a forward of 1..``rows`` rows with ``backend``, measured on one decoder block and
     the lm_head of the model's shapes with random weights (what a step costs differs between backends in
     the weights' format only), scaled to the model's layers: the measurement behind --dtype auto.
-    ``timer``: one whose ``clean`` the caller reads."""
+    ``timer``: one whose ``clean`` the caller reads; ``activations``: what the integer blocks multiply."""
     timer = timer or CleanTimer()
 
     g = torch.Generator().manual_seed(0)
@@ -275,7 +279,7 @@ def synthetic_costs(args, backend: Dtype, rows: int, layers: int | None = None, 
     def rand(*shape):
         return torch.randn(*shape, generator=g) * 0.02
 
-    dll = library()
+    dll = library(activations)
     block = TransformerBlock(args, args.n_heads, args.n_kv_heads, args.intermediate_size)
     for mod, name, lin in _linears(block):
         lin.weight.data = rand(*lin.weight.shape)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from swiftspec.engine.config import Device, Dtype
+from swiftspec.engine.config import Activations, Device, Dtype
 from swiftspec.engine.model import cpu_backends, cpu_blocks, tp
 from swiftspec.engine.model.fp16_linear import fbgemm_available, pack_fp16_linears
 from swiftspec.engine.model.gguf_io import BLOCK_FORMATS, GGUF_METADATA, dequantize
@@ -152,7 +152,8 @@ def cpu_backend(dtype: Dtype, has_blocks: bool, tp_world: int = 1, stored: Dtype
 
 def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: Dtype = Dtype.AUTO,
                max_slots: int = 4096, tp_group=None, tp_rank: int = 0, tp_world: int = 1,
-               int8: bool = False, batch_invariant: bool | None = None) -> Transformer:
+               int8: bool = False, batch_invariant: bool | None = None,
+               activations: Activations = Activations.INT16) -> Transformer:
     """Builds our Transformer from a Hugging Face directory, sharded for tensor parallelism if asked.
 
     On the CPU ``dtype`` names a backend of engine/model/cpu_backends.py (float32, float16, bfloat16, gguf; auto:
@@ -162,7 +163,8 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: Dtype
     Without a C compiler the CPU falls back to torch's linears with one-row forwards (exact, slow).
     ``int8``: dynamic int8 linears (FBGEMM, CPU only), for a fast approximate copy of a model that
     serves as a draft: its proposals are verified, so the approximation never reaches the output.
-    On CUDA ``batch_invariant``: see Transformer.make_batch_invariant; None = on.
+    On CUDA ``batch_invariant``: see Transformer.make_batch_invariant; None = on. ``activations``: what the
+    CPU kernels' integer blocks multiply (gguf, int4).
     """
 
     device = torch.device(device)
@@ -203,7 +205,7 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: Dtype
             raise LoadError("the int8 draft is a CPU (fp32) feature; on GPUs pass a draft model path")
         quantize_int8(model)
     elif backend is not None:
-        model.precision = cpu_backends.apply(model, backend, blocks, quantize)
+        model.precision = cpu_backends.apply(model, backend, blocks, quantize, activations)
         model.batch_invariant = True
     elif cpu:
         if dtype is Dtype.FLOAT16:
