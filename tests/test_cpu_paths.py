@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from swiftspec.engine.config import Activations
 from swiftspec.engine.model import cpu_backends, cpu_blocks
 from swiftspec.kernels import cpu_linear
 from swiftspec.kernels.cpu_linear import Format
@@ -23,7 +24,7 @@ FLOAT_DTYPES = {Format.F32: torch.float32, Format.F16: torch.float16, Format.BF1
 
 @pytest.fixture(scope="module")
 def dll():
-    lib = cpu_backends.library()
+    lib = cpu_backends.library(Activations.INT16)
     chosen = cpu_linear.paths_in_use(lib)
     yield lib
     cpu_linear.use_paths(lib, chosen)

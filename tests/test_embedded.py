@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from swiftspec.engine.config import Dtype, SamplingParams
+from swiftspec.engine.config import Activations, Dtype, SamplingParams
 from swiftspec.engine.host.encode import encode_chat
-from swiftspec.engine.model import embedded, gguf_io
+from swiftspec.engine.model import cpu_backends, embedded, gguf_io
 from swiftspec.engine.model.loader import load_model
 from swiftspec.engine.model.model_dir import (
     eos_token_ids,
@@ -122,16 +122,22 @@ def test_greedy_equals_transformers_generate(embedded_dir, embedded_tokenizer, h
         assert len(theirs) >= 4 and ours == theirs, prompt
 
 
-def test_the_gguf_backend_stays_close_to_the_fp32_dequantised_model(embedded_dir, embedded_tokenizer):
-    """int16 activations over 30 layers: the last position's logits within 0.2 % of their range of the
-    fp32 model's (measured: 0.02-0.03 %; int8 activations, as llama.cpp's, gave 5-6 %), same top token."""
+@pytest.mark.parametrize("activations, within, top", [(Activations.INT16, 0.002, 1), (Activations.INT8, 0.15, 3)])
+def test_the_gguf_backend_stays_close_to_the_fp32_dequantised_model(embedded_dir, embedded_tokenizer, activations,
+                                                                     within, top):
+    """Over 30 layers, the last position's logits within a share of their range of the fp32 model's, the top
+    token among the fp32 model's first ``top``: int16 activations within 0.2 % (measured: 0.02-0.03 %) and
+    the same top token, llama.cpp's int8 within 15 % (measured: 4-11 %), which can flip a near tie."""
     from swiftspec.engine.spec.tree_cache import prefill_forward
 
-    ours = load_model(embedded_dir, dtype=Dtype.GGUF, max_slots=512)
     fp32 = load_model(embedded_dir, dtype=Dtype.FLOAT32, max_slots=512)
-    assert ours.precision.startswith("gguf (Q4_1 blocks)")
-    for prompt in CHATS:
-        ids = encode_chat(embedded_tokenizer, [{"role": "user", "content": prompt}])
-        a, _ = prefill_forward(ours, ids, 0)
-        b, _ = prefill_forward(fp32, ids, 0)
-        assert (a - b).abs().max() < 0.002 * (b.max() - b.min()) and a.argmax() == b.argmax(), prompt
+    ours = load_model(embedded_dir, dtype=Dtype.GGUF, max_slots=512, activations=activations)
+    try:
+        assert ours.precision.startswith("gguf (Q4_1 blocks)") and f"{activations} activations" in ours.precision
+        for prompt in CHATS:
+            ids = encode_chat(embedded_tokenizer, [{"role": "user", "content": prompt}])
+            a, _ = prefill_forward(ours, ids, 0)
+            b, _ = prefill_forward(fp32, ids, 0)
+            assert (a - b).abs().max() < within * (b.max() - b.min()) and a.argmax() in b.topk(top).indices, prompt
+    finally:
+        cpu_backends.library(Activations.INT16)  # the library's width is the process's: back to the default

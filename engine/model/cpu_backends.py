@@ -218,7 +218,8 @@ def apply(model: nn.Module, backend: Dtype, blocks: dict[str, Blocks] | None = N
     ``blocks``: the GGUF blocks by our parameter name (``layers.0.attention.wqkv.weight``,
     ``tok_embeddings.weight``); a linear without blocks keeps fp32 weights. ``quantize`` (gguf backend on a
     float checkpoint): every linear packed as Q4 blocks, the lm_head and embedding as Q8. ``activations``:
-    what the integer blocks multiply.
+    what the integer blocks multiply, a setting of the library and so of the process (as its threads are),
+    which serves one model.
     """
     dll = library(activations)
     blocks = dict(blocks or {})
