@@ -52,7 +52,7 @@ PATH_OBJECTS = {
 EMULATED_AMX = ("amx.c", ["-DSS_AMX_EMULATE", "-Wno-psabi"])
 EMULATED_AVX_VNNI = ("avx2.c", [*_AVX2, "-DSS_VNNI", "-DSS_VNNI_EMULATE"])
 EMULATED_AVX512_VNNI = ("vnni512_emulated.c", ["-Wno-psabi"])
-HOST_OBJECTS = ("dispatch.c", "pool.c", "blocks.c")
+HOST_OBJECTS = ("dispatch.c", "pool.c", "blocks.c", "sample.c")
 # -ffp-contract=off: no multiply and add fused where the canonical order keeps them apart (cpu/kernels.h)
 CFLAGS = ["-O3", "-std=gnu11", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
 
@@ -188,6 +188,8 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     dll.ss_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] \
         + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     dll.ss_layers.restype = ctypes.c_int
+    dll.ss_sample.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_float] + [ctypes.c_void_p] * 2
+    dll.ss_sample.restype = ctypes.c_int
     return dll
 
 
@@ -344,6 +346,19 @@ def linear(dll: ctypes.CDLL, fmt: Format, x: Tensor, n: int, w: Tensor, d: Tenso
 def scales_format(fmt: Format, d: Tensor | None) -> int:
     """The format as the kernels take it: with HALF_SCALES where the scales are float16."""
     return int(fmt) | (HALF_SCALES if d is not None and d.dtype == torch.float16 else 0)
+
+
+def sample(dll: ctypes.CDLL, logits: Tensor, temperature: float, min_p: float, uniforms: Tensor) -> Tensor:
+    """One token per row of logits [n, V] (fp32) from softmax(logits / temperature) with min-p (0: off),
+    each drawn at its uniform in [0, 1) (``uniforms`` [n] float64): the inverse of the cumulative
+    distribution, never a token of mass 0 (a -inf logit, or one min-p removes). [n] int64."""
+    logits = logits.float().contiguous()
+    uniforms = uniforms.double().contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    if dll.ss_sample(logits.shape[0], logits.shape[1], logits.data_ptr(), temperature, min_p, uniforms.data_ptr(),
+                     out.data_ptr()) != 0:
+        raise MemoryError("cpu_linear: out of memory for the sampler's row")
+    return out
 
 
 def attention(dll: ctypes.CDLL, q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float) -> Tensor:

@@ -238,6 +238,25 @@ def test_cpu_draw_is_exact_across_blocks():
     assert chi_square_p(counts, p[support].double()) > 1e-3
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, min_p=0.05), SamplingParams(temperature=1.3)])
+def test_the_kernels_draw_the_samplers_distribution(params):
+    """Without top-k and top-p the CPU's draw is the kernels' (temperature, min-p and the inverse of the
+    cumulative distribution in one pass over a row, kernels/cpu/sample.c): chi-square against probs()
+    over a vocabulary of several search blocks, and never a token of mass 0 (a -inf logit, one min-p
+    removes)."""
+    assert sampling._kernels() is not None
+    g = torch.Generator().manual_seed(21)
+    logits = torch.full((1000,), -30.0)
+    live = torch.tensor([3, 255, 256, 400, 640, 999])
+    logits[live] = torch.randn(len(live), generator=g) * 1.5
+    logits[[10, 700]] = -torch.inf
+    sampler = Sampler(replace(params, seed=5))
+    want = sampler.probs(logits).double()
+    drawn = torch.cat([sampler.choose(logits.expand(40, -1)) for _ in range(300)])
+    assert not set(drawn.tolist()) & {10, 700}
+    assert chi_square_p(torch.bincount(drawn, minlength=1000).double(), want / want.sum()) > 1e-3
+
+
 def test_greedy_choice_is_the_first_of_equal_maxima():
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0]])
     assert Sampler(SamplingParams()).choose(logits).tolist() == [1, 0]
