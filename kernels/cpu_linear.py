@@ -97,8 +97,9 @@ def _sources() -> list[Path]:
 
 @functools.cache
 def source_digest() -> str:
-    """The kernels' sources, as an identity: what was measured with other kernels is not reused."""
-    h = hashlib.sha256()
+    """The kernels' sources and how they are built (the objects, their flags), as an identity: what was
+    built or measured with other kernels is not reused."""
+    h = hashlib.sha256(repr((PATH_OBJECTS, HOST_OBJECTS, CFLAGS)).encode())
     for p in _sources():
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:16]
