@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -265,27 +266,42 @@ def isa(dll: ctypes.CDLL) -> str:
     return ", ".join(label)
 
 
-def _path_seconds(dll: ctypes.CDLL, path: KernelPath) -> dict[str, float]:
-    """One path's time on the linears a decode step, a verification and a prefill are made of: Q4 and Q8
-    weights of a small model's shapes, one thread, the best of several calls; for each PathChoice class the
-    path is meant for (its min_rows), at the class's CLASS_ROWS."""
+PATH_ROUNDS = 7  # rounds of the paths' measurement (_path_seconds)
+
+
+def _path_seconds(dll: ctypes.CDLL, candidates: list[KernelPath]) -> dict[str, dict[str, float]]:
+    """Each path's time on the linears a decode step, a verification and a prefill are made of (Q4 and Q8
+    weights of a small model's shapes, one thread), for each PathChoice class it is meant for (its
+    min_rows) at the class's CLASS_ROWS. Round by round, every path in turn, so that a machine whose speed
+    drifts while it measures (a busy neighbour, a VM's host) weighs on every path alike; a round's time is
+    the sum of each linear's best of two calls, a path's the median of its rounds. A path over twice the
+    fastest in every class it serves after the first round (the portable one) is not measured again."""
     g = torch.Generator().manual_seed(0)
-    use_path(dll, path.name)
-    classes = {cls: rows for cls, rows in CLASS_ROWS.items() if rows >= path.min_rows}
-    total = dict.fromkeys(classes, 0.0)
-    for fmt, n, k in ((Format.Q4, 1536, 576), (Format.Q4, 576, 1536), (Format.Q8, 4096, 576)):
+    linears = []  # the embedded model's MLP (gate and up as one linear, down) and a Q8 weight as wide
+    for fmt, n, k in ((Format.Q4, 3072, 576), (Format.Q4, 576, 1536), (Format.Q8, 4096, 576)):
         nb = k // 32
         w = torch.randint(-100, 100, (n, nb * (16 if fmt == Format.Q4 else 32)), generator=g, dtype=torch.int8)
         d, m = torch.rand(n, nb, generator=g), torch.rand(n, nb, generator=g)
-        for cls, rows in classes.items():
-            x = torch.randn(rows, k, generator=g)
-            best = float("inf")
-            for _ in range(5):
-                t0 = time.perf_counter()
-                linear(dll, fmt, x, n, w, d, m)
-                best = min(best, time.perf_counter() - t0)
-            total[cls] += best
-    return total
+        linears.append((fmt, n, w, d, m, {rows: torch.randn(rows, k, generator=g) for rows in CLASS_ROWS.values()}))
+    times = {p.name: {cls: [] for cls, rows in CLASS_ROWS.items() if rows >= p.min_rows} for p in candidates}
+    measured = list(times)
+    for r in range(PATH_ROUNDS):
+        for name in measured:
+            use_path(dll, name)
+            for cls in times[name]:
+                total = 0.0
+                for fmt, n, w, d, m, xs in linears:
+                    best = float("inf")
+                    for _ in range(2):
+                        t0 = time.perf_counter()
+                        linear(dll, fmt, xs[CLASS_ROWS[cls]], n, w, d, m)
+                        best = min(best, time.perf_counter() - t0)
+                    total += best
+                times[name][cls].append(total)
+        if r == 0:
+            fastest = {cls: min(t[cls][0] for t in times.values() if cls in t) for cls in CLASS_ROWS}
+            measured = [name for name in measured if any(t[0] <= 2 * fastest[cls] for cls, t in times[name].items())]
+    return {name: {cls: statistics.median(t) for cls, t in classes.items()} for name, classes in times.items()}
 
 
 def fastest_paths(dll: ctypes.CDLL, record: Path) -> PathChoice:
@@ -302,7 +318,7 @@ def fastest_paths(dll: ctypes.CDLL, record: Path) -> PathChoice:
     previous = dll.ss_threads()
     set_threads(dll, 1)
     try:
-        seconds = {p.name: _path_seconds(dll, p) for p in paths(dll) if p.runs}
+        seconds = _path_seconds(dll, [p for p in paths(dll) if p.runs])
     finally:
         set_threads(dll, previous)
     choice = PathChoice(**{cls: min((name for name in seconds if cls in seconds[name]),
