@@ -271,7 +271,7 @@ PATH_ROUNDS = 7  # rounds of the paths' measurement (_path_seconds)
 
 def _path_seconds(dll: ctypes.CDLL, candidates: list[KernelPath]) -> dict[str, dict[str, float]]:
     """Each path's time on the linears a decode step, a verification and a prefill are made of (Q4 and Q8
-    weights of a small model's shapes, one thread), for each PathChoice class it is meant for (its
+    weights of the embedded model's shapes, one thread), for each PathChoice class it is meant for (its
     min_rows) at the class's CLASS_ROWS. Round by round, every path in turn, so that a machine whose speed
     drifts while it measures (a busy neighbour, a VM's host) weighs on every path alike; a round's time is
     the sum of each linear's best of two calls, a path's the median of its rounds. A path over twice the

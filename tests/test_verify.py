@@ -1,7 +1,7 @@
 """Verification: greedy against a brute-force walk; sampling is lossless (chi-square against the target's
 distribution on synthetic targets, for chains and for trees with siblings, with and without penalties,
 and a planted path bug that the test catches); each node's penalty counts its own path; the Sampler's
-distribution equals transformers' logits processors; the CPU's draw is exact across its blocks and the
+distribution equals transformers' logits processors; the CPU's draw is exact and the
 greedy choice is the first of equal maxima."""
 
 import functools
@@ -224,11 +224,11 @@ def test_penalties_and_min_p_match_transformers_processors():
         torch.testing.assert_close(ours, torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
 
 
-def test_cpu_draw_is_exact_across_blocks():
-    """The CPU's two-level draw (sampling._BLOCK tokens a block) over a vocabulary of several blocks and a
-    padded tail: chi-square against p, and never a token of mass 0 (p is 0 between the tokens below,
-    which sit on both sides of block edges, in the first and the last block)."""
-    vocab, support = 2 * sampling._BLOCK + 700, [0, 5, 1023, 1024, 1500, 2047, 2048, 2 * sampling._BLOCK + 699]
+def test_cpu_draw_is_exact():
+    """The CPU's draw after probs() (the inverse of the cumulative distribution) over a vocabulary of 2748:
+    chi-square against p, and never a token of mass 0 (p is 0 between the tokens below, the first and the
+    last among them)."""
+    vocab, support = 2748, [0, 5, 1023, 1024, 1500, 2047, 2048, 2747]
     p = torch.zeros(vocab)
     p[support] = torch.tensor([0.05, 0.2, 0.1, 0.15, 0.05, 0.25, 0.1, 0.1])
     sampler = Sampler(SamplingParams(temperature=1.0, seed=11))

@@ -38,9 +38,6 @@ def window_counts(history: list[int], tokens: list[int], ancestors: np.ndarray, 
     return ids, members @ (column.reshape(-1)[:, None] == np.arange(len(ids))[None, :])
 
 
-_BLOCK = 1024  # tokens a block of the CPU's draw (Sampler.draw)
-
-
 @functools.cache
 def _kernels():
     """The CPU kernels, for their sampler (kernels/cpu/sample.c); None where they cannot be built."""
@@ -144,27 +141,17 @@ class Sampler:
 
     def draw(self, probs: Tensor) -> Tensor:
         """One token per row from (unnormalised, non-negative) distributions [..., V], as a tensor: an exact
-        draw from p. On the CPU, the inverse of the cumulative distribution at one uniform a row (a V-wide
-        random draw cost 0.8 ms a row there, more than the rest of a decode step); elsewhere the exponential
-        race argmax(p / E), E ~ Exp(1) i.i.d., which reads nothing of p back from the device."""
+        draw from p. On the CPU, the inverse of the cumulative distribution (float64) at one uniform a row (a
+        V-wide random draw cost 0.8 ms a row there, more than the rest of a decode step; choose() draws in the
+        kernels where it can); elsewhere the exponential race argmax(p / E), E ~ Exp(1) i.i.d., which reads
+        nothing of p back from the device."""
         if probs.device.type != "cpu":
             race = torch.empty_like(probs).exponential_(generator=self.generator)
             return (probs / race).argmax(-1)
-        V = probs.shape[-1]
-        rows = probs.reshape(-1, V)
-        if V % _BLOCK:
-            rows = torch.nn.functional.pad(rows, (0, _BLOCK - V % _BLOCK))
-        blocks = rows.view(len(rows), -1, _BLOCK)
-        # the inverse in two levels, blocks then tokens: a cumulative sum of the block sums and one of the
-        # chosen block (one of the whole row, in float64, cost 0.2 ms a row)
-        mass = blocks.sum(-1, dtype=torch.float64)
-        cdf = mass.cumsum(-1)
-        u = _below(torch.rand((len(rows), 1), generator=self.generator, dtype=torch.float64) * cdf[:, -1:], cdf[:, -1:])
-        block = torch.searchsorted(cdf, u, right=True)  # the first whose cumulative mass exceeds u: mass > 0
-        before = torch.cat([cdf.new_zeros(len(rows), 1), cdf[:, :-1]], 1).gather(1, block)
-        inner = blocks[torch.arange(len(rows)), block[:, 0]].double().cumsum(-1)
-        token = torch.searchsorted(inner, _below(u - before, inner[:, -1:]), right=True)
-        return (block * _BLOCK + token).view(probs.shape[:-1])
+        cdf = probs.double().cumsum(-1)
+        u = _below(torch.rand((*cdf.shape[:-1], 1), generator=self.generator, dtype=torch.float64) * cdf[..., -1:],
+                   cdf[..., -1:])
+        return torch.searchsorted(cdf, u, right=True).squeeze(-1)  # the first whose mass exceeds u: mass > 0
 
     def choose(self, logits: Tensor) -> Tensor:
         """The target's token at each of n nodes from (penalised) logits [n, V]: the argmax when greedy,
@@ -177,9 +164,10 @@ class Sampler:
                 return torch.from_numpy(np.argmax(logits.numpy(), -1))
             return logits.argmax(-1)
         p = self.params
-        if logits.device.type == "cpu" and not 0 < p.top_k < logits.shape[-1] and p.top_p >= 1.0 and _kernels():
+        if logits.device.type == "cpu" and not 0 < p.top_k < logits.shape[-1] and p.top_p >= 1.0 \
+                and (dll := _kernels()) is not None:
             u = torch.rand(len(logits), generator=self.generator, dtype=torch.float64)
-            return cpu_linear.sample(_kernels(), logits, p.temperature, p.min_p, u)
+            return cpu_linear.sample(dll, logits, p.temperature, p.min_p, u)
         return self.draw(self.probs(logits))
 
     def sample(self, logits: Tensor) -> int:
