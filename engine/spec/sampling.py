@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from swiftspec.engine.config import ConfigError, SamplingParams
+from swiftspec.engine.config import ConfigError, Device, SamplingParams
 from swiftspec.engine.model import cpu_backends
 from swiftspec.engine.spec.grammar import Constraint, Vocabulary
 from swiftspec.engine.spec.tree import ancestors
@@ -145,7 +145,7 @@ class Sampler:
         V-wide random draw cost 0.8 ms a row there, more than the rest of a decode step; choose() draws in the
         kernels where it can); elsewhere the exponential race argmax(p / E), E ~ Exp(1) i.i.d., which reads
         nothing of p back from the device."""
-        if probs.device.type != "cpu":
+        if Device.of(probs.device) is not Device.CPU:
             race = torch.empty_like(probs).exponential_(generator=self.generator)
             return (probs / race).argmax(-1)
         cdf = probs.double().cumsum(-1)
@@ -160,11 +160,11 @@ class Sampler:
         draw without top-k or top-p is the kernels' (temperature, min-p and the draw in one pass: 0.2 ms a
         row in torch's ops)."""
         if self.greedy:
-            if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            if Device.of(logits.device) is Device.CPU and logits.dtype == torch.float32:
                 return torch.from_numpy(np.argmax(logits.numpy(), -1))
             return logits.argmax(-1)
         p = self.params
-        if logits.device.type == "cpu" and not 0 < p.top_k < logits.shape[-1] and p.top_p >= 1.0 \
+        if Device.of(logits.device) is Device.CPU and not 0 < p.top_k < logits.shape[-1] and p.top_p >= 1.0 \
                 and (dll := _kernels()) is not None:
             u = torch.rand(len(logits), generator=self.generator, dtype=torch.float64)
             return cpu_linear.sample(dll, logits, p.temperature, p.min_p, u)
