@@ -365,6 +365,7 @@ INLINE void weighted_values(const int D, const float *p, const int *keys, int n,
         for (int i = 0; i < n; i++) {
             const __m256 pi = _mm256_set1_ps(p[i]);
             const float *v = vb + (size_t)keys[i] * D + e0;
+            if (i + PREFETCH_KEYS < n) prefetch_row(vb + (size_t)keys[i + PREFETCH_KEYS] * D + e0, width);
             for (int e = 0; e < width / 8; e++) acc[e] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 8 * e), acc[e]);
         }
         for (int e = 0; e < width / 8; e++) _mm256_storeu_ps(out + e0 + 8 * e, _mm256_mul_ps(acc[e], _mm256_set1_ps(inv)));
@@ -380,6 +381,8 @@ INLINE void attend_d(const int D, const attn_t *a, int t, int h, const int *keys
     int i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 lanes[8];
+        if (i + 8 + PREFETCH_KEYS <= n)
+            for (int l = 0; l < 8; l++) prefetch_row(kb + (size_t)keys[i + PREFETCH_KEYS + l] * D, D);
         for (int l = 0; l < 8; l++) lanes[l] = score_lanes(D, q, kb + (size_t)keys[i + l] * D);
         const __m256 sc = _mm256_mul_ps(r8x8(lanes), scale);
         _mm256_storeu_ps(buf + i, sc);

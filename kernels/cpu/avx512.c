@@ -258,6 +258,8 @@ INLINE void pair_scores(const int D, const attn_t *a, int t, int h, const int *k
     for (; i + 8 <= n; i += 8) {
         __m512 acc[8];
         for (int l = 0; l < 8; l++) acc[l] = _mm512_setzero_ps();
+        if (i + 8 + PREFETCH_KEYS <= n)
+            for (int l = 0; l < 8; l++) prefetch_row(kb + (size_t)keys[i + PREFETCH_KEYS + l] * D, D);
         for (int e = 0; e < D; e += 8)
             for (int l = 0; l < 8; l++) acc[l] = _mm512_fmadd_ps(q[e / 8], both(kb + (size_t)keys[i + l] * D + e), acc[l]);
         __m256 lo[8], hi[8];
@@ -293,6 +295,7 @@ INLINE void attend_pair(const int D, const attn_t *a, int t, int h, const int *k
         for (int i = 0; i < n; i++) {
             const __m512 p = pair(_mm256_set1_ps(sa[i]), _mm256_set1_ps(sb[i]));
             const float *v = vb + (size_t)keys[i] * D + e0;
+            if (i + PREFETCH_KEYS < n) prefetch_row(vb + (size_t)keys[i + PREFETCH_KEYS] * D + e0, width);
             for (int e = 0; e < width / 8; e++) acc[e] = _mm512_fmadd_ps(p, both(v + 8 * e), acc[e]);
         }
         for (int e = 0; e < width / 8; e++) {

@@ -19,6 +19,14 @@ static inline __attribute__((always_inline)) __m256 scales8(const job_t *j, cons
                    : _mm256_loadu_ps((const float *)panel + i);
 }
 
+/* Attention asks for the cache lines of the key or value PREFETCH_KEYS keys ahead (`floats` floats): the
+ * hardware's prefetchers alone left a long context's keys and values streaming from L3 at 80-90 % of the
+ * speed (2000 keys, 30 layers). */
+#define PREFETCH_KEYS 32
+static inline __attribute__((always_inline)) void prefetch_row(const float *p, int floats) {
+    for (int f = 0; f < floats; f += 16) _mm_prefetch((const char *)(p + f), _MM_HINT_T0);
+}
+
 /* R8 of each of 8 vectors, as the 8 lanes of one */
 static inline __attribute__((always_inline)) __m256 r8x8(const __m256 a[8]) {
     __m256 h[4], q[2];
