@@ -42,8 +42,9 @@
  *              out = R8(t) with t_l = (c_l + c_{16 + l}) + (c_{8 + l} + c_{24 + l}) (+ bias).
  *   Attention, one (row, head) over its allowed keys in order: a score is R8 of 8 lanes, lane l summing
  *              fma(q[e], k[e], .) over e = l, l + 8, ... from +0, times the scale; p_i = exp8(score_i -
- *              max); sum = p_0 + p_1 + ... in order; out[e] = (fma over the keys in order of p_i v_i[e],
- *              from +0) * (1 / sum).
+ *              max); sum = R8(s), lane l summing p_l, p_{l + 8}, ... in order from +0 (eight chains of
+ *              adds, not one: attention ran 5-9 % faster); out[e] = (fma over the keys in order of
+ *              p_i v_i[e], from +0) * (1 / sum).
  *   exp8(x):   Cephes' expf polynomial (below), each step one fp32 operation or one fma.
  */
 #ifndef SS_KERNELS_H

@@ -90,12 +90,12 @@ void ss_portable_attend_head(const attn_t *a, int t, int h, const int *keys, int
         buf[i] = ss_r8(acc) * a->scale;
         mx = buf[i] > mx ? buf[i] : mx;
     }
-    float sum = 0.0f;
+    float sum[8] = {0};
     for (int i = 0; i < n; i++) {
         buf[i] = ss_exp(buf[i] - mx);
-        sum += buf[i];
+        sum[i % 8] += buf[i];
     }
-    const float inv = 1.0f / sum;
+    const float inv = 1.0f / ss_r8(sum);
     float *o = a->out + ((size_t)t * a->H + h) * D;
     for (int e = 0; e < D; e++) {
         float acc = 0.0f;

@@ -55,20 +55,27 @@ static inline __attribute__((always_inline)) __m256 exp_ps(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* p = exp8(score - max) in place over n scores (kernels.h); returns their sum, in order. */
+/* p = exp8(score - max) in place over n scores (kernels.h); returns their sum in its 8 lanes. */
 static inline __attribute__((always_inline)) float softmax_weights(float *p, int n, float mx) {
     const __m256 vm = _mm256_set1_ps(mx);
+    __m256 sum = _mm256_setzero_ps();
     int i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(p + i), vm)));
-    if (i < n) {
-        float tail[8] = {0};
-        for (int l = 0; l < n - i; l++) tail[l] = p[i + l] - mx;
-        _mm256_storeu_ps(tail, exp_ps(_mm256_loadu_ps(tail)));
-        for (int l = 0; l < n - i; l++) p[i + l] = tail[l];
+    for (; i + 8 <= n; i += 8) {
+        const __m256 w = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(p + i), vm));
+        _mm256_storeu_ps(p + i, w);
+        sum = _mm256_add_ps(sum, w);
     }
-    float sum = 0.0f;
-    for (i = 0; i < n; i++) sum += p[i];
-    return sum;
+    if (i < n) {
+        float tail[8];
+        for (int l = 0; l < 8; l++) tail[l] = l < n - i ? p[i + l] - mx : 0.0f;
+        const __m256 w = exp_ps(_mm256_loadu_ps(tail));
+        _mm256_storeu_ps(tail, w);
+        for (int l = 0; l < n - i; l++) p[i + l] = tail[l];
+        /* the lanes past the end add +0, which leaves their sums as they are */
+        sum = _mm256_add_ps(sum, _mm256_blendv_ps(_mm256_setzero_ps(), w, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                  _mm256_set1_epi32(n - i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))));
+    }
+    return r8(sum);
 }
 
 #endif
