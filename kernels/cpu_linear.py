@@ -173,7 +173,7 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     dll.ss_set_activation_bits.restype = ctypes.c_int
     dll.ss_set_threads.argtypes = [ctypes.c_int]
     dll.ss_set_threads.restype = ctypes.c_int
-    dll.ss_attention.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_void_p] * 5
+    dll.ss_attention.argtypes = [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_void_p] * 5
     dll.ss_attention.restype = ctypes.c_int
     dll.ss_path_name.argtypes = [ctypes.c_int]
     dll.ss_path_name.restype = ctypes.c_char_p
@@ -183,11 +183,11 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     dll.ss_use_path_for.argtypes = [ctypes.c_int, ctypes.c_int]
     dll.ss_path_for.argtypes = [ctypes.c_int]
     dll.ss_attention_block.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] \
-        + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     dll.ss_attention_block.restype = ctypes.c_int
     dll.ss_mlp_block.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
     dll.ss_mlp_block.restype = ctypes.c_int
-    dll.ss_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] \
+    dll.ss_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 2 \
         + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     dll.ss_layers.restype = ctypes.c_int
     dll.ss_sample.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_float] + [ctypes.c_void_p] * 2
@@ -378,15 +378,23 @@ def sample(dll: ctypes.CDLL, logits: Tensor, temperature: float, min_p: float, u
     return out
 
 
+def kv_half(k_cache: Tensor) -> int:
+    """How the kernels are told a KV cache's elements: 1 for float16, 0 for float32 (the two they read)."""
+    if k_cache.dtype not in (torch.float16, torch.float32):
+        raise TypeError(f"the CPU kernels read a KV cache of float16 or float32, not {k_cache.dtype}")
+    return int(k_cache.dtype == torch.float16)
+
+
 def attention(dll: ctypes.CDLL, q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Tree attention of q [T, H, D] over k/v [Hkv, S_max, D] (fp32) under ``mask`` [T, S] bool (S <= S_max):
-    one fixed order over the keys per row, so a row's result does not depend on the other rows."""
+    """Tree attention of q [T, H, D] over k/v [Hkv, S_max, D] (float32, or float16 read as their exact fp32
+    values) under ``mask`` [T, S] bool (S <= S_max): one fixed order over the keys per row, so a row's result
+    does not depend on the other rows."""
     T, H, D = q.shape
     Hkv, s_max, _ = k_cache.shape
     q = q.contiguous()
     mask = mask.contiguous()
     out = torch.empty(T, H, D, dtype=torch.float32)
-    if dll.ss_attention(T, H, Hkv, D, mask.shape[1], s_max, scale, q.data_ptr(), k_cache.data_ptr(),
+    if dll.ss_attention(T, H, Hkv, D, mask.shape[1], s_max, kv_half(k_cache), scale, q.data_ptr(), k_cache.data_ptr(),
                         v_cache.data_ptr(), mask.data_ptr(), out.data_ptr()) != 0:
         raise MemoryError("cpu_linear: out of memory for the attention scores")
     return out

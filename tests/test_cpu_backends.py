@@ -82,6 +82,22 @@ def test_the_stack_in_one_call_computes_the_blocks_in_turn(backend, gguf_dir):
     assert torch.equal(rows, in_turn) and torch.equal(model.k_cache, k_cache)
 
 
+def test_the_gguf_backend_keeps_its_kv_cache_in_half_rounded_to_nearest_even(gguf_dir):
+    """The kernels write the keys and values as halves: the first layer's (whose inputs do not depend on
+    the cache) are the float cache's rounded as torch rounds them; the float backends keep floats."""
+    model = model_for(Dtype.GGUF, gguf_dir)
+    assert model.k_cache.dtype == model.v_cache.dtype == torch.float16
+    assert model_for(Dtype.FLOAT32, gguf_dir).k_cache.dtype == torch.float32
+    tree_and_steps(model, TREES["branches"])
+    halves = model.k_cache[0].clone(), model.v_cache[0].clone()
+    model.kv_dtype = torch.float32
+    model.setup_cache(model.max_slots)
+    tree_and_steps(model, TREES["branches"])
+    floats = model.k_cache[0], model.v_cache[0]
+    assert halves[0].abs().sum() > 0
+    assert all(torch.equal(h, f.half()) for h, f in zip(halves, floats, strict=True))
+
+
 def test_the_gguf_backend_runs_the_files_own_blocks(gguf_dir):
     model = model_for(Dtype.GGUF, gguf_dir)
     fmts = {name: m.fmt for name, m in model.named_modules() if isinstance(m, PackedLinear)}

@@ -285,17 +285,23 @@ def test_the_avx512_vnni_int8_tiles_compute_the_portable_bits(emulated_avx512_vn
 
 @pytest.mark.parametrize("head_dim", [64, 128, 32, 40, 36])  # the constant-D copies, the general loop, no 8
 @pytest.mark.parametrize("h, hkv", [(6, 2), (4, 1), (2, 2)])  # groups of 3 heads (a pair and one), 4, 1
-def test_every_path_attends_as_the_portable_one(dll, head_dim, h, hkv):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_every_path_attends_as_the_portable_one(dll, head_dim, h, hkv, kv_dtype):
+    """A cache of halves gives, on every path, what its values as floats give: they are read exactly."""
     g = torch.Generator().manual_seed(head_dim)
     t, s, s_max = 6, 77, 90
     q = torch.randn(t, h, head_dim, generator=g)
     k, v = torch.randn(hkv, s_max, head_dim, generator=g), torch.randn(hkv, s_max, head_dim, generator=g)
+    k, v = k.to(kv_dtype).float(), v.to(kv_dtype).float()
     mask = torch.rand(t, s, generator=g) < 0.5
     mask[:, 0] = True
     mask[1, 1:] = False  # one key alone
-    outs = on_every_path(dll, lambda: cpu_linear.attention(dll, q, k, v, mask, head_dim ** -0.5))
+    outs = on_every_path(dll, lambda: cpu_linear.attention(dll, q, k.to(kv_dtype), v.to(kv_dtype), mask,
+                                                           head_dim ** -0.5))
+    as_floats = cpu_linear.attention(dll, q, k, v, mask, head_dim ** -0.5)
     for name, out in outs.items():
         assert torch.equal(out, outs[PORTABLE]), name
+    assert torch.equal(outs[PORTABLE], as_floats)
     scores = torch.einsum("thd,hsd->ths", q, k.repeat_interleave(h // hkv, 0)[:, :s]) * head_dim ** -0.5
     p = torch.softmax(scores.masked_fill(~mask[:, None, :], -torch.inf), -1)
     want = torch.einsum("ths,hsd->thd", p, v.repeat_interleave(h // hkv, 0)[:, :s])

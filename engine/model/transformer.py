@@ -270,6 +270,7 @@ class Transformer(nn.Module):
         # row-invariant ones (engine/model/cpu_backends.py)
         self.attention_ops = kernels
         self.precision: str | None = None  # the CPU backend's label, when one is applied
+        self.kv_dtype: torch.dtype | None = None  # the KV cache's, where a backend sets it; else the compute dtype
 
     @property
     def max_slots(self) -> int:
@@ -282,8 +283,8 @@ class Transformer(nn.Module):
         self.inv_freq = rope_inv_freq(self.args).to(p.device)
         nkv = self.layers[0].attention.n_kv_heads
         shape = (self.args.n_layers, nkv, max_slots, self.args.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        self.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.k_cache = torch.zeros(shape, dtype=self.kv_dtype or p.dtype, device=p.device)
+        self.v_cache = torch.zeros(shape, dtype=self.kv_dtype or p.dtype, device=p.device)
 
     def transpose_cpu_weights(self) -> None:
         """Stores every linear's weight column-major (fp32 CPU only): MKL's GEMM for the handful of rows a

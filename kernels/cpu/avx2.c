@@ -349,41 +349,44 @@ static void columns(const job_t *j, int n0, int n1) {
     }
 }
 
-/* The 8 lanes of one score (kernels.h) before their R8, for a head size D that is a multiple of 8. */
-INLINE __m256 score_lanes(const int D, const float *q, const float *k) {
+/* The 8 lanes of one score (kernels.h) before their R8, for a head size D that is a multiple of 8; the key
+ * at element k of the cache. */
+INLINE __m256 score_lanes(const int D, const int half, const float *q, const void *cache, size_t k) {
     __m256 acc = _mm256_setzero_ps();
-    for (int e = 0; e < D; e += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), _mm256_loadu_ps(k + e), acc);
+    for (int e = 0; e < D; e += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), kv8(half, cache, k + e), acc);
     return acc;
 }
 
-/* out[e] = inv * sum_i p[i] v[keys[i]][e], 64 dimensions at a time (the accumulators stay in registers). */
-INLINE void weighted_values(const int D, const float *p, const int *keys, int n, const float *vb, float inv, float *out) {
+/* out[e] = inv * sum_i p[i] v[keys[i]][e], 64 dimensions at a time (the accumulators stay in registers); the
+ * kv head's values from element vb of the cache. */
+INLINE void weighted_values(const int D, const int half, const float *p, const int *keys, int n, const void *cache,
+                            size_t vb, float inv, float *out) {
     for (int e0 = 0; e0 < D; e0 += 64) {
         const int width = D - e0 < 64 ? D - e0 : 64;
         __m256 acc[8];
         for (int e = 0; e < width / 8; e++) acc[e] = _mm256_setzero_ps();
         for (int i = 0; i < n; i++) {
             const __m256 pi = _mm256_set1_ps(p[i]);
-            const float *v = vb + (size_t)keys[i] * D + e0;
-            if (i + PREFETCH_KEYS < n) prefetch_row(vb + (size_t)keys[i + PREFETCH_KEYS] * D + e0, width);
-            for (int e = 0; e < width / 8; e++) acc[e] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 8 * e), acc[e]);
+            const size_t v = vb + (size_t)keys[i] * D + e0;
+            if (i + PREFETCH_KEYS < n) prefetch_kv(half, cache, vb + (size_t)keys[i + PREFETCH_KEYS] * D + e0, width);
+            for (int e = 0; e < width / 8; e++) acc[e] = _mm256_fmadd_ps(pi, kv8(half, cache, v + 8 * e), acc[e]);
         }
         for (int e = 0; e < width / 8; e++) _mm256_storeu_ps(out + e0 + 8 * e, _mm256_mul_ps(acc[e], _mm256_set1_ps(inv)));
     }
 }
 
-INLINE void attend_d(const int D, const attn_t *a, int t, int h, const int *keys, int n, float *buf) {
+INLINE void attend_d(const int D, const int half, const attn_t *a, int t, int h, const int *keys, int n, float *buf) {
     const int kvh = h / (a->H / a->Hkv);
     const float *q = a->q + ((size_t)t * a->H + h) * D;
-    const float *kb = a->k + (size_t)kvh * a->s_max * D, *vb = a->v + (size_t)kvh * a->s_max * D;
+    const size_t kb = (size_t)kvh * a->s_max * D; /* this kv head's first element, of keys and of values */
     const __m256 scale = _mm256_set1_ps(a->scale);
     __m256 vmx = _mm256_set1_ps(-INFINITY);
     int i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 lanes[8];
         if (i + 8 + PREFETCH_KEYS <= n)
-            for (int l = 0; l < 8; l++) prefetch_row(kb + (size_t)keys[i + PREFETCH_KEYS + l] * D, D);
-        for (int l = 0; l < 8; l++) lanes[l] = score_lanes(D, q, kb + (size_t)keys[i + l] * D);
+            for (int l = 0; l < 8; l++) prefetch_kv(half, a->k, kb + (size_t)keys[i + PREFETCH_KEYS + l] * D, D);
+        for (int l = 0; l < 8; l++) lanes[l] = score_lanes(D, half, q, a->k, kb + (size_t)keys[i + l] * D);
         const __m256 sc = _mm256_mul_ps(r8x8(lanes), scale);
         _mm256_storeu_ps(buf + i, sc);
         vmx = _mm256_max_ps(vmx, sc);
@@ -392,17 +395,22 @@ INLINE void attend_d(const int D, const attn_t *a, int t, int h, const int *keys
     _mm256_storeu_ps(lanes, vmx);
     for (int l = 0; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
     for (; i < n; i++) {
-        buf[i] = r8(score_lanes(D, q, kb + (size_t)keys[i] * D)) * a->scale;
+        buf[i] = r8(score_lanes(D, half, q, a->k, kb + (size_t)keys[i] * D)) * a->scale;
         mx = buf[i] > mx ? buf[i] : mx;
     }
-    weighted_values(D, buf, keys, n, vb, 1.0f / softmax_weights(buf, n, mx), a->out + ((size_t)t * a->H + h) * D);
+    weighted_values(D, half, buf, keys, n, a->v, kb, 1.0f / softmax_weights(buf, n, mx),
+                    a->out + ((size_t)t * a->H + h) * D);
 }
 
-/* One head over its allowed keys; the head sizes of real models get their own constant-D copy. */
+/* One head over its allowed keys; the head sizes of real models get their own constant-D copy, for a cache
+ * of floats and one of halves. */
 static void attend_head(const attn_t *a, int t, int h, const int *keys, int n, float *buf) {
-    if (a->D == 64) attend_d(64, a, t, h, keys, n, buf);
-    else if (a->D == 128) attend_d(128, a, t, h, keys, n, buf);
-    else if (a->D % 8 == 0) attend_d(a->D, a, t, h, keys, n, buf);
+    if (a->D == 64 && a->half) attend_d(64, 1, a, t, h, keys, n, buf);
+    else if (a->D == 64) attend_d(64, 0, a, t, h, keys, n, buf);
+    else if (a->D == 128 && a->half) attend_d(128, 1, a, t, h, keys, n, buf);
+    else if (a->D == 128) attend_d(128, 0, a, t, h, keys, n, buf);
+    else if (a->D % 8 == 0 && a->half) attend_d(a->D, 1, a, t, h, keys, n, buf);
+    else if (a->D % 8 == 0) attend_d(a->D, 0, a, t, h, keys, n, buf);
     else ss_portable_attend_head(a, t, h, keys, n, buf);
 }
 

@@ -241,15 +241,19 @@ INLINE __m512 pair(__m256 lo, __m256 hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
 INLINE __m256 high(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
-/* 8 floats at p in both halves */
-INLINE __m512 both(const float *p) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)p))); }
+/* 8 elements from element i of a KV cache of floats or halves, as floats, in both halves */
+INLINE __m512 both(const int half, const void *cache, size_t i) {
+    return half ? _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i))))
+                : _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)((const float *)cache + i))));
+}
 
 /* Scores (kernels.h) of heads h and h + 1 of row t against its n keys, into sa and sb, each head's lanes
  * in one half of a register, so that each key vector is loaded once for both and one fma serves both;
  * returns their maxima. */
-INLINE void pair_scores(const int D, const attn_t *a, int t, int h, const int *keys, int n, float *sa, float *sb,
-                        float *mx) {
-    const float *qa = a->q + ((size_t)t * a->H + h) * D, *kb = a->k + (size_t)(h / (a->H / a->Hkv)) * a->s_max * D;
+INLINE void pair_scores(const int D, const int half, const attn_t *a, int t, int h, const int *keys, int n, float *sa,
+                        float *sb, float *mx) {
+    const float *qa = a->q + ((size_t)t * a->H + h) * D;
+    const size_t kb = (size_t)(h / (a->H / a->Hkv)) * a->s_max * D; /* the kv head's first element */
     __m512 q[16]; /* D <= 128 */
     for (int e = 0; e < D; e += 8) q[e / 8] = pair(_mm256_loadu_ps(qa + e), _mm256_loadu_ps(qa + D + e));
     const __m256 scale = _mm256_set1_ps(a->scale);
@@ -259,9 +263,10 @@ INLINE void pair_scores(const int D, const attn_t *a, int t, int h, const int *k
         __m512 acc[8];
         for (int l = 0; l < 8; l++) acc[l] = _mm512_setzero_ps();
         if (i + 8 + PREFETCH_KEYS <= n)
-            for (int l = 0; l < 8; l++) prefetch_row(kb + (size_t)keys[i + PREFETCH_KEYS + l] * D, D);
+            for (int l = 0; l < 8; l++) prefetch_kv(half, a->k, kb + (size_t)keys[i + PREFETCH_KEYS + l] * D, D);
         for (int e = 0; e < D; e += 8)
-            for (int l = 0; l < 8; l++) acc[l] = _mm512_fmadd_ps(q[e / 8], both(kb + (size_t)keys[i + l] * D + e), acc[l]);
+            for (int l = 0; l < 8; l++)
+                acc[l] = _mm512_fmadd_ps(q[e / 8], both(half, a->k, kb + (size_t)keys[i + l] * D + e), acc[l]);
         __m256 lo[8], hi[8];
         for (int l = 0; l < 8; l++) lo[l] = _mm512_castps512_ps256(acc[l]), hi[l] = high(acc[l]);
         const __m256 ya = _mm256_mul_ps(r8x8(lo), scale), yb = _mm256_mul_ps(r8x8(hi), scale);
@@ -274,7 +279,7 @@ INLINE void pair_scores(const int D, const attn_t *a, int t, int h, const int *k
     for (int l = 0; l < 8; l++) mx[0] = la[l] > mx[0] ? la[l] : mx[0], mx[1] = lb[l] > mx[1] ? lb[l] : mx[1];
     for (; i < n; i++) {
         __m512 acc = _mm512_setzero_ps();
-        for (int e = 0; e < D; e += 8) acc = _mm512_fmadd_ps(q[e / 8], both(kb + (size_t)keys[i] * D + e), acc);
+        for (int e = 0; e < D; e += 8) acc = _mm512_fmadd_ps(q[e / 8], both(half, a->k, kb + (size_t)keys[i] * D + e), acc);
         sa[i] = r8(_mm512_castps512_ps256(acc)) * a->scale, sb[i] = r8(high(acc)) * a->scale;
         mx[0] = sa[i] > mx[0] ? sa[i] : mx[0], mx[1] = sb[i] > mx[1] ? sb[i] : mx[1];
     }
@@ -282,11 +287,12 @@ INLINE void pair_scores(const int D, const attn_t *a, int t, int h, const int *k
 
 /* Heads h and h + 1 of row t: both heads' weighted values in one register's halves, each value vector
  * loaded once for both. */
-INLINE void attend_pair(const int D, const attn_t *a, int t, int h, const int *keys, int n, float *sa, float *sb) {
+INLINE void attend_pair(const int D, const int half, const attn_t *a, int t, int h, const int *keys, int n, float *sa,
+                        float *sb) {
     float mx[2];
-    pair_scores(D, a, t, h, keys, n, sa, sb, mx);
+    pair_scores(D, half, a, t, h, keys, n, sa, sb, mx);
     const float ia = 1.0f / softmax_weights(sa, n, mx[0]), ib = 1.0f / softmax_weights(sb, n, mx[1]);
-    const float *vb = a->v + (size_t)(h / (a->H / a->Hkv)) * a->s_max * D;
+    const size_t vb = (size_t)(h / (a->H / a->Hkv)) * a->s_max * D;
     float *oa = a->out + ((size_t)t * a->H + h) * D, *ob = oa + D;
     for (int e0 = 0; e0 < D; e0 += 64) {
         const int width = D - e0 < 64 ? D - e0 : 64;
@@ -294,9 +300,9 @@ INLINE void attend_pair(const int D, const attn_t *a, int t, int h, const int *k
         for (int e = 0; e < width / 8; e++) acc[e] = _mm512_setzero_ps();
         for (int i = 0; i < n; i++) {
             const __m512 p = pair(_mm256_set1_ps(sa[i]), _mm256_set1_ps(sb[i]));
-            const float *v = vb + (size_t)keys[i] * D + e0;
-            if (i + PREFETCH_KEYS < n) prefetch_row(vb + (size_t)keys[i + PREFETCH_KEYS] * D + e0, width);
-            for (int e = 0; e < width / 8; e++) acc[e] = _mm512_fmadd_ps(p, both(v + 8 * e), acc[e]);
+            const size_t v = vb + (size_t)keys[i] * D + e0;
+            if (i + PREFETCH_KEYS < n) prefetch_kv(half, a->v, vb + (size_t)keys[i + PREFETCH_KEYS] * D + e0, width);
+            for (int e = 0; e < width / 8; e++) acc[e] = _mm512_fmadd_ps(p, both(half, a->v, v + 8 * e), acc[e]);
         }
         for (int e = 0; e < width / 8; e++) {
             _mm256_storeu_ps(oa + e0 + 8 * e, _mm256_mul_ps(_mm512_castps512_ps256(acc[e]), _mm256_set1_ps(ia)));
@@ -312,9 +318,12 @@ static void attend(const attn_t *a, int t, int g, int *keys, float *buf) {
     int h = g * G;
     if (D % 8 == 0 && D <= 128)
         for (; h + 2 <= (g + 1) * G; h += 2) {
-            if (D == 64) attend_pair(64, a, t, h, keys, n, buf, buf + a->S);
-            else if (D == 128) attend_pair(128, a, t, h, keys, n, buf, buf + a->S);
-            else attend_pair(D, a, t, h, keys, n, buf, buf + a->S);
+            if (D == 64 && a->half) attend_pair(64, 1, a, t, h, keys, n, buf, buf + a->S);
+            else if (D == 64) attend_pair(64, 0, a, t, h, keys, n, buf, buf + a->S);
+            else if (D == 128 && a->half) attend_pair(128, 1, a, t, h, keys, n, buf, buf + a->S);
+            else if (D == 128) attend_pair(128, 0, a, t, h, keys, n, buf, buf + a->S);
+            else if (a->half) attend_pair(D, 1, a, t, h, keys, n, buf, buf + a->S);
+            else attend_pair(D, 0, a, t, h, keys, n, buf, buf + a->S);
         }
     for (; h < (g + 1) * G; h++) ss_avx2_attend_head(a, t, h, keys, n, buf);
 }

@@ -1,10 +1,13 @@
 /* The decoder blocks: the glue between the linears in C too, two calls a layer, the same on every path.
  * The attention block: residual += x (or = x on the first layer), h = rmsnorm(residual) * w,
  * qkv = h Wqkv (+ bias), RoPE (rotate-half) on q and k, k and v written into the cache at `slots`, tree
- * attention under `mask`, out = attn Wo. The MLP block: residual += x, h = rmsnorm(residual) * w,
+ * attention under `mask`, out = attn Wo; a cache of halves holds k and v rounded to nearest even. The MLP block: residual += x, h = rmsnorm(residual) * w,
  * out = (silu(h Wg) * (h Wu)) W2. Tensor parallelism all-reduces `out` between the calls. Every step
  * is per row, so the blocks keep the rows independent. */
 #include <stdlib.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #include "kernels.h"
 
@@ -51,11 +54,26 @@ static void rope(float *x, const float *cos, const float *sin, int hd) {
     }
 }
 
-/* x, residual [T][dim]; cos, sin [T][head_dim]; k, v caches [n_kv_heads][s_max][head_dim] of this layer;
- * out [T][dim]. Returns 0, or -1 when out of memory. */
+/* n floats x into a KV cache of floats or halves from element i on. */
+static void kv_write(int half, void *cache, size_t i, const float *x, int n) {
+    if (!half) {
+        memcpy((float *)cache + i, x, sizeof(float) * n);
+        return;
+    }
+    uint16_t *h = (uint16_t *)cache + i;
+    int e = 0;
+#ifdef __F16C__
+    for (; e + 8 <= n; e += 8)
+        _mm_storeu_si128((__m128i *)(h + e), _mm256_cvtps_ph(_mm256_loadu_ps(x + e), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; e < n; e++) h[e] = ss_float_to_half(x[e]);
+}
+
+/* x, residual [T][dim]; cos, sin [T][head_dim]; k, v caches [n_kv_heads][s_max][head_dim] of this layer,
+ * floats or halves (half); out [T][dim]. Returns 0, or -1 when out of memory. */
 int ss_attention_block(const block_t *b, int T, const float *x, float *residual, int first, const float *cos,
-                       const float *sin, const int64_t *slots, const uint8_t *mask, int S, float *k_cache,
-                       float *v_cache, int s_max, float *out) {
+                       const float *sin, const int64_t *slots, const uint8_t *mask, int S, int half, void *k_cache,
+                       void *v_cache, int s_max, float *out) {
     const int hd = b->head_dim, nh = b->n_heads, nkv = b->n_kv_heads, width = (nh + 2 * nkv) * hd;
     float *h = malloc(sizeof(float) * (size_t)T * (b->dim + width + nh * hd));
     if (!h) return -1;
@@ -70,11 +88,11 @@ int ss_attention_block(const block_t *b, int T, const float *x, float *residual,
             for (int j = 0; j < nh + nkv; j++) rope(row + j * hd, cos + (size_t)t * hd, sin + (size_t)t * hd, hd);
             memcpy(q + (size_t)t * nh * hd, row, sizeof(float) * nh * hd);
             for (int j = 0; j < nkv; j++) {
-                memcpy(k_cache + ((size_t)j * s_max + slots[t]) * hd, row + (nh + j) * hd, sizeof(float) * hd);
-                memcpy(v_cache + ((size_t)j * s_max + slots[t]) * hd, row + (nh + nkv + j) * hd, sizeof(float) * hd);
+                kv_write(half, k_cache, ((size_t)j * s_max + slots[t]) * hd, row + (nh + j) * hd, hd);
+                kv_write(half, v_cache, ((size_t)j * s_max + slots[t]) * hd, row + (nh + nkv + j) * hd, hd);
             }
         }
-        if (rc == 0) rc = ss_attention(T, nh, nkv, hd, S, s_max, b->scale, q, k_cache, v_cache, mask, att);
+        if (rc == 0) rc = ss_attention(T, nh, nkv, hd, S, s_max, half, b->scale, q, k_cache, v_cache, mask, att);
         free(q);
     }
     if (rc == 0) rc = lin(&b->wo, T, att, out);
@@ -103,13 +121,15 @@ int ss_mlp_block(const block_t *b, int T, const float *x, float *residual, float
 
 /* Every layer of a model without tensor parallelism, in turn, in one call: x [T][dim] holds the
  * embeddings on entry and the last layer's output on return, residual the stream it adds to (the final
- * norm is the caller's); layer l's caches start l * layer_stride floats on; tmp [T][dim]. */
+ * norm is the caller's); layer l's caches start l * layer_stride elements on, floats or halves (half);
+ * tmp [T][dim]. */
 int ss_layers(const block_t *blocks, int n, int T, float *x, float *residual, const float *cos, const float *sin,
-              const int64_t *slots, const uint8_t *mask, int S, float *k_cache, float *v_cache, int64_t layer_stride,
-              int s_max, float *tmp) {
+              const int64_t *slots, const uint8_t *mask, int S, int half, void *k_cache, void *v_cache,
+              int64_t layer_stride, int s_max, float *tmp) {
+    const size_t stride = (size_t)layer_stride * (half ? 2 : 4);
     for (int l = 0; l < n; l++) {
-        int rc = ss_attention_block(blocks + l, T, x, residual, l == 0, cos, sin, slots, mask, S,
-                                    k_cache + l * layer_stride, v_cache + l * layer_stride, s_max, tmp);
+        int rc = ss_attention_block(blocks + l, T, x, residual, l == 0, cos, sin, slots, mask, S, half,
+                                    (char *)k_cache + l * stride, (char *)v_cache + l * stride, s_max, tmp);
         if (rc == 0) rc = ss_mlp_block(blocks + l, T, tmp, residual, x);
         if (rc != 0) return rc;
     }

@@ -212,15 +212,15 @@ static void attention_unit(const void *job, int unit, int part) {
     path(a->T)->attend(a, unit % a->T, unit / a->T, (int *)(buf + (size_t)G * a->S), buf);
 }
 
-/* q [T][H][D], k and v [Hkv][s_max][D] fp32, mask [T][S] bytes (nonzero = attend: every row needs one),
- * out [T][H][D]. Returns 0, or -1 when out of memory. */
-int ss_attention(int T, int H, int Hkv, int D, int S, int s_max, float scale, const float *q, const float *k,
-                 const float *v, const uint8_t *mask, float *out) {
+/* q [T][H][D] fp32, k and v [Hkv][s_max][D] fp32 or IEEE halves (half), mask [T][S] bytes (nonzero =
+ * attend: every row needs one), out [T][H][D]. Returns 0, or -1 when out of memory. */
+int ss_attention(int T, int H, int Hkv, int D, int S, int s_max, int half, float scale, const float *q,
+                 const void *k, const void *v, const uint8_t *mask, float *out) {
     const int parts = ss_threads();
     path(T);
     char *scratch = malloc((size_t)parts * S * ((H / Hkv) * sizeof(float) + sizeof(int)) + 1);
     if (!scratch) return -1;
-    attn_t a = {T, H, Hkv, D, S, s_max, scale, q, k, v, mask, out, scratch};
+    attn_t a = {T, H, Hkv, D, S, s_max, half != 0, scale, q, k, v, mask, out, scratch};
     ss_run(attention_unit, &a, T * Hkv, (size_t)T * H * S * D < 32768); /* a few microseconds: alone */
     free(scratch);
     return 0;

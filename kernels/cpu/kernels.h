@@ -92,11 +92,13 @@ typedef struct {
     float *out;
 } job_t;
 
-/* Tree attention: q [T][H][D], k and v [Hkv][s_max][D] fp32, mask [T][S] bytes (nonzero = attend). */
+/* Tree attention: q [T][H][D] fp32, k and v [Hkv][s_max][D] fp32 or IEEE halves (half), mask [T][S] bytes
+ * (nonzero = attend). */
 typedef struct {
-    int T, H, Hkv, D, S, s_max;
+    int T, H, Hkv, D, S, s_max, half;
     float scale;
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v;
     const uint8_t *mask;
     float *out;
     char *scratch; /* per part: (H / Hkv) x S floats (a group's scores) and S ints (the allowed keys) */
@@ -137,8 +139,8 @@ int ss_set_threads(int n);
 /* The entry points (dispatch.c) that the decoder blocks (blocks.c) call too; 0, or -1 when out of memory. */
 int ss_linear(int fmt, int M, int K, int N, const float *x, const void *w, const void *d, const void *m,
               const float *bias, float *out);
-int ss_attention(int T, int H, int Hkv, int D, int S, int s_max, float scale, const float *q, const float *k,
-                 const float *v, const uint8_t *mask, float *out);
+int ss_attention(int T, int H, int Hkv, int D, int S, int s_max, int half, float scale, const float *q,
+                 const void *k, const void *v, const uint8_t *mask, float *out);
 
 /* One head h of row t over its n allowed keys, buf S floats: the portable path's, the vector paths' fallback
  * for head sizes that are not multiples of 8. */
@@ -182,6 +184,33 @@ static inline float ss_half_to_float(uint16_t h) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+}
+
+/* A float as an IEEE half, rounded to nearest even (what F16C's conversion and torch's give): what a KV
+ * cache of halves holds. */
+static inline uint16_t ss_float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, a = x & 0x7FFFFFFF;
+    if (a >= 0x7F800000) return (uint16_t)(sign | 0x7C00 | (a > 0x7F800000 ? 0x200 : 0)); /* inf, NaN */
+    if (a >= 0x477FF000) return (uint16_t)(sign | 0x7C00); /* rounds past 65504 */
+    if (a < 0x38800000) { /* below 2^-14: a subnormal half, in units of 2^-24 */
+        if (a < 0x33000000) return (uint16_t)sign; /* at most half of the least subnormal: to zero */
+        const uint32_t shift = 126 - (a >> 23), man = (a & 0x7FFFFF) | 0x800000; /* shift 14 .. 24 */
+        uint32_t h = man >> shift;
+        const uint32_t rest = man & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+        if (rest > halfway || (rest == halfway && (h & 1))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = ((a >> 13) - ((127 - 15) << 10));
+    const uint32_t rest = a & 0x1FFF;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
+    return (uint16_t)(sign | h);
+}
+
+/* Element i of a KV cache of floats or halves. */
+static inline float ss_kv(const attn_t *a, const void *base, size_t i) {
+    return a->half ? ss_half_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
 static inline float ss_r8(const float *t) {

@@ -81,12 +81,12 @@ static void columns(const job_t *j, int n0, int n1) {
 void ss_portable_attend_head(const attn_t *a, int t, int h, const int *keys, int n, float *buf) {
     const int D = a->D, kvh = h / (a->H / a->Hkv);
     const float *q = a->q + ((size_t)t * a->H + h) * D;
-    const float *kb = a->k + (size_t)kvh * a->s_max * D, *vb = a->v + (size_t)kvh * a->s_max * D;
+    const size_t kvb = (size_t)kvh * a->s_max * D; /* this kv head's first element */
     float mx = -INFINITY;
     for (int i = 0; i < n; i++) {
-        const float *k = kb + (size_t)keys[i] * D;
+        const size_t k = kvb + (size_t)keys[i] * D;
         float acc[8] = {0};
-        for (int e = 0; e < D; e++) acc[e % 8] = fmaf(q[e], k[e], acc[e % 8]);
+        for (int e = 0; e < D; e++) acc[e % 8] = fmaf(q[e], ss_kv(a, a->k, k + e), acc[e % 8]);
         buf[i] = ss_r8(acc) * a->scale;
         mx = buf[i] > mx ? buf[i] : mx;
     }
@@ -99,7 +99,7 @@ void ss_portable_attend_head(const attn_t *a, int t, int h, const int *keys, int
     float *o = a->out + ((size_t)t * a->H + h) * D;
     for (int e = 0; e < D; e++) {
         float acc = 0.0f;
-        for (int i = 0; i < n; i++) acc = fmaf(buf[i], vb[(size_t)keys[i] * D + e], acc);
+        for (int i = 0; i < n; i++) acc = fmaf(buf[i], ss_kv(a, a->v, kvb + (size_t)keys[i] * D + e), acc);
         o[e] = acc * inv;
     }
 }

@@ -19,12 +19,19 @@ static inline __attribute__((always_inline)) __m256 scales8(const job_t *j, cons
                    : _mm256_loadu_ps((const float *)panel + i);
 }
 
-/* Attention asks for the cache lines of the key or value PREFETCH_KEYS keys ahead (`floats` floats): the
- * hardware's prefetchers alone left a long context's keys and values streaming from L3 at 80-90 % of the
- * speed (2000 keys, 30 layers). */
+/* Attention asks for the cache lines of the key or value PREFETCH_KEYS keys ahead (`n` elements from element
+ * i of a KV cache of floats or halves): the hardware's prefetchers alone left a long context's keys and
+ * values streaming from L3 at 80-90 % of the speed (2000 keys, 30 layers). */
 #define PREFETCH_KEYS 32
-static inline __attribute__((always_inline)) void prefetch_row(const float *p, int floats) {
-    for (int f = 0; f < floats; f += 16) _mm_prefetch((const char *)(p + f), _MM_HINT_T0);
+static inline __attribute__((always_inline)) void prefetch_kv(const int half, const void *cache, size_t i, int n) {
+    const char *p = (const char *)cache + i * (half ? 2 : 4);
+    for (int b = 0; b < n * (half ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+/* 8 elements from element i of a KV cache of floats or halves, as floats (exactly). */
+static inline __attribute__((always_inline)) __m256 kv8(const int half, const void *cache, size_t i) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i)))
+                : _mm256_loadu_ps((const float *)cache + i);
 }
 
 /* R8 of each of 8 vectors, as the 8 lanes of one */
