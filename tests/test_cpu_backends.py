@@ -11,11 +11,11 @@ import torch
 from tiny_models import make_tiny_gguf, q4_k_blocks, single_thread, tiny_model_dir
 from tree_steps import tree_and_steps as verified_and_stepped
 
-from swiftspec.engine.config import Dtype, SamplingParams, TreeParams
+from swiftspec.engine.config import Dtype, KvCache, SamplingParams, TreeParams
 from swiftspec.engine.model import cpu_backends, cpu_blocks, gguf_io
 from swiftspec.engine.model.cpu_backends import PackedLinear
 from swiftspec.engine.model.cpu_blocks import Blocks
-from swiftspec.engine.model.loader import load_model, read_hf_state_dict
+from swiftspec.engine.model.loader import LoadError, load_model, read_hf_state_dict
 from swiftspec.engine.spec.decode import DraftState, TargetState
 from swiftspec.engine.spec.drafters import ModelDrafter
 from swiftspec.engine.spec.loop import generate
@@ -84,18 +84,30 @@ def test_the_stack_in_one_call_computes_the_blocks_in_turn(backend, gguf_dir):
 
 def test_the_gguf_backend_keeps_its_kv_cache_in_half_rounded_to_nearest_even(gguf_dir):
     """The kernels write the keys and values as halves: the first layer's (whose inputs do not depend on
-    the cache) are the float cache's rounded as torch rounds them; the float backends keep floats."""
+    the cache) are the float cache's rounded as torch rounds them."""
     model = model_for(Dtype.GGUF, gguf_dir)
-    assert model.k_cache.dtype == model.v_cache.dtype == torch.float16
-    assert model_for(Dtype.FLOAT32, gguf_dir).k_cache.dtype == torch.float32
+    assert model.k_cache.dtype == model.v_cache.dtype == torch.float16 and "· fp16 KV ·" in model.precision
     tree_and_steps(model, TREES["branches"])
     halves = model.k_cache[0].clone(), model.v_cache[0].clone()
-    model.kv_dtype = torch.float32
-    model.setup_cache(model.max_slots)
-    tree_and_steps(model, TREES["branches"])
-    floats = model.k_cache[0], model.v_cache[0]
+    floats = load_model(gguf_dir, "cpu", Dtype.GGUF, max_slots=128, kv_cache=KvCache.FLOAT32)
+    assert floats.k_cache.dtype == torch.float32 and "· fp32 KV ·" in floats.precision
+    tree_and_steps(floats, TREES["branches"])
     assert halves[0].abs().sum() > 0
-    assert all(torch.equal(h, f.half()) for h, f in zip(halves, floats, strict=True))
+    assert all(torch.equal(h, f[0].half()) for h, f in zip(halves, (floats.k_cache, floats.v_cache), strict=True))
+
+
+def test_a_float_backend_keeps_floats_unless_told_and_its_rows_stay_independent_over_halves():
+    model = load_model(float_dir(), "cpu", Dtype.FLOAT32, max_slots=128)
+    assert model.k_cache.dtype == torch.float32
+    halves = load_model(float_dir(), "cpu", Dtype.FLOAT32, max_slots=128, kv_cache=KvCache.FLOAT16)
+    assert halves.k_cache.dtype == torch.float16
+    rows, steps = tree_and_steps(halves, TREES["branches"])
+    assert torch.equal(rows, steps)
+
+
+def test_the_kv_cache_setting_is_the_cpu_kernels():
+    with pytest.raises(LoadError, match="--kv-cache float16"):
+        load_model(float_dir(), "cuda", Dtype.FLOAT32, kv_cache=KvCache.FLOAT16)
 
 
 def test_the_gguf_backend_runs_the_files_own_blocks(gguf_dir):

@@ -20,7 +20,7 @@ from tiny_models import tiny_model_dir
 
 from swiftspec import window
 from swiftspec.conversation import Conversation, Reply, Settings
-from swiftspec.engine.config import ConfigError, EngineConfig, SamplingParams, TreeParams
+from swiftspec.engine.config import ConfigError, EngineConfig, KvCache, SamplingParams, TreeParams
 from swiftspec.engine.host.client import Engine, EngineError
 from swiftspec.engine.host.encode import encode_chat
 from swiftspec.engine.worker.profiling import choose_d
@@ -152,6 +152,12 @@ def test_int8_activations_every_mode_equals_ar(target_dir):
             for mode in ("async", "sync"):
                 assert answer(eng, messages, mode=mode, max_new_tokens=N_TOKENS, ignore_eos=True)[0] == ar, mode
     assert no_processes_left(eng)
+
+
+def test_the_kv_cache_setting_is_one_of_its_words():
+    assert EngineConfig(kv_cache="float32").validate().kv_cache is KvCache.FLOAT32
+    with pytest.raises(ConfigError, match="kv-cache"):
+        EngineConfig(kv_cache="int8").validate()
 
 
 def test_int8_activations_need_integer_blocks():

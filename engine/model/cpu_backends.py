@@ -23,7 +23,7 @@ import ctypes
 import torch
 from torch import Tensor, nn
 
-from swiftspec.engine.config import Activations, Dtype
+from swiftspec.engine.config import Activations, Dtype, KvCache
 from swiftspec.engine.model.cpu_blocks import Blocks, narrow_scales
 from swiftspec.engine.model.tp import shard_layout
 from swiftspec.engine.model.transformer import LayerInputs, Layers, TransformerBlock
@@ -35,9 +35,12 @@ from swiftspec.kernels.cpu_linear import Format, KernelsUnavailable
 FLOAT_FORMATS = {Dtype.FLOAT32: Format.F32, Dtype.FLOAT16: Format.F16, Dtype.BFLOAT16: Format.BF16}
 
 
-def kv_dtype(backend: Dtype) -> torch.dtype:
-    """What a backend's KV cache holds: float16 beside a GGUF's blocks, float32 beside float weights."""
-    return torch.float16 if backend == Dtype.GGUF else torch.float32
+def kv_dtype(backend: Dtype, kv_cache: KvCache = KvCache.AUTO) -> torch.dtype:
+    """What a backend's KV cache holds: as ``kv_cache`` says, where auto is float16 beside a GGUF's blocks
+    and float32 beside float weights."""
+    if kv_cache is KvCache.AUTO:
+        return torch.float16 if backend == Dtype.GGUF else torch.float32
+    return torch.float16 if kv_cache is KvCache.FLOAT16 else torch.float32
 
 
 def library(activations: Activations | None = None) -> ctypes.CDLL:
@@ -219,7 +222,7 @@ def _linears(model: nn.Module):
 
 
 def apply(model: nn.Module, backend: Dtype, blocks: dict[str, Blocks] | None = None, quantize: bool = False,
-          activations: Activations = Activations.INT16) -> str:
+          activations: Activations = Activations.INT16, kv_cache: KvCache = KvCache.AUTO) -> str:
     """Replaces the model's linears (and, with blocks, its embedding) by packed ones and its attention by
     the library's; returns the precision label ("gguf (Q4_1 blocks) · int16 activations · fp16 KV · AVX2").
 
@@ -227,7 +230,7 @@ def apply(model: nn.Module, backend: Dtype, blocks: dict[str, Blocks] | None = N
     ``tok_embeddings.weight``); a linear without blocks keeps fp32 weights. ``quantize`` (gguf backend on a
     float checkpoint): every linear packed as Q4 blocks, the lm_head and embedding as Q8. ``activations``:
     what the integer blocks multiply, a setting of the library and so of the process (as its threads are),
-    which serves one model.
+    which serves one model; ``kv_cache``: what the cache (set up after this) holds.
     """
     dll = library(activations)
     blocks = dict(blocks or {})
@@ -256,31 +259,33 @@ def apply(model: nn.Module, backend: Dtype, blocks: dict[str, Blocks] | None = N
             packed = PackedLinear(dll, lin.weight, FLOAT_FORMATS[backend], lin.bias)
         setattr(mod, name, packed)
     model.attention_ops = CpuAttention(dll)
-    model.kv_dtype = kv_dtype(backend)
+    model.kv_dtype = kv_dtype(backend, kv_cache)
     model.layers = CpuLayers(dll, [CpuBlock(dll, layer) for layer in model.layers], whole=model.tp_world == 1)
-    return label(backend, blocks, dll, quantize, activations)
+    return label(backend, blocks, dll, quantize, activations, model.kv_dtype)
 
 
 def label(backend: Dtype, blocks: dict[str, Blocks], dll: ctypes.CDLL, quantized: bool = False,
-          activations: Activations = Activations.INT16) -> str:
+          activations: Activations = Activations.INT16, kv: torch.dtype = torch.float32) -> str:
     """What the title bar shows, in --dtype's own words: "gguf (Q4_1 blocks) · int16 activations · fp16 KV ·
     AVX2" (a GGUF's own blocks, named by their 4-bit types, else their types), "int4 (packed at load) · …",
-    "float16 weights · fp32 math · AVX2"."""
+    "float16 weights · fp32 math · fp32 KV · AVX2"; ``kv``: what the KV cache holds."""
     isa = cpu_linear.isa(dll)
+    cache = "fp16 KV" if kv == torch.float16 else "fp32 KV"
     if backend != Dtype.GGUF:
-        return f"{backend} weights · fp32 math · {isa}"
+        return f"{backend} weights · fp32 math · {cache} · {isa}"
     linears = [b for k, b in blocks.items() if k != "tok_embeddings.weight"]
     kinds = sorted({b.kind for b in linears if b.fmt == Format.Q4}) or sorted({b.kind for b in linears})
     what = "int4 (packed at load)" if quantized else f"gguf ({'/'.join(kinds)} blocks)"
-    return f"{what} · {activations} activations · fp16 KV · {isa}"
+    return f"{what} · {activations} activations · {cache} · {isa}"
 
 
 def synthetic_costs(args, backend: Dtype, rows: int, layers: int | None = None, timer: CleanTimer | None = None,
-                    activations: Activations = Activations.INT16) -> list[float]:
+                    activations: Activations = Activations.INT16, kv_cache: KvCache = KvCache.AUTO) -> list[float]:
     """Milliseconds of a forward of 1..``rows`` rows with ``backend``, measured on one decoder block and
     the lm_head of the model's shapes with random weights (what a step costs differs between backends in
     the weights' format only), scaled to the model's layers: the measurement behind --dtype auto.
-    ``timer``: one whose ``clean`` the caller reads; ``activations``: what the integer blocks multiply."""
+    ``timer``: one whose ``clean`` the caller reads; ``activations``: what the integer blocks multiply;
+    ``kv_cache``: what the KV cache holds."""
     timer = timer or CleanTimer()
 
     g = torch.Generator().manual_seed(0)
@@ -304,7 +309,7 @@ def synthetic_costs(args, backend: Dtype, rows: int, layers: int | None = None, 
         else PackedLinear(dll, head_w, FLOAT_FORMATS[backend])
     prefix = 64
     kv = (args.n_kv_heads, prefix + rows, args.head_dim)
-    k_cache, v_cache = torch.zeros(kv, dtype=kv_dtype(backend)), torch.zeros(kv, dtype=kv_dtype(backend))
+    k_cache, v_cache = (torch.zeros(kv, dtype=kv_dtype(backend, kv_cache)) for _ in range(2))
     costs = []
     for m in range(1, rows + 1):
         x = rand(m, args.dim)

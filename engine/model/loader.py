@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from swiftspec.engine.config import Activations, Device, Dtype
+from swiftspec.engine.config import Activations, Device, Dtype, KvCache
 from swiftspec.engine.model import cpu_backends, cpu_blocks, tp
 from swiftspec.engine.model.fp16_linear import fbgemm_available, pack_fp16_linears
 from swiftspec.engine.model.gguf_io import BLOCK_FORMATS, GGUF_METADATA, dequantize
@@ -153,7 +153,7 @@ def cpu_backend(dtype: Dtype, has_blocks: bool, tp_world: int = 1, stored: Dtype
 def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: Dtype = Dtype.AUTO,
                max_slots: int = 4096, tp_group=None, tp_rank: int = 0, tp_world: int = 1,
                int8: bool = False, batch_invariant: bool | None = None,
-               activations: Activations = Activations.INT16) -> Transformer:
+               activations: Activations = Activations.INT16, kv_cache: KvCache = KvCache.AUTO) -> Transformer:
     """Builds our Transformer from a Hugging Face directory, sharded for tensor parallelism if asked.
 
     On the CPU ``dtype`` names a backend of engine/model/cpu_backends.py (float32, float16, bfloat16, gguf; auto:
@@ -164,7 +164,7 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: Dtype
     ``int8``: dynamic int8 linears (FBGEMM, CPU only), for a fast approximate copy of a model that
     serves as a draft: its proposals are verified, so the approximation never reaches the output.
     On CUDA ``batch_invariant``: see Transformer.make_batch_invariant; None = on. ``activations``: what the
-    CPU kernels' integer blocks multiply (gguf, int4).
+    CPU kernels' integer blocks multiply (gguf, int4); ``kv_cache``: what they keep the keys and values in.
     """
 
     device = torch.device(device)
@@ -174,6 +174,9 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: Dtype
     quantize = dtype is Dtype.INT4
     if dtype.blocks and not cpu:
         raise LoadError(f"--dtype {dtype} is a CPU backend; on GPUs use auto, bfloat16, float16 or float32")
+    if kv_cache is not KvCache.AUTO and not cpu:
+        raise LoadError(f"--kv-cache {kv_cache} is a setting of the CPU kernels; on GPUs the cache holds the "
+                        "dtype the target computes in")
     backend = None
     if cpu and not int8 and batch_invariant is not False:
         backend = cpu_backend(dtype, bool(kinds), tp_world, stored_float_dtype(model_dir))
@@ -205,7 +208,7 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: Dtype
             raise LoadError("the int8 draft is a CPU (fp32) feature; on GPUs pass a draft model path")
         quantize_int8(model)
     elif backend is not None:
-        model.precision = cpu_backends.apply(model, backend, blocks, quantize, activations)
+        model.precision = cpu_backends.apply(model, backend, blocks, quantize, activations, kv_cache)
         model.batch_invariant = True
     elif cpu:
         if dtype is Dtype.FLOAT16:

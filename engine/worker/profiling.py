@@ -379,7 +379,7 @@ def choose_cpu_backend(place: Placement, say: Callable[[str], None]) -> Dtype:
                "shape": [model_args.dim, model_args.n_layers, model_args.n_heads, model_args.n_kv_heads,
                          model_args.intermediate_size, model_args.vocab_size, place.tp_world],
                "candidates": candidates, "draft": "model" if spec.draft_spec.path else spec.draft,
-               "bs": spec.config.tree.bs, "activations": spec.config.activations}
+               "bs": spec.config.tree.bs, "activations": spec.config.activations, "kv_cache": spec.config.kv_cache}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
         path = cache_dir() / "profiles" / "backends" / f"{digest}.json"
         costs = read_backend_costs(path, candidates)
@@ -387,8 +387,8 @@ def choose_cpu_backend(place: Placement, say: Callable[[str], None]) -> Dtype:
             say("measuring the CPU backends (" + ", ".join(candidates) + ")")
             rows = spec.config.tree.bs if spec.draft_spec.speculative else 1  # plain decoding: only the one-row step counts
             timer = CleanTimer()
-            costs = {b: cpu_backends.synthetic_costs(model_args, b, rows, timer=timer,
-                                                     activations=spec.config.activations) for b in candidates}
+            costs = {b: cpu_backends.synthetic_costs(model_args, b, rows, timer=timer, activations=spec.config.activations,
+                                                     kv_cache=spec.config.kv_cache) for b in candidates}
             if timer.clean:
                 _write_json(path, {"costs": costs})
             else:

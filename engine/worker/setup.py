@@ -315,7 +315,7 @@ def load(place: Placement, dtype: Dtype) -> Loaded:
         cuda = Device.of(place.device) is Device.CUDA
         model = load_model(path, place.device, dtype, max_slots=n_slots + cuda, tp_group=group,
                            tp_rank=place.tp_rank, tp_world=place.tp_world, int8=int8, batch_invariant=batch_invariant,
-                           activations=config.activations)
+                           activations=config.activations, kv_cache=config.kv_cache)
         return GraphedModel(model) if cuda else model
 
     if place.role == "target":
