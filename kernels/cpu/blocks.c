@@ -1,9 +1,9 @@
 /* The decoder blocks: the glue between the linears in C too, two calls a layer, the same on every path.
  * The attention block: residual += x (or = x on the first layer), h = rmsnorm(residual) * w,
- * qkv = h Wqkv (+ bias), RoPE (rotate-half) on q and k, k and v written into the cache at `slots`, tree
- * attention under `mask`, out = attn Wo; a cache of halves holds k and v rounded to nearest even. The MLP block: residual += x, h = rmsnorm(residual) * w,
- * out = (silu(h Wg) * (h Wu)) W2. Tensor parallelism all-reduces `out` between the calls. Every step
- * is per row, so the blocks keep the rows independent. */
+ * qkv = h Wqkv (+ bias), RoPE (rotate-half) on q and k, k and v written into the cache at `slots` (a cache
+ * of halves holds them rounded to nearest even), tree attention under `mask`, out = attn Wo. The MLP block:
+ * residual += x, h = rmsnorm(residual) * w, out = (silu(h Wg) * (h Wu)) W2. Tensor parallelism all-reduces
+ * `out` between the calls. Every step is per row, so the blocks keep the rows independent. */
 #include <stdlib.h>
 #ifdef __F16C__
 #include <immintrin.h>

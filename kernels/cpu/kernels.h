@@ -40,7 +40,8 @@
  *              and converted to float once, rounding to nearest even.
  *   Float linear: 32 lanes c, each +0; c_i = fma(w[32 b + i], x[32 b + i], c_i) for the blocks in order;
  *              out = R8(t) with t_l = (c_l + c_{16 + l}) + (c_{8 + l} + c_{24 + l}) (+ bias).
- *   Attention, one (row, head) over its allowed keys in order: a score is R8 of 8 lanes, lane l summing
+ *   Attention, one (row, head) over its allowed keys in order (k and v at their exact fp32 values: a
+ *              cache of halves is widened exactly): a score is R8 of 8 lanes, lane l summing
  *              fma(q[e], k[e], .) over e = l, l + 8, ... from +0, times the scale; p_i = exp8(score_i -
  *              max); sum = R8(s), lane l summing p_l, p_{l + 8}, ... in order from +0 (eight chains of
  *              adds, not one: attention ran 5-9 % faster); out[e] = (fma over the keys in order of
