@@ -11,7 +11,12 @@ these shapes.
 With ``--activations int16,int8`` it does all this for each width the integer formats' activations are
 quantised to (the int8 tiles: vpmaddubsw, vpdpbusd, one AMX dot product a block).
 
+With ``--attention`` it also times tree attention the way a step of the embedded model runs it: 30 layers'
+caches in turn (so the keys and values stream from L3 or memory, as in the model), 9 query heads over 3 kv
+heads of 64, at each of ``--contexts`` tokens and 1, 4 and 8 rows, with a float32 and a float16 KV cache.
+
     python benchmarks/cpu_kernels.py [--threads 1,2] [--reps 200] [--json out.json] [--check] [--activations int16,int8]
+        [--attention [--contexts 300,1000,2000]]
 """
 
 from __future__ import annotations
@@ -119,6 +124,42 @@ def time_linears(dll, paths: list[str], threads: list[int], reps: int, chosen: c
     return found
 
 
+ATTENTION_ROWS = (1, 4, 8)
+LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64  # the embedded SmolLM2-135M's
+
+
+def time_attention(dll, paths: list[str], threads: list[int], contexts: list[int]) -> list[dict]:
+    """Each path's attention over LAYERS layers' caches at each context and row count, float32 and float16
+    caches, as a table (ms for the layers together) and returned."""
+    g = torch.Generator().manual_seed(2)
+    slots = max(contexts) + max(ATTENTION_ROWS)
+    caches = {dtype: tuple(torch.randn(LAYERS, KV_HEADS, slots, HEAD_DIM, generator=g).to(dtype) for _ in range(2))
+              for dtype in (torch.float32, torch.float16)}
+    print(f"\n{'path':<16}{'thr':>4}  {'context':>8}" + "".join(f"{f'{r} row fp32':>13}{'fp16':>7}" for r in ATTENTION_ROWS))
+    found = []
+    for n_threads in threads:
+        cpu_linear.set_threads(dll, n_threads)
+        for name in paths:
+            cpu_linear.use_path(dll, name)
+            for context in contexts:
+                ms = {}
+                for rows in ATTENTION_ROWS:
+                    q = torch.randn(rows, HEADS, HEAD_DIM, generator=g)
+                    mask = torch.ones(rows, context, dtype=torch.bool)
+                    for dtype, (k, v) in caches.items():
+                        def layers(k=k, v=v, q=q, mask=mask):
+                            for layer in range(LAYERS):
+                                cpu_linear.attention(dll, q, k[layer], v[layer], mask, HEAD_DIM ** -0.5)
+                        ms[rows, dtype] = median_us(layers, 20) / 1e3
+                print(f"{name:<16}{n_threads:>4}  {context:>8}" + "".join(
+                    f"{ms[r, torch.float32]:>11.2f}ms{ms[r, torch.float16]:>5.2f}ms" for r in ATTENTION_ROWS))
+                found.append({"path": name, "threads": n_threads, "context": context,
+                              "ms": {f"{r}/{str(d).removeprefix('torch.')}": round(ms[r, d], 3) for r, d in ms}})
+    print(f"\nattention of {LAYERS} layers ({HEADS} heads over {KV_HEADS}, {HEAD_DIM} wide), ms, "
+          "with a float32 and a float16 KV cache")
+    return found
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", default="1", help="comma-separated kernel thread counts (default 1)")
@@ -128,6 +169,8 @@ def main() -> int:
     p.add_argument("--check", action="store_true", help="first check every path against the portable bits")
     p.add_argument("--activations", default="int16",
                    help="comma-separated activation widths, each timed in turn: int16 (default), int8 or int16,int8")
+    p.add_argument("--attention", action="store_true", help="also time attention, float32 and float16 KV caches")
+    p.add_argument("--contexts", default="300,1000,2000", help="with --attention: comma-separated context lengths")
     args = p.parse_args()
     try:
         widths = [Activations(w) for w in args.activations.split(",") if w]
@@ -157,6 +200,11 @@ def main() -> int:
         cpu_linear.use_paths(dll, chosen)
         result["activations"][str(width)] = found
     cpu_backends.library(Activations.INT16)
+    if args.attention:
+        chosen = cpu_linear.paths_in_use(dll)
+        result["attention"] = time_attention(dll, paths, [int(t) for t in args.threads.split(",")],
+                                             [int(c) for c in args.contexts.split(",")])
+        cpu_linear.use_paths(dll, chosen)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

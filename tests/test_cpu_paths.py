@@ -386,7 +386,8 @@ def test_the_kernel_benchmark_checks_the_bits_and_times_every_row_count(dll, tmp
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_kernels.py"
     out = tmp_path / "kernels.json"
     proc = subprocess.run([sys.executable, str(script), "--check", "--paths", running(dll)[0], "--reps", "2", "--json",
-                           str(out), "--activations", "int16,int8"], capture_output=True, text=True, timeout=300)
+                           str(out), "--activations", "int16,int8", "--attention", "--contexts", "40"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(result["paths"]) == set(running(dll)) and set(result["activations"]) == {"int16", "int8"}
@@ -394,6 +395,8 @@ def test_the_kernel_benchmark_checks_the_bits_and_times_every_row_count(dll, tmp
         assert width["differ"] == [] and set(width["chosen"].values()) <= set(running(dll))
         assert {(r["format"], r["path"]) for r in width["linears"]} == {("Q4", running(dll)[0]), ("Q8", running(dll)[0])}
         assert all(set(r["us"]) == {"1", "2", "4", "8", "32"} and min(r["us"].values()) > 0 for r in width["linears"])
+    [attention] = result["attention"]
+    assert attention["context"] == 40 and len(attention["ms"]) == 6 and min(attention["ms"].values()) > 0
     for wrong, says in ((["--paths", "AVX-1024"], "no path AVX-1024 runs here"), (["--activations", "int4"], "int16 or int8")):
         refused = subprocess.run([sys.executable, str(script), *wrong], capture_output=True, text=True, timeout=300)
         assert refused.returncode == 2 and says in refused.stderr
