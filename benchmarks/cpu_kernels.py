@@ -135,7 +135,7 @@ def time_attention(dll, paths: list[str], threads: list[int], contexts: list[int
     slots = max(contexts) + max(ATTENTION_ROWS)
     caches = {dtype: tuple(torch.randn(LAYERS, KV_HEADS, slots, HEAD_DIM, generator=g).to(dtype) for _ in range(2))
               for dtype in (torch.float32, torch.float16)}
-    print(f"\n{'path':<16}{'thr':>4}  {'context':>8}" + "".join(f"{f'{r} row fp32':>13}{'fp16':>7}" for r in ATTENTION_ROWS))
+    print(f"\n{'path':<16}{'thr':>4}  {'context':>8}" + "".join(f"{f'{r} row fp32':>13}{'fp16':>9}" for r in ATTENTION_ROWS))
     found = []
     for n_threads in threads:
         cpu_linear.set_threads(dll, n_threads)
@@ -152,7 +152,7 @@ def time_attention(dll, paths: list[str], threads: list[int], contexts: list[int
                                 cpu_linear.attention(dll, q, k[layer], v[layer], mask, HEAD_DIM ** -0.5)
                         ms[rows, dtype] = median_us(layers, 20) / 1e3
                 print(f"{name:<16}{n_threads:>4}  {context:>8}" + "".join(
-                    f"{ms[r, torch.float32]:>11.2f}ms{ms[r, torch.float16]:>5.2f}ms" for r in ATTENTION_ROWS))
+                    f"{ms[r, torch.float32]:>11.2f}ms{ms[r, torch.float16]:>7.2f}ms" for r in ATTENTION_ROWS))
                 found.append({"path": name, "threads": n_threads, "context": context,
                               "ms": {f"{r}/{str(d).removeprefix('torch.')}": round(ms[r, d], 3) for r, d in ms}})
     print(f"\nattention of {LAYERS} layers ({HEADS} heads over {KV_HEADS}, {HEAD_DIM} wide), ms, "
