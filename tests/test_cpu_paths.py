@@ -283,8 +283,8 @@ def test_the_avx512_vnni_int8_tiles_compute_the_portable_bits(emulated_avx512_vn
                      (1, 2, 3, 4, 5, 6, 7, 8, 11, 17))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 32, 40, 36])  # the constant-D copies, the general loop, no 8
-@pytest.mark.parametrize("h, hkv", [(6, 2), (4, 1), (2, 2)])  # groups of 3 heads (a pair and one), 4, 1
+@pytest.mark.parametrize("head_dim", [64, 128, 32, 40, 36, 256])  # constant-D copies, general, no 8, wide
+@pytest.mark.parametrize("h, hkv", [(6, 2), (4, 1), (2, 2), (10, 2), (9, 1)])  # groups of 3, 4, 1, 5 and 9 heads
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_every_path_attends_as_the_portable_one(dll, head_dim, h, hkv, kv_dtype):
     """A cache of halves gives, on every path, what its values as floats give: they are read exactly."""

@@ -349,80 +349,96 @@ static void columns(const job_t *j, int n0, int n1) {
     }
 }
 
-/* The 8 lanes of one score (kernels.h) before their R8, for a head size D that is a multiple of 8; the key
- * at element k of the cache. */
-INLINE __m256 score_lanes(const int D, const int half, const float *q, const void *cache, size_t k) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int e = 0; e < D; e += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), kv8(half, cache, k + e), acc);
-    return acc;
-}
+#define MAX_HEADS 3 /* query heads attended together, sharing each key and value read: 16 registers */
 
-/* out[e] = inv * sum_i p[i] v[keys[i]][e], 64 dimensions at a time (the accumulators stay in registers); the
- * kv head's values from element vb of the cache. */
-INLINE void weighted_values(const int D, const int half, const float *p, const int *keys, int n, const void *cache,
-                            size_t vb, float inv, float *out) {
-    for (int e0 = 0; e0 < D; e0 += 64) {
-        const int width = D - e0 < 64 ? D - e0 : 64;
-        __m256 acc[8];
-        for (int e = 0; e < width / 8; e++) acc[e] = _mm256_setzero_ps();
-        for (int i = 0; i < n; i++) {
-            const __m256 pi = _mm256_set1_ps(p[i]);
-            const size_t v = vb + (size_t)keys[i] * D + e0;
-            if (i + PREFETCH_KEYS < n) prefetch_kv(half, cache, vb + (size_t)keys[i + PREFETCH_KEYS] * D + e0, width);
-            for (int e = 0; e < width / 8; e++) acc[e] = _mm256_fmadd_ps(pi, kv8(half, cache, v + 8 * e), acc[e]);
-        }
-        for (int e = 0; e < width / 8; e++) _mm256_storeu_ps(out + e0 + 8 * e, _mm256_mul_ps(acc[e], _mm256_set1_ps(inv)));
-    }
-}
-
-INLINE void attend_d(const int D, const int half, const attn_t *a, int t, int h, const int *keys, int n, float *buf) {
-    const int kvh = h / (a->H / a->Hkv);
+/* Scores (kernels.h) of heads h .. h + C - 1 of row t against its n keys, head c's into s + c * S, and their
+ * maxima; each key vector is loaded and converted once for the C heads, 4 keys at a time. */
+INLINE void head_scores(const int C, const int D, const int half, const attn_t *a, int t, int h, const int *keys,
+                        int n, float *s, float *mx) {
     const float *q = a->q + ((size_t)t * a->H + h) * D;
-    const size_t kb = (size_t)kvh * a->s_max * D; /* this kv head's first element, of keys and of values */
+    const size_t kb = (size_t)(h / (a->H / a->Hkv)) * a->s_max * D; /* the kv head's first element */
     const __m256 scale = _mm256_set1_ps(a->scale);
-    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    __m256 vmx[MAX_HEADS];
+    for (int c = 0; c < C; c++) vmx[c] = _mm256_set1_ps(-INFINITY);
     int i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 lanes[8];
         if (i + 8 + PREFETCH_KEYS <= n)
             for (int l = 0; l < 8; l++) prefetch_kv(half, a->k, kb + (size_t)keys[i + PREFETCH_KEYS + l] * D, D);
-        for (int l = 0; l < 8; l++) lanes[l] = score_lanes(D, half, q, a->k, kb + (size_t)keys[i + l] * D);
-        const __m256 sc = _mm256_mul_ps(r8x8(lanes), scale);
-        _mm256_storeu_ps(buf + i, sc);
-        vmx = _mm256_max_ps(vmx, sc);
+        __m256 quad[MAX_HEADS][2];
+        for (int half_of_8 = 0; half_of_8 < 2; half_of_8++) {
+            __m256 acc[MAX_HEADS][4];
+            for (int c = 0; c < C; c++)
+                for (int l = 0; l < 4; l++) acc[c][l] = _mm256_setzero_ps();
+            for (int e = 0; e < D; e += 8)
+                for (int l = 0; l < 4; l++) {
+                    const __m256 k = kv8(half, a->k, kb + (size_t)keys[i + 4 * half_of_8 + l] * D + e);
+                    for (int c = 0; c < C; c++) acc[c][l] = _mm256_fmadd_ps(_mm256_loadu_ps(q + c * D + e), k, acc[c][l]);
+                }
+            for (int c = 0; c < C; c++) quad[c][half_of_8] = r8x4(acc[c]);
+        }
+        for (int c = 0; c < C; c++) {
+            const __m256 y = _mm256_mul_ps(r8_pairs(quad[c][0], quad[c][1]), scale);
+            _mm256_storeu_ps(s + (size_t)c * a->S + i, y);
+            vmx[c] = _mm256_max_ps(vmx[c], y);
+        }
     }
-    float mx = -INFINITY, lanes[8];
-    _mm256_storeu_ps(lanes, vmx);
-    for (int l = 0; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
-    for (; i < n; i++) {
-        buf[i] = r8(score_lanes(D, half, q, a->k, kb + (size_t)keys[i] * D)) * a->scale;
-        mx = buf[i] > mx ? buf[i] : mx;
-    }
-    weighted_values(D, half, buf, keys, n, a->v, kb, 1.0f / softmax_weights(buf, n, mx),
-                    a->out + ((size_t)t * a->H + h) * D);
+    score_rest(C, D, half, a, q, kb, keys, i, n, vmx, s, mx);
 }
 
-/* One head over its allowed keys; the head sizes of real models get their own constant-D copy, for a cache
- * of floats and one of halves. */
-static void attend_head(const attn_t *a, int t, int h, const int *keys, int n, float *buf) {
-    if (a->D == 64 && a->half) attend_d(64, 1, a, t, h, keys, n, buf);
-    else if (a->D == 64) attend_d(64, 0, a, t, h, keys, n, buf);
-    else if (a->D == 128 && a->half) attend_d(128, 1, a, t, h, keys, n, buf);
-    else if (a->D == 128) attend_d(128, 0, a, t, h, keys, n, buf);
-    else if (a->D % 8 == 0 && a->half) attend_d(a->D, 1, a, t, h, keys, n, buf);
-    else if (a->D % 8 == 0) attend_d(a->D, 0, a, t, h, keys, n, buf);
-    else ss_portable_attend_head(a, t, h, keys, n, buf);
+/* Heads h .. h + C - 1 of row t: scores, softmax weights, and the weighted values, W of a value's elements
+ * at a time (the accumulators stay in registers), each 8 loaded and converted once for the C heads. */
+INLINE void attend_heads(const int C, const int D, const int half, const attn_t *a, int t, int h, const int *keys,
+                         int n, float *s) {
+    const int W = C == 1 ? 64 : 32;
+    float mx[MAX_HEADS], inv[MAX_HEADS];
+    head_scores(C, D, half, a, t, h, keys, n, s, mx);
+    for (int c = 0; c < C; c++) inv[c] = 1.0f / softmax_weights(s + (size_t)c * a->S, n, mx[c]);
+    const size_t vb = (size_t)(h / (a->H / a->Hkv)) * a->s_max * D;
+    float *out = a->out + ((size_t)t * a->H + h) * D;
+    for (int e0 = 0; e0 < D; e0 += W) {
+        const int width = D - e0 < W ? D - e0 : W;
+        __m256 acc[MAX_HEADS][8];
+        for (int c = 0; c < C; c++)
+            for (int e = 0; e < width / 8; e++) acc[c][e] = _mm256_setzero_ps();
+        for (int i = 0; i < n; i++) {
+            const size_t v = vb + (size_t)keys[i] * D + e0;
+            if (i + PREFETCH_KEYS < n) prefetch_kv(half, a->v, vb + (size_t)keys[i + PREFETCH_KEYS] * D + e0, width);
+            __m256 p[MAX_HEADS];
+            for (int c = 0; c < C; c++) p[c] = _mm256_set1_ps(s[(size_t)c * a->S + i]);
+            for (int e = 0; e < width / 8; e++) {
+                const __m256 x = kv8(half, a->v, v + 8 * e);
+                for (int c = 0; c < C; c++) acc[c][e] = _mm256_fmadd_ps(p[c], x, acc[c][e]);
+            }
+        }
+        for (int c = 0; c < C; c++)
+            for (int e = 0; e < width / 8; e++)
+                _mm256_storeu_ps(out + (size_t)c * D + e0 + 8 * e, _mm256_mul_ps(acc[c][e], _mm256_set1_ps(inv[c])));
+    }
 }
 
-static void attend(const attn_t *a, int t, int g, int *keys, float *buf) {
-    const int n = ss_keys(a, t, keys), G = a->H / a->Hkv;
-    for (int h = g * G; h < (g + 1) * G; h++) attend_head(a, t, h, keys, n, buf);
+static void heads(int C, const attn_t *a, int t, int h, const int *keys, int n, float *buf) {
+    switch (C) {
+    case 1: WITH_CONSTANT_HEAD_SIZE(attend_heads, 1, a, t, h, keys, n, buf); break;
+    case 2: WITH_CONSTANT_HEAD_SIZE(attend_heads, 2, a, t, h, keys, n, buf); break;
+    default: WITH_CONSTANT_HEAD_SIZE(attend_heads, 3, a, t, h, keys, n, buf);
+    }
 }
+
+/* Kv head g of row t, its n allowed keys given: its query heads up to MAX_HEADS at a time, or one by one on
+ * the portable code for head sizes that are not multiples of 8. */
+static void attend_group(const attn_t *a, int t, int g, const int *keys, int n, float *buf) {
+    const int G = a->H / a->Hkv;
+    if (a->D % 8 == 0) attend_in_runs(heads, MAX_HEADS, a, t, g, keys, n, buf);
+    else
+        for (int h = g * G; h < (g + 1) * G; h++) ss_portable_attend_head(a, t, h, keys, n, buf);
+}
+
+static void attend(const attn_t *a, int t, int g, int *keys, float *buf) { attend_group(a, t, g, keys, ss_keys(a, t, keys), buf); }
 
 #ifndef SS_VNNI
-/* The AVX-512 paths attend a group's odd head through this one. */
-void ss_avx2_attend_head(const attn_t *a, int t, int h, const int *keys, int n, float *buf) {
-    attend_head(a, t, h, keys, n, buf);
+/* The AVX-512 paths attend the head sizes they have no registers for through this one. */
+void ss_avx2_attend_group(const attn_t *a, int t, int g, const int *keys, int n, float *buf) {
+    attend_group(a, t, g, keys, n, buf);
 }
 #endif
 

@@ -2,7 +2,8 @@
  * multiply-adds fused with their accumulation, 32 a instruction; with int8 activations, Q4 and Q8 on
  * vpdpbusd's 64 byte multiply-adds, in vec512.h). Bit for bit the canonical order of
  * kernels.h: a lane is one of a panel's 16 columns, and its block dot products are exact integers before
- * the one fp32 accumulation a column. Attention keeps the AVX2 path's 8 lanes a score, two heads a register. */
+ * the one fp32 accumulation a column. Attention keeps the AVX2 path's 8 lanes a score, and a kv head's
+ * query heads share each key and value that it reads. */
 #include <immintrin.h>
 
 #include "kernels.h"
@@ -39,7 +40,7 @@ static inline __attribute__((always_inline)) __m512i dp512_pair(__m512i acc, __m
 #define TILE_ROWS_Q4 7 /* Q4's own most: its 8-row tile runs out of registers */
 #define MAX_C 2 /* panels per integer tile */
 
-void ss_avx2_attend_head(const attn_t *a, int t, int h, const int *keys, int n, float *buf);
+void ss_avx2_attend_group(const attn_t *a, int t, int g, const int *keys, int n, float *buf);
 
 /* The two 8-lane halves added: lane l + lane l + 8 */
 INLINE __m256 halves(__m512 v) {
@@ -236,96 +237,117 @@ static void columns(const job_t *j, int n0, int n1) {
     }
 }
 
-/* Two heads' 8 lanes in one register: the low half head a's, the high half head b's. */
-INLINE __m512 pair(__m256 lo, __m256 hi) {
+INLINE __m512 join(__m256 lo, __m256 hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
+INLINE __m256 low(__m512 v) { return _mm512_castps512_ps256(v); }
 INLINE __m256 high(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
-/* 8 elements from element i of a KV cache of floats or halves, as floats, in both halves */
-INLINE __m512 both(const int half, const void *cache, size_t i) {
-    return half ? _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i))))
-                : _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)((const float *)cache + i))));
+/* Elements e .. e + 7 of the keys at elements i and j of a KV cache of floats or halves, as floats: key i's
+ * in the low half, key j's in the high one. */
+INLINE __m512 two_keys(const int half, const void *cache, size_t i, size_t j) {
+    if (!half) return join(_mm256_loadu_ps((const float *)cache + i), _mm256_loadu_ps((const float *)cache + j));
+    const uint16_t *c = cache;
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(c + i))),
+                                                   _mm_loadu_si128((const __m128i *)(c + j)), 1));
+}
+/* 16 elements from element i of a KV cache of floats or halves, as floats; only the first 8 when width < 16
+ * (the rest zero, and not read). */
+INLINE __m512 kv16(const int half, const void *cache, size_t i, int width) {
+    if (width >= 16)
+        return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + i)))
+                    : _mm512_loadu_ps((const float *)cache + i);
+    return half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(0xFF, (const uint16_t *)cache + i))
+                : _mm512_maskz_loadu_ps(0xFF, (const float *)cache + i);
 }
 
-/* Scores (kernels.h) of heads h and h + 1 of row t against its n keys, into sa and sb, each head's lanes
- * in one half of a register, so that each key vector is loaded once for both and one fma serves both;
- * returns their maxima. */
-INLINE void pair_scores(const int D, const int half, const attn_t *a, int t, int h, const int *keys, int n, float *sa,
-                        float *sb, float *mx) {
-    const float *qa = a->q + ((size_t)t * a->H + h) * D;
+#define MAX_HEADS 4 /* query heads attended together, sharing each key and value read */
+
+/* Scores (kernels.h) of heads h .. h + C - 1 of row t against its n keys, head c's into s + c * S, and their
+ * maxima: two keys in a register (8 lanes each), so that each key vector is loaded and converted once for
+ * the C heads. */
+INLINE void head_scores(const int C, const int D, const int half, const attn_t *a, int t, int h, const int *keys,
+                        int n, float *s, float *mx) {
+    const float *q0 = a->q + ((size_t)t * a->H + h) * D;
     const size_t kb = (size_t)(h / (a->H / a->Hkv)) * a->s_max * D; /* the kv head's first element */
-    __m512 q[16]; /* D <= 128 */
-    for (int e = 0; e < D; e += 8) q[e / 8] = pair(_mm256_loadu_ps(qa + e), _mm256_loadu_ps(qa + D + e));
+    __m512 q[MAX_HEADS][16];                                         /* D <= 128; elements e .. e + 7 twice */
+    for (int c = 0; c < C; c++)
+        for (int e = 0; e < D; e += 8) q[c][e / 8] = join(_mm256_loadu_ps(q0 + c * D + e), _mm256_loadu_ps(q0 + c * D + e));
     const __m256 scale = _mm256_set1_ps(a->scale);
-    __m256 ma = _mm256_set1_ps(-INFINITY), mb = ma;
+    __m256 vmx[MAX_HEADS];
+    for (int c = 0; c < C; c++) vmx[c] = _mm256_set1_ps(-INFINITY);
     int i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m512 acc[8];
-        for (int l = 0; l < 8; l++) acc[l] = _mm512_setzero_ps();
+        __m512 acc[MAX_HEADS][4];
+        for (int c = 0; c < C; c++)
+            for (int l = 0; l < 4; l++) acc[c][l] = _mm512_setzero_ps();
         if (i + 8 + PREFETCH_KEYS <= n)
             for (int l = 0; l < 8; l++) prefetch_kv(half, a->k, kb + (size_t)keys[i + PREFETCH_KEYS + l] * D, D);
         for (int e = 0; e < D; e += 8)
-            for (int l = 0; l < 8; l++)
-                acc[l] = _mm512_fmadd_ps(q[e / 8], both(half, a->k, kb + (size_t)keys[i + l] * D + e), acc[l]);
-        __m256 lo[8], hi[8];
-        for (int l = 0; l < 8; l++) lo[l] = _mm512_castps512_ps256(acc[l]), hi[l] = high(acc[l]);
-        const __m256 ya = _mm256_mul_ps(r8x8(lo), scale), yb = _mm256_mul_ps(r8x8(hi), scale);
-        _mm256_storeu_ps(sa + i, ya), _mm256_storeu_ps(sb + i, yb);
-        ma = _mm256_max_ps(ma, ya), mb = _mm256_max_ps(mb, yb);
+            for (int l = 0; l < 4; l++) {
+                const __m512 k = two_keys(half, a->k, kb + (size_t)keys[i + 2 * l] * D + e,
+                                          kb + (size_t)keys[i + 2 * l + 1] * D + e);
+                for (int c = 0; c < C; c++) acc[c][l] = _mm512_fmadd_ps(q[c][e / 8], k, acc[c][l]);
+            }
+        for (int c = 0; c < C; c++) {
+            __m256 lanes[8];
+            for (int l = 0; l < 4; l++) lanes[2 * l] = low(acc[c][l]), lanes[2 * l + 1] = high(acc[c][l]);
+            const __m256 y = _mm256_mul_ps(r8x8(lanes), scale);
+            _mm256_storeu_ps(s + (size_t)c * a->S + i, y);
+            vmx[c] = _mm256_max_ps(vmx[c], y);
+        }
     }
-    float la[8], lb[8];
-    _mm256_storeu_ps(la, ma), _mm256_storeu_ps(lb, mb);
-    mx[0] = mx[1] = -INFINITY;
-    for (int l = 0; l < 8; l++) mx[0] = la[l] > mx[0] ? la[l] : mx[0], mx[1] = lb[l] > mx[1] ? lb[l] : mx[1];
-    for (; i < n; i++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int e = 0; e < D; e += 8) acc = _mm512_fmadd_ps(q[e / 8], both(half, a->k, kb + (size_t)keys[i] * D + e), acc);
-        sa[i] = r8(_mm512_castps512_ps256(acc)) * a->scale, sb[i] = r8(high(acc)) * a->scale;
-        mx[0] = sa[i] > mx[0] ? sa[i] : mx[0], mx[1] = sb[i] > mx[1] ? sb[i] : mx[1];
-    }
+    score_rest(C, D, half, a, q0, kb, keys, i, n, vmx, s, mx);
 }
 
-/* Heads h and h + 1 of row t: both heads' weighted values in one register's halves, each value vector
- * loaded once for both. */
-INLINE void attend_pair(const int D, const int half, const attn_t *a, int t, int h, const int *keys, int n, float *sa,
-                        float *sb) {
-    float mx[2];
-    pair_scores(D, half, a, t, h, keys, n, sa, sb, mx);
-    const float ia = 1.0f / softmax_weights(sa, n, mx[0]), ib = 1.0f / softmax_weights(sb, n, mx[1]);
+/* Heads h .. h + C - 1 of row t: scores, softmax weights, and the weighted values, 16 of a value's elements
+ * in a register, each loaded and converted once for the C heads. */
+INLINE void attend_heads(const int C, const int D, const int half, const attn_t *a, int t, int h, const int *keys,
+                         int n, float *s) {
+    float mx[MAX_HEADS], inv[MAX_HEADS];
+    head_scores(C, D, half, a, t, h, keys, n, s, mx);
+    for (int c = 0; c < C; c++) inv[c] = 1.0f / softmax_weights(s + (size_t)c * a->S, n, mx[c]);
     const size_t vb = (size_t)(h / (a->H / a->Hkv)) * a->s_max * D;
-    float *oa = a->out + ((size_t)t * a->H + h) * D, *ob = oa + D;
+    float *out = a->out + ((size_t)t * a->H + h) * D;
     for (int e0 = 0; e0 < D; e0 += 64) {
-        const int width = D - e0 < 64 ? D - e0 : 64;
-        __m512 acc[8];
-        for (int e = 0; e < width / 8; e++) acc[e] = _mm512_setzero_ps();
+        const int width = D - e0 < 64 ? D - e0 : 64, V = (width + 15) / 16;
+        __m512 acc[MAX_HEADS][4];
+        for (int c = 0; c < C; c++)
+            for (int e = 0; e < V; e++) acc[c][e] = _mm512_setzero_ps();
         for (int i = 0; i < n; i++) {
-            const __m512 p = pair(_mm256_set1_ps(sa[i]), _mm256_set1_ps(sb[i]));
             const size_t v = vb + (size_t)keys[i] * D + e0;
             if (i + PREFETCH_KEYS < n) prefetch_kv(half, a->v, vb + (size_t)keys[i + PREFETCH_KEYS] * D + e0, width);
-            for (int e = 0; e < width / 8; e++) acc[e] = _mm512_fmadd_ps(p, both(half, a->v, v + 8 * e), acc[e]);
+            __m512 x[4];
+            for (int e = 0; e < V; e++) x[e] = kv16(half, a->v, v + 16 * e, width - 16 * e);
+            for (int c = 0; c < C; c++) {
+                const __m512 p = _mm512_set1_ps(s[(size_t)c * a->S + i]);
+                for (int e = 0; e < V; e++) acc[c][e] = _mm512_fmadd_ps(p, x[e], acc[c][e]);
+            }
         }
-        for (int e = 0; e < width / 8; e++) {
-            _mm256_storeu_ps(oa + e0 + 8 * e, _mm256_mul_ps(_mm512_castps512_ps256(acc[e]), _mm256_set1_ps(ia)));
-            _mm256_storeu_ps(ob + e0 + 8 * e, _mm256_mul_ps(high(acc[e]), _mm256_set1_ps(ib)));
-        }
+        for (int c = 0; c < C; c++)
+            for (int e = 0; e < V; e++) {
+                const __m512 y = _mm512_mul_ps(acc[c][e], _mm512_set1_ps(inv[c]));
+                float *o = out + (size_t)c * D + e0 + 16 * e;
+                if (width - 16 * e >= 16) _mm512_storeu_ps(o, y);
+                else _mm256_storeu_ps(o, low(y));
+            }
     }
 }
 
-/* One (row, kv head): its query heads two at a time (an odd one on the AVX2 path's code); head sizes that
- * are not multiples of 8, or above 128, on the AVX2 path's. */
+static void heads(int C, const attn_t *a, int t, int h, const int *keys, int n, float *buf) {
+    switch (C) {
+    case 1: WITH_CONSTANT_HEAD_SIZE(attend_heads, 1, a, t, h, keys, n, buf); break;
+    case 2: WITH_CONSTANT_HEAD_SIZE(attend_heads, 2, a, t, h, keys, n, buf); break;
+    case 3: WITH_CONSTANT_HEAD_SIZE(attend_heads, 3, a, t, h, keys, n, buf); break;
+    default: WITH_CONSTANT_HEAD_SIZE(attend_heads, 4, a, t, h, keys, n, buf);
+    }
+}
+
+/* One (row, kv head): its query heads up to MAX_HEADS at a time; head sizes that are not multiples of 8, or
+ * above 128, on the AVX2 path's code. */
 static void attend(const attn_t *a, int t, int g, int *keys, float *buf) {
-    const int n = ss_keys(a, t, keys), G = a->H / a->Hkv, D = a->D;
-    int h = g * G;
-    if (D % 8 == 0 && D <= 128)
-        for (; h + 2 <= (g + 1) * G; h += 2) {
-            if (D == 64 && a->half) attend_pair(64, 1, a, t, h, keys, n, buf, buf + a->S);
-            else if (D == 64) attend_pair(64, 0, a, t, h, keys, n, buf, buf + a->S);
-            else if (D == 128 && a->half) attend_pair(128, 1, a, t, h, keys, n, buf, buf + a->S);
-            else if (D == 128) attend_pair(128, 0, a, t, h, keys, n, buf, buf + a->S);
-            else if (a->half) attend_pair(D, 1, a, t, h, keys, n, buf, buf + a->S);
-            else attend_pair(D, 0, a, t, h, keys, n, buf, buf + a->S);
-        }
-    for (; h < (g + 1) * G; h++) ss_avx2_attend_head(a, t, h, keys, n, buf);
+    const int n = ss_keys(a, t, keys);
+    if (a->D % 8 || a->D > 128) ss_avx2_attend_group(a, t, g, keys, n, buf);
+    else attend_in_runs(heads, MAX_HEADS, a, t, g, keys, n, buf);
 }
 
 const ss_path_t PATH = {NAME, NEEDS, 1, quantise, columns, attend};

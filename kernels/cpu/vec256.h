@@ -34,15 +34,62 @@ static inline __attribute__((always_inline)) __m256 kv8(const int half, const vo
                 : _mm256_loadu_ps((const float *)cache + i);
 }
 
-/* R8 of each of 8 vectors, as the 8 lanes of one */
-static inline __attribute__((always_inline)) __m256 r8x8(const __m256 a[8]) {
-    __m256 h[4], q[2];
-    for (int i = 0; i < 4; i++)
+/* R8 of each of 8 vectors, as the 8 lanes of one, in two steps: r8x4 takes 4 of them to a vector of partial
+ * sums, and r8_pairs two such vectors (vectors 0-3, then 4-7) to the 8 sums. */
+static inline __attribute__((always_inline)) __m256 r8x4(const __m256 a[4]) {
+    __m256 h[2];
+    for (int i = 0; i < 2; i++)
         h[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
                              _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
-    q[0] = _mm256_hadd_ps(h[0], h[1]);
-    q[1] = _mm256_hadd_ps(h[2], h[3]);
-    return _mm256_permutevar8x32_ps(_mm256_hadd_ps(q[0], q[1]), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    return _mm256_hadd_ps(h[0], h[1]);
+}
+static inline __attribute__((always_inline)) __m256 r8_pairs(__m256 first, __m256 second) {
+    return _mm256_permutevar8x32_ps(_mm256_hadd_ps(first, second), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+static inline __attribute__((always_inline)) __m256 r8x8(const __m256 a[8]) { return r8_pairs(r8x4(a), r8x4(a + 4)); }
+
+/* Kv head g of row t over its n allowed keys: its query heads in runs of up to `most` attended together by
+ * run(C, a, t, h, ...), none alone where that can be helped (4 of at most 3 as 2 + 2, 5 of at most 4 as
+ * 3 + 2). */
+typedef void (*heads_fn)(int C, const attn_t *a, int t, int h, const int *keys, int n, float *buf);
+static inline __attribute__((always_inline)) void attend_in_runs(heads_fn run, int most, const attn_t *a, int t, int g,
+                                                                 const int *keys, int n, float *buf) {
+    const int G = a->H / a->Hkv;
+    for (int h = g * G, left = G, C; left > 0; h += C, left -= C) {
+        C = left <= most ? left : left == most + 1 ? most - 1 : most;
+        run(C, a, t, h, keys, n, buf);
+    }
+}
+
+/* fn(C, D, half, a, ...) with the head size D and the cache's `half` as constants for the head sizes of real
+ * models (64, 128), so that the compiler unrolls them. */
+#define WITH_CONSTANT_HEAD_SIZE(fn, C, a, ...)                                                                   \
+    ((a)->D == 64    ? ((a)->half ? fn(C, 64, 1, a, __VA_ARGS__) : fn(C, 64, 0, a, __VA_ARGS__))               \
+     : (a)->D == 128 ? ((a)->half ? fn(C, 128, 1, a, __VA_ARGS__) : fn(C, 128, 0, a, __VA_ARGS__))             \
+     : (a)->half     ? fn(C, (a)->D, 1, a, __VA_ARGS__)                                                         \
+                     : fn(C, (a)->D, 0, a, __VA_ARGS__))
+
+/* The scores of keys i .. n - 1 of C heads, one key at a time after a vector loop's 8 at a time: head c's
+ * query at q + c * D, its scores into s + c * S (kernels.h: R8 of 8 lanes, then the scale), and mx[c] the
+ * largest of them and of vmx[c]'s lanes (the vector loop's maxima). D is a multiple of 8. */
+static inline __attribute__((always_inline)) void score_rest(const int C, const int D, const int half, const attn_t *a,
+                                                             const float *q, size_t kb, const int *keys, int i, int n,
+                                                             const __m256 *vmx, float *s, float *mx) {
+    for (int c = 0; c < C; c++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmx[c]);
+        mx[c] = -INFINITY;
+        for (int l = 0; l < 8; l++) mx[c] = lanes[l] > mx[c] ? lanes[l] : mx[c];
+    }
+    for (; i < n; i++)
+        for (int c = 0; c < C; c++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int e = 0; e < D; e += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c * D + e), kv8(half, a->k, kb + (size_t)keys[i] * D + e), acc);
+            const float y = r8(acc) * a->scale;
+            s[(size_t)c * a->S + i] = y;
+            mx[c] = y > mx[c] ? y : mx[c];
+        }
 }
 
 /* exp8 of kernels.h, 8 lanes */
