@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -361,9 +362,64 @@ def test_failure_report_names_the_worker_and_the_log(tmp_path, output, n_target,
     assert (tmp_path / "workers.log").read_text() == output
 
 
-def test_the_watch_tells_which_process_exited_first_from_the_process_itself():
-    import subprocess
+def test_a_report_waits_for_torchrun_to_name_the_worker_that_died(tmp_path, monkeypatch):
+    """A peer's lost connection shows first; torchrun, slow on a loaded machine, names the killed worker
+    seconds later, and the report waits for it rather than blaming the peer."""
+    from swiftspec.engine.host import failures
 
+    monkeypatch.setattr(failures, "TORCHRUN_REPORT_S", 0.2)
+    r, w = os.pipe()
+    os.write(w, b"[rank0]: ConnectionResetError: [Errno 104] Connection reset by peer\n")
+    reported = threading.Event()
+
+    def torchrun_reports_late():
+        time.sleep(3.0)  # past the two rounds (0.2 s + 1 s each) that a report waited before
+        os.write(w, TORCHRUN_REPORT.encode())
+        os.close(w)
+        reported.set()
+
+    class Running:
+        """torchrun's Popen, running until it has written its report."""
+
+        def wait(self, timeout=None):
+            if not reported.wait(timeout):
+                raise subprocess.TimeoutExpired("torchrun", timeout)
+            return 1
+
+    tail = WorkerOutput(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=1)
+    threading.Thread(target=torchrun_reports_late, daemon=True).start()
+    message = tail.report("lost the connection to the workers", Running())
+    assert message.startswith("the draft worker (rank 1) was killed by signal 9 (SIGKILL)\n"), message
+
+
+def test_an_unreaped_process_tells_how_it_ended():
+    """The watch reads how the first worker to exit ended before torchrun reaps it: a signal, or a code."""
+    from swiftspec.engine.host.failures import exit_of_unreaped
+
+    killed, failed = subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sh", "-c", "exit 3"])
+    killed.kill()
+    for p in (killed, failed):
+        os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # exited, left unreaped
+    assert (exit_of_unreaped(killed.pid), exit_of_unreaped(failed.pid)) == (-signal.SIGKILL, 3)
+    assert (killed.wait(), failed.wait()) == (-signal.SIGKILL, 3)
+    assert exit_of_unreaped(killed.pid) is None  # reaped: /proc no longer has it
+
+
+def test_the_worker_seen_to_exit_first_is_the_cause(tmp_path):
+    """torchrun may name only the peer that failed on the lost connection; the worker the Engine saw
+    exit first, killed, is named instead."""
+    r, w = os.pipe()
+    os.write(w, b"[rank0]: ConnectionResetError: [Errno 104] Connection reset by peer\n"
+                b"failed (exitcode: 1) local_rank: 0 (pid: 11) of fn: forked_worker (start_method: fork)\n")
+    os.close(w)
+    tail = WorkerOutput(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=1)
+    assert tail.report("lost the connection to the workers", Exited()).startswith("the target worker (rank 0) ")
+    tail.first_exit = (1, -signal.SIGKILL)
+    message = tail.report("lost the connection to the workers", Exited())
+    assert message.startswith("the draft worker (rank 1) was killed by signal 9 (SIGKILL)\nthe workers'"), message
+
+
+def test_the_watch_tells_which_process_exited_first_from_the_process_itself():
     from swiftspec.engine.host.client import _first_exit
 
     sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]

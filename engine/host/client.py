@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import os
 import select
+import socket
 import subprocess
 import threading
 import time
@@ -28,7 +29,7 @@ from swiftspec.engine.events import Step, StepEvent
 from swiftspec.engine.host import frames, launcher, protocol
 from swiftspec.engine.host.answer import Answer
 from swiftspec.engine.host.encode import encode_chat, encode_prompt
-from swiftspec.engine.host.failures import EngineError, WorkerOutput, worker_log_path
+from swiftspec.engine.host.failures import EngineError, WorkerOutput, exit_of_unreaped, worker_log_path
 from swiftspec.engine.host.frames import Cancel, Failure, Generate, Shutdown, Stepped
 from swiftspec.engine.host.protocol import EngineInfo
 from swiftspec.engine.host.startup import (
@@ -324,6 +325,11 @@ class Engine:
         makes sure no worker outlives it."""
         exited = _first_exit(self._pgids)
         if exited is not None and not self._closed and self._dead is None:
+            code = exit_of_unreaped(exited)  # at once: torchrun reaps it within its 0.1 s poll
+            here = socket.gethostname()
+            rank = next((r.rank for r in self.info.ranks if r.pid == exited and r.host == here), None)
+            if rank is not None and code is not None:
+                self._tail.first_exit = (rank, code)
             self._dead = f"a worker process (pid {exited}) exited"
             for callback in self._when_dead:
                 callback()

@@ -20,6 +20,9 @@ class EngineError(RuntimeError):
 
 
 TORCHRUN_REPORT_S = 3.0  # after a failure, for torchrun to find which worker failed and end the rest
+# the longest a report waits while torchrun runs and all it has shown is a peer's lost connection: torchrun
+# names the worker that died only once it has ended the rest, which takes seconds on a loaded machine
+TORCHRUN_NAMES_S = 15.0
 
 
 def worker_log_path() -> Path:
@@ -36,6 +39,20 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def exit_of_unreaped(pid: int) -> int | None:
+    """How a process that has exited but is not yet reaped by its parent ended, from /proc (Popen's
+    returncode: -signal or the exit code); None once it is reaped, where /proc does not say, or for 0 (what
+    /proc shows where it may not say more)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    if len(fields) < 50 or fields[0] != "Z":  # field 3 the state, field 52 the exit status (Linux 3.5+)
+        return None
+    status = int(fields[-1])
+    return -(status & 0x7F) if status & 0x7F else (status >> 8) or None
+
+
 class WorkerOutput:
     """Keeps the last lines the workers wrote (stdout and stderr together), read by a thread, and writes
     every line to a log file for the full story."""
@@ -43,6 +60,8 @@ class WorkerOutput:
     def __init__(self, stream, log_path: Path, n_target: int):
         self.lines: deque[str] = deque(maxlen=400)
         self.log_path, self.n_target = log_path, n_target
+        # (rank, Popen's returncode) of the worker seen to exit first, from the process itself: the cause
+        self.first_exit: tuple[int, int] | None = None
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("w", encoding="utf-8")
         self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True, name="worker-output")
@@ -58,10 +77,13 @@ class WorkerOutput:
         stream.close()
 
     def failed_worker(self) -> tuple[int, int] | None:
-        """(rank, exit code) of the worker that failed first, from torchrun's report. When one worker dies
-        its peers fail too, on a broken connection, so the likeliest cause is a worker killed by a signal
-        other than torchrun's own SIGTERM, then one that did not fail on a connection, then the one
-        torchrun names as the root cause."""
+        """(rank, exit code) of the worker that failed first: the one seen to exit first where the Engine
+        saw it, else from torchrun's report. When one worker dies its peers fail too, on a broken
+        connection, and torchrun may name one of them alone, so the likeliest cause there is a worker
+        killed by a signal other than torchrun's own SIGTERM, then one that did not fail on a connection,
+        then the one torchrun names as the root cause."""
+        if self.first_exit is not None:
+            return self.first_exit
         text = "\n".join(self.lines)
         block = r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)"
         root = [(int(r), int(c)) for r, c in re.findall(block, text.partition("Root Cause")[2])]
@@ -82,15 +104,21 @@ class WorkerOutput:
     def report(self, why: str, torchrun: subprocess.Popen) -> str:
         """An error message: which worker failed and how (else what was noticed), its last exception line,
         the log's path. First gives torchrun a moment to notice the failure itself and say which worker."""
-        for _ in range(2):  # once more while torchrun runs and all it has shown is a peer's lost connection
+        deadline = time.monotonic() + TORCHRUN_NAMES_S
+        while True:  # again while torchrun runs and all it has shown is a peer's lost connection
             try:
                 torchrun.wait(timeout=TORCHRUN_REPORT_S)
                 exited = True
             except subprocess.TimeoutExpired:
                 exited = False
-            self.thread.join(1.0)  # the workers' last words usually come right after a failure is noticed
+            # the workers' last words usually come right after a failure is noticed; once torchrun has
+            # exited, its report is in the pipe: read to its end
+            self.thread.join(TORCHRUN_REPORT_S if exited else 1.0)
             failed = self.failed_worker()
-            if exited or failed is None or self._unlikely(failed) != (True, True):
+            if exited or time.monotonic() > deadline:
+                break
+            # where the cause is known, torchrun's report is still wanted in the log
+            if self.first_exit is None and (failed is None or self._unlikely(failed) != (True, True)):
                 break
         if failed is None:
             head = self.headline()
