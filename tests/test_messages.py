@@ -32,7 +32,7 @@ BS = 4
 
 
 @pytest.mark.parametrize("msg", [Start(7), Start(7, reuse=3, hidden_size=64), Subtree([5, 6, 7], [-1, 0, 0], 2, 1500),
-                                 Verdict([9]), Verdict([1, 2, 3, 4], last=True)])
+                                 Verdict([9]), Verdict([1, 2, 3, 4], last=True), Verdict([3], verify_us=5400)])
 def test_leader_messages_round_trip(msg):
     wire = Wire(BS)
     t = wire.pack(msg)

@@ -4,6 +4,7 @@ with the suffix drafter, and on the embedded model with the suffix drafter, plai
 penalised as transformers does); the finisher's stopping rules and loop guard, multi-turn KV reuse,
 validation, and the target's hidden states reaching a drafter that reads them."""
 
+import contextlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -44,6 +45,24 @@ def _one_thread():
 def run(target, draft, prompt, params, mode="ar", d=2, **kw) -> tuple[list[int], list]:
     steps = generate(target, draft, prompt, replace(params, mode=mode), d, **kw)
     return [t for s in steps for t in s.tokens], steps
+
+
+@contextlib.contextmanager
+def clocked(target: TargetState, step_ms: float, cost: list[float]):
+    """target's verifications of n nodes report step_ms * cost[n - 1] ms (a fixed clock): a draft's costs,
+    which follow the verdicts' times, then stay the declared ones."""
+    verify = target.verify
+
+    def timed(tokens, parents, sampler, **kw):
+        v = verify(tokens, parents, sampler, **kw)
+        v.target_ms = step_ms * cost[len(tokens) - 1]
+        return v
+
+    target.verify = timed
+    try:
+        yield target
+    finally:
+        del target.verify
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +172,27 @@ def test_cost_aware_subtrees_keep_the_output(tiny):
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for prompt in PROMPTS:
         ar, _ = run(target, None, prompt, params)
-        draft = DraftState(tiny["self"](), TreeParams(), verify_cost=[1.0 + 0.3 * i for i in range(8)])
-        sync, steps = run(target, draft, prompt, params, "sync")
+        cost = [1.0 + 0.3 * i for i in range(8)]
+        draft = DraftState(tiny["self"](), TreeParams(), verify_cost=cost)
+        with clocked(target, 1.0, cost):
+            sync, steps = run(target, draft, prompt, params, "sync")
         assert sync == ar and max(s.tree_size for s in steps) < 8
+
+
+def test_a_draft_learns_the_targets_cost_from_its_verdicts(tiny):
+    """A draft whose profile says rows are free, beside a target whose every row costs half a step: each
+    verdict carries the target's time, the draft's costs follow, and its later rounds verify fewer nodes
+    than its first. Output: ar's."""
+    target = TargetState(tiny["target"], 512)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    ar, _ = run(target, None, PROMPTS[1], params)
+    draft = DraftState(tiny["self"](), TreeParams(), verify_cost=[1.0] * 8, step_ms=1.0)
+    with clocked(target, 1.0, [1.0 + 0.5 * i for i in range(8)]):
+        out, steps = run(target, draft, PROMPTS[1], params, "sync", d=4)
+    rounds = [s.tree_size for s in steps if s.tree_size]
+    assert out == ar
+    assert rounds[0] == 8 and max(rounds[len(rounds) // 2:]) < 4
+    assert draft.verify_cost[7] > 3.5 and draft.step_ms == pytest.approx(1.0, rel=0.2)
 
 
 TIMED = {1e-4: {"step_ms": 1e-4}, 1e6: {"step_ms": 1e6}}  # an expansion costs thousands of steps; nothing
@@ -182,7 +219,8 @@ def timed_runs(tiny, mode: str, drafts: dict = TIMED, expand_ms: float | None = 
                 return ms if expand_ms is None else expand_ms
 
             draft.expand = counted
-            out, steps = run(target, draft, prompt, params, mode, d=6)
+            with clocked(target, timing["step_ms"], cost):
+                out, steps = run(target, draft, prompt, params, mode, d=6)
             rounds = [s for s in steps if s.tree_size]
             runs[key] = (out, len(expansions) / len(rounds), rounds)
         yield ar, runs

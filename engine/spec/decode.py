@@ -21,6 +21,7 @@ from swiftspec.engine.spec.transfers import Staging
 from swiftspec.engine.spec.tree import TokenTree, target_inputs, target_rows
 from swiftspec.engine.spec.tree_cache import ContextFull, TreeKVCache, prefill_forward
 from swiftspec.engine.spec.verify import walk
+from swiftspec.engine.spec.verify_costs import VerifyCostFit
 from swiftspec.engine.timing import CleanTimer
 
 MAX_TREE_NODES = 4096  # the draft tree's node budget (bookkeeping only; the KV budget is the cache's)
@@ -143,8 +144,8 @@ class DraftState:
     Committed tokens whose draft KV is missing (``pending``: a verified token that was never expanded) are
     computed by the next draft forward, in the same batch as the new root.
 
-    ``verify_cost[n - 1]``: the target's time to verify n nodes relative to one, for n = 1..bs (see
-    profile_verify_cost).
+    ``verify_cost[n - 1]``: the target's time to verify n nodes relative to one, for n = 1..bs: the
+    profile's (profile_verify_cost) at first, then fitted to the verdicts' own times (observe_verification).
     When given, subtree() sends only as many of the bs best nodes as maximise the expected tokens per unit
     of target time, taking exp(weight) as a node's chance to be accepted: where a row costs a good part of
     a step (a CPU), a node the draft gives 2 % is not worth verifying. None: always bs (the paper).
@@ -171,6 +172,7 @@ class DraftState:
         self.next_slot = 0
         self.vocab = vocab
         self.constraint: Constraint | None = None
+        self.cost_fit: VerifyCostFit | None = None
 
     def prefill(self, prompt_ids: list[int], features: Features | None = None, grammar: Grammar | None = None,
                 draft_forced: bool = True) -> None:
@@ -251,6 +253,18 @@ class DraftState:
         nodes, _ = self._best(drafting)
         index = {node: i for i, node in enumerate(nodes)}
         return [self.tree.token[i] for i in nodes], [index.get(self.tree.parent[i], -1) for i in nodes]
+
+    def observe_verification(self, n: int, ms: float) -> None:
+        """The target took ``ms`` to verify n nodes: ``verify_cost`` and ``step_ms`` follow (VerifyCostFit),
+        starting from what they are at the first verdict (the profile's). Without costs, or a time, nothing."""
+        if self.verify_cost is None or ms <= 0:
+            return
+        if self.cost_fit is None:
+            self.cost_fit = VerifyCostFit(self.verify_cost, self.step_ms or ms / self.verify_cost[n - 1])
+        self.cost_fit.observe(n, ms)
+        self.verify_cost = self.cost_fit.relative()
+        if self.step_ms:
+            self.step_ms = self.cost_fit.a
 
     def verify_ms(self, n: int) -> float | None:
         """The target's expected time to verify n nodes (None without verify_cost and step_ms)."""

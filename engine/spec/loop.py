@@ -190,7 +190,7 @@ def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finis
             tell(FollowerStep(Follow.VERIFY, sub.tokens, sub.parents))
             v = target.verify(sub.tokens, sub.parents, sampler, hidden=features)
             tokens, reason = fin.cut(v.path)
-            link.send(Verdict(v.path, last=reason is not None))
+            link.send(Verdict(v.path, last=reason is not None, verify_us=round(v.target_ms * 1e3)))
             if features:
                 link.send_features(v.hidden)
             draft_ms = sub.expand_us / 1e3 / sub.expansions if sub.expansions else 0.0
@@ -262,6 +262,7 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
         msg = verdict()
         if not isinstance(msg, Verdict):
             raise unexpected(msg, "a verdict")
+        ds.observe_verification(len(toks), msg.verify_us / 1e3)
         policy.judge(len(msg.path), len(toks), draft_share)
         tell(FollowerStep(Follow.REROOT, msg.path))  # after the last too: the draft then holds what the target committed
         ds.reroot(msg.path, link.recv_features(len(msg.path), dim) if wants else None)

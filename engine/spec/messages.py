@@ -71,10 +71,12 @@ class Subtree:
 
 @dataclass(frozen=True)
 class Verdict:
-    """target -> draft: the accepted tokens followed by the bonus token; ``last``: the answer is over."""
+    """target -> draft: the accepted tokens followed by the bonus token; ``last``: the answer is over;
+    ``verify_us``: the target's time for the verification (the draft's costs follow it)."""
 
     path: list[int]
     last: bool = False
+    verify_us: int = 0
 
 
 LeaderMessage = Start | Subtree | Verdict
@@ -124,8 +126,8 @@ class Wire:
                 if len(parents) != len(tokens):
                     raise WireError(f"a subtree of {len(tokens)} tokens with {len(parents)} parents")
                 return self._words(Kind.SUBTREE, tokens, parents, expansions, expand_us)
-            case Verdict(path, last):
-                return self._words(Kind.VERDICT, path, (), int(last))
+            case Verdict(path, last, verify_us):
+                return self._words(Kind.VERDICT, path, (), int(last), verify_us)
         raise WireError(f"not a leader message: {msg!r}")
 
     def message(self, v: Sequence[int]) -> LeaderMessage:
@@ -136,7 +138,7 @@ class Wire:
             case Kind.SUBTREE if tokens:
                 return Subtree(tokens, parents, a, b)
             case Kind.VERDICT if tokens:
-                return Verdict(tokens, bool(a))
+                return Verdict(tokens, bool(a), b)
         raise WireError(f"unknown leader message: kind {kind} with {len(tokens)} tokens")
 
     def pack(self, msg: LeaderMessage) -> Tensor:
