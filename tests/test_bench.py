@@ -153,6 +153,7 @@ def test_summarise_pools_prompts_checks_identity_and_computes_speedups():
     assert by["async"]["mean_accepted"] == pytest.approx((4 + 2) / 4)
     assert by["async"]["acceptance_rate"] == pytest.approx(2 / 21)
     assert by["async"]["draft_ms"] == 2.0 and by["hf"]["target_ms"] == 10.0 and by["ar"]["target_ms"] is None
+    assert all(r["verify_steps"] == {} for r in results)  # no ar step to measure them in
     # ar is the reference; async differs from it on the second prompt at token 1
     assert by["ar"]["identical_to_target"] and by["ar"]["identical_to_hf"]
     assert not by["async"]["identical_to_target"] and by["async"]["identical_prompts"] == 1
@@ -265,6 +266,25 @@ class ScriptedEngine:
         yield StepEvent([9, 2], "", StepStats(accepted=1, tree_size=8, target_ms=22.0, draft_ms=3.0), True, "eos")
 
 
+def test_the_answers_verification_cost_is_read_in_ars_steps():
+    """Each speculative mode's verifications, by the nodes they held, as the median of their target ms
+    over ar's median step; a node count verified fewer than MIN_VERIFICATIONS times is left out."""
+    ids = list(range(12))
+
+    def s(target, sizes=None):
+        return Sample(ids, 1.0, [(0.1, 1)], target_ms=list(target), tree_sizes=list(sizes or [0] * len(target)))
+
+    samples = {"ar": [s([5.0] * 11 + [50.0])],
+               "sync": [s([5.5] * 10 + [6.0] * 10 + [9.0] * 9, [2] * 10 + [4] * 10 + [8] * 9)]}
+    results, _ = summarise(samples, [Prompt("qa", "q1", "x")])
+    by = {r["mode"]: r for r in results}
+    assert by["sync"]["verify_steps"] == {"2": pytest.approx(1.1), "4": pytest.approx(1.2)}
+    assert by["ar"]["verify_steps"] == {}
+    report = {"config": {"reference": "ar", "decoding": "greedy", "target": "t", "draft": "suffix", "prompts": 1,
+                         "max_new_tokens": 12}, "results": results, "speedup": {}}
+    assert "sync 2: 1.10, 4: 1.20" in "\n".join(render_table(report).caption.split("\n"))
+
+
 def test_engine_runner_counts_steps_strips_eos_and_forgets_the_last_prompt():
     engine = ScriptedEngine()
     s = EngineRunner(engine, "async", [2])([{"role": "user", "content": "q"}], SamplingParams(max_new_tokens=16))
@@ -272,6 +292,7 @@ def test_engine_runner_counts_steps_strips_eos_and_forgets_the_last_prompt():
     assert s.token_ids == [5, 6, 7, 8, 9] and s.prefill_tokens == 30
     assert (s.verifications, s.accepted, s.proposed) == (2, 3, 14)
     assert s.target_ms == [20.0, 22.0] and s.draft_ms == [1.0, 3.0]  # the prefill's 50 ms is not a step
+    assert s.tree_sizes == [8, 8]
     assert [n for _, n in s.arrivals] == [1, 3, 2]
 
     engine = ScriptedEngine(system_ok=False)

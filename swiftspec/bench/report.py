@@ -126,11 +126,28 @@ def summarise(samples: dict[str, list[Sample]], prompts: list[Prompt], greedy: b
                         for t in sorted({p.turn for p in prompts})},
             "per_prompt": per_prompt,
         })
+    step = next((r["target_ms"] for r in results if r["mode"] == "ar"), None)
+    for r in results:
+        r["verify_steps"] = verify_steps(samples[r["mode"]], step) if step else {}
     tps = {r["mode"]: r["tokens_per_s"] for r in results}
     speedup = {f"{m}/{b}": tps[m] / tps[b] for m in modes for b in modes
                if m != b and (b in SPEEDUP_BASELINES or ALL_MODES.index(m) > ALL_MODES.index(b)) and tps[m]
                and tps[b]}
     return results, speedup
+
+
+MIN_VERIFICATIONS = 10  # of one node count, for its cost to be reported
+
+
+def verify_steps(ss: list[Sample], step_ms: float) -> dict[str, float]:
+    """What a mode's verifications of each node count cost in these answers, in ``step_ms`` (ar's median
+    step): the median of their target ms over it, for the counts verified MIN_VERIFICATIONS times or more."""
+    by_nodes: dict[int, list[float]] = {}
+    for s in ss:
+        for n, ms in zip(s.tree_sizes, s.target_ms, strict=False):  # none for the peers, which verify no trees
+            if n:
+                by_nodes.setdefault(n, []).append(ms)
+    return {str(n): statistics.median(v) / step_ms for n, v in sorted(by_nodes.items()) if len(v) >= MIN_VERIFICATIONS}
 
 
 def _figures(ss: list[Sample]) -> dict[str, Any]:
@@ -167,6 +184,11 @@ def render_table(report: dict[str, Any]):
     if len(cost) > 1:
         caption.append("profiled verification cost, in one-node target forwards: "
                        + ", ".join(f"{n} nodes {c:.2f}" for n, c in enumerate(cost, 1) if n > 1) + ".")
+    measured = [f"{r['mode']} " + ", ".join(f"{n}: {c:.2f}" for n, c in r["verify_steps"].items())
+                for r in results if r.get("verify_steps")]
+    if measured:
+        caption.append("verification cost in these answers, in ar's steps (median target ms by nodes verified ÷ "
+                       "ar's): " + "; ".join(measured) + ".")
     caption += [f"{VALID}."] if schemas else []
     caption += [f"[red]WARNING: {w}[/]" for w in cfg.get("warnings", [])]
     caption += [f"[red]{m}: {why}[/]" for m, why in report.get("crashed", {}).items()]

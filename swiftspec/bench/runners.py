@@ -65,6 +65,7 @@ class Sample:
     proposed: int = 0  # draft tokens the target verified
     draft_ms: list[float] = field(default_factory=list)
     target_ms: list[float] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)  # the nodes of each of target_ms's verifications (engine)
 
     def latencies_ms(self) -> list[float]:
         """Per-token decode latency: each gap between arrivals shared by the tokens that arrived at its
@@ -245,6 +246,7 @@ class EngineRunner:
             s.accepted += st.accepted
             s.proposed += max(st.tree_size - 1, 0)
             s.target_ms.append(st.target_ms)
+            s.tree_sizes.append(st.tree_size)
             if st.draft_ms:
                 s.draft_ms.append(st.draft_ms)
         s.token_ids = strip_eos(s.token_ids, self.eos)
