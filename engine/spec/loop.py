@@ -8,10 +8,10 @@ loops this way). Only token ids and numbers leave the target loop (``emit``); th
 into text, stop strings and stats.
 
 One round, leader to leader (``engine/spec/messages.py``): the draft sends a ``Subtree``; the target verifies
-it and answers with a ``Verdict`` (accepted tokens + bonus; ``last`` ends the answer). In ``async`` the
-draft expands its tree d times while the target verifies; in ``sync`` it expands d times, sends, and
-waits. A drafter that reads the target's hidden states gets them right after ``Start`` (the prefill's)
-and after each verdict.
+it and answers with a ``Verdict`` (accepted tokens + bonus; ``last`` ends the answer; the verification's time,
+which the draft's costs follow). In ``async`` the draft expands its tree d times while the target verifies;
+in ``sync`` it expands d times, sends, and waits. A drafter that reads the target's hidden states gets them
+right after ``Start`` (the prefill's) and after each verdict.
 """
 
 from __future__ import annotations
