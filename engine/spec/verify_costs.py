@@ -2,7 +2,7 @@
 verifications.
 
 The profile measures the costs once, at a first start, in a few forwards behind a fixed context; on a
-small virtual machine its ratio of an 8-node verification to a one-node step read anywhere from 1.9 to 2.8
+small virtual machine its ratio of an 8-node verification to a one-node step read anywhere from 1.9 to 3.0
 between starts, and the answers' own verifications moved as much from minute to minute (a verification
 is compute-bound where a step is bound by memory, and the cores a hypervisor lends are not always as
 fast). Trees sized by a stale figure verify too many nodes, or too few. So every verdict carries the
