@@ -282,7 +282,7 @@ def test_the_answers_verification_cost_is_read_in_ars_steps():
     assert by["ar"]["verify_steps"] == {}
     report = {"config": {"reference": "ar", "decoding": "greedy", "target": "t", "draft": "suffix", "prompts": 1,
                          "max_new_tokens": 12}, "results": results, "speedup": {}}
-    assert "sync 2: 1.10, 4: 1.20" in "\n".join(render_table(report).caption.split("\n"))
+    assert "sync 2: 1.10, 4: 1.20" in render_table(report).caption
 
 
 def test_engine_runner_counts_steps_strips_eos_and_forgets_the_last_prompt():
