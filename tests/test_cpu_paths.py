@@ -4,6 +4,7 @@ one thread or two, with int16 or int8 activations; every path, whether it runs h
 library names the path it runs and keeps the one it measured fastest."""
 
 import ctypes
+import importlib.util
 import json
 import subprocess
 import sys
@@ -400,3 +401,53 @@ def test_the_kernel_benchmark_checks_the_bits_and_times_every_row_count(dll, tmp
     for wrong, says in ((["--paths", "AVX-1024"], "no path AVX-1024 runs here"), (["--activations", "int4"], "int16 or int8")):
         refused = subprocess.run([sys.executable, str(script), *wrong], capture_output=True, text=True, timeout=300)
         assert refused.returncode == 2 and says in refused.stderr
+
+
+def _activation_width():
+    spec = importlib.util.spec_from_file_location(
+        "activation_width", Path(__file__).resolve().parents[1] / "benchmarks" / "activation_width.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_the_width_benchmark_quantises_as_the_kernels_do(dll, bits):
+    """A Q8 identity weight (d = 1) returns, exactly, the values the kernels' integer activations stand for:
+    what benchmarks/activation_width.py gives the reference model at the same width."""
+    k = 96
+    ident = torch.eye(k, dtype=torch.int8).reshape(k, k // 32, 32)
+    w = cpu_blocks.Blocks(Format.Q8, "int8", ident, torch.ones(k, k // 32)).in_panels()
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(bits)) * 3
+    x[1, 40] = 90.0  # a block with one large activation
+    x[2, 64:] = 0.0  # a block of zeros
+    cpu_linear.set_activation_bits(dll, bits)
+    try:
+        seen = cpu_linear.linear(dll, Format.Q8, x, k, w.qs, w.d, None)
+    finally:
+        cpu_linear.set_activation_bits(dll, 16)
+    bench = _activation_width()
+    assert torch.equal(seen, bench.quantise(x, bench.Width(32767 if bits == 16 else 127)))
+    assert not torch.equal(seen, x)  # quantised: the test can tell the widths from fp32
+
+
+def test_the_width_benchmark_counts_the_answers_each_width_keeps(target_dir, tmp_path):
+    bench = _activation_width()
+    split = bench.quantise(torch.tensor([[50.0] + [0.3] * 31]), bench.Width(3, exact=1))
+    assert split[0, 0] == 50.0 and torch.allclose(split[0, 1:], torch.full((31,), 0.3))  # 0.3 is 3 levels
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello there"}\n{"prompt": "count to five"}\n')
+    out = tmp_path / "widths.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "activation_width.py"
+    proc = subprocess.run([sys.executable, str(script), "--target", str(target_dir), "--prompts", str(prompts),
+                           "--tokens", "6", "--widths", "32767,1,1+4", "--threads", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["prompts"] == 2 and [(w["levels"], w["exact"]) for w in result["widths"]] == [(32767, 0), (1, 0), (1, 4)]
+    assert all(w["same"] + len(w["first_differences"]) == 2 for w in result["widths"])
+    assert result["widths"][1]["same"] < 2  # one level a side moves the random model's answers
+    refused = subprocess.run([sys.executable, str(script), "--widths", "127+40"], capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode == 2 and "0 <= K < 32" in refused.stderr

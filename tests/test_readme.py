@@ -69,7 +69,8 @@ def _options(command) -> set[str]:
 
 
 OTHER_PROGRAMS = {"--standalone": "torchrun", "--budget": "scripts/gpu_check.sh", "--dry-run": "scripts/gpu_check.sh",
-                  "--check": "benchmarks/cpu_kernels.py", "--attention": "benchmarks/cpu_kernels.py"}
+                  "--check": "benchmarks/cpu_kernels.py", "--attention": "benchmarks/cpu_kernels.py",
+                  "--widths": "benchmarks/activation_width.py"}
 
 
 def test_every_flag_the_readme_names_exists():

@@ -21,6 +21,10 @@
  * SmolLM2, ~0.1 % with int16). No one linear tolerates it alone either: int8 on any one of q/k/v, the
  * attention output, gate/up, down or the lm_head (int16 elsewhere) moved SmolLM2's greedy answers off fp32's
  * on 12-16 of 16 questions, against 1 for int16 throughout, so the width stays one setting of the library.
+ * Nothing narrower than int16 keeps them (benchmarks/activation_width.py, the reference model with its
+ * linears' inputs quantised as here, 16 questions): 12 bits kept 10 answers, 10 bits 9, int8 1, and int8
+ * with each block's two largest values kept exact (an outlier split) 5, against 16 for int16. Any width
+ * between 8 and 16 bits needs two byte products a value, as many instructions as one int16 multiply-add.
  * int8 is the opt-in (ss_set_activation_bits): its byte products halve a row's multiply-adds (vpmaddubsw,
  * vpdpbusd), which is what makes verified rows cheap. The values of an
  * int8 block are int16 values too, so a path without int8 kernels computes the same bits from its int16
