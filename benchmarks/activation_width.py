@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from swiftspec.bench.prompts import select_prompts
-from swiftspec.engine.host.encode import encode_chat
+from swiftspec.bench.runners import HFRunner
+from swiftspec.engine.config import SamplingParams
 from swiftspec.engine.model.loader import load_hf_model
 from swiftspec.engine.model.model_dir import eos_token_ids, load_tokenizer, resolve_model_dir
 
@@ -108,18 +109,14 @@ def main() -> None:
     eos = eos_token_ids(target_dir)
     model = load_hf_model(target_dir).eval()
     quantised = Quantised(model)
-    prompts = [encode_chat(tok, p.messages) for p in select_prompts(args.prompts, None if args.prompts else args.set, None)]
+    hf = HFRunner(model, tok, eos)
+    params = SamplingParams(mode="ar", max_new_tokens=args.tokens)
+    prompts = select_prompts(args.prompts, None if args.prompts else args.set, None)
 
     def answers(width: Width | None) -> list[list[int]]:
+        """The bench's hf mode's greedy answers (EOS stripped), the linears' inputs at ``width``."""
         quantised.width = width
-        out = []
-        with torch.no_grad():
-            for ids in prompts:
-                ids = torch.tensor([ids])
-                gen = model.generate(ids, max_new_tokens=args.tokens, do_sample=False, eos_token_id=eos,
-                                     pad_token_id=eos[0], temperature=None, top_p=None, top_k=None)
-                out.append(gen[0, ids.shape[1]:].tolist())
-        return out
+        return [hf(p.messages, params).token_ids for p in prompts]
 
     reference = answers(None)
     rows = []

@@ -403,9 +403,13 @@ def test_the_kernel_benchmark_checks_the_bits_and_times_every_row_count(dll, tmp
         assert refused.returncode == 2 and says in refused.stderr
 
 
-def _activation_width():
-    spec = importlib.util.spec_from_file_location(
-        "activation_width", Path(__file__).resolve().parents[1] / "benchmarks" / "activation_width.py")
+WIDTH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "activation_width.py"
+
+
+@pytest.fixture(scope="module")
+def width_bench():
+    """benchmarks/activation_width.py as a module."""
+    spec = importlib.util.spec_from_file_location("activation_width", WIDTH_SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks its module up
     spec.loader.exec_module(module)
@@ -413,7 +417,7 @@ def _activation_width():
 
 
 @pytest.mark.parametrize("bits", [16, 8])
-def test_the_width_benchmark_quantises_as_the_kernels_do(dll, bits):
+def test_the_width_benchmark_quantises_as_the_kernels_do(dll, width_bench, bits):
     """A Q8 identity weight (d = 1) returns, exactly, the values the kernels' integer activations stand for:
     what benchmarks/activation_width.py gives the reference model at the same width."""
     k = 96
@@ -427,20 +431,17 @@ def test_the_width_benchmark_quantises_as_the_kernels_do(dll, bits):
         seen = cpu_linear.linear(dll, Format.Q8, x, k, w.qs, w.d, None)
     finally:
         cpu_linear.set_activation_bits(dll, 16)
-    bench = _activation_width()
-    assert torch.equal(seen, bench.quantise(x, bench.Width(32767 if bits == 16 else 127)))
+    assert torch.equal(seen, width_bench.quantise(x, width_bench.Width(32767 if bits == 16 else 127)))
     assert not torch.equal(seen, x)  # quantised: the test can tell the widths from fp32
 
 
-def test_the_width_benchmark_counts_the_answers_each_width_keeps(target_dir, tmp_path):
-    bench = _activation_width()
-    split = bench.quantise(torch.tensor([[50.0] + [0.3] * 31]), bench.Width(3, exact=1))
+def test_the_width_benchmark_counts_the_answers_each_width_keeps(width_bench, target_dir, tmp_path):
+    split = width_bench.quantise(torch.tensor([[50.0] + [0.3] * 31]), width_bench.Width(3, exact=1))
     assert split[0, 0] == 50.0 and torch.allclose(split[0, 1:], torch.full((31,), 0.3))  # 0.3 is 3 levels
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hello there"}\n{"prompt": "count to five"}\n')
     out = tmp_path / "widths.json"
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "activation_width.py"
-    proc = subprocess.run([sys.executable, str(script), "--target", str(target_dir), "--prompts", str(prompts),
+    proc = subprocess.run([sys.executable, str(WIDTH_SCRIPT), "--target", str(target_dir), "--prompts", str(prompts),
                            "--tokens", "6", "--widths", "32767,1,1+4", "--threads", "1", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -448,6 +449,6 @@ def test_the_width_benchmark_counts_the_answers_each_width_keeps(target_dir, tmp
     assert result["prompts"] == 2 and [(w["levels"], w["exact"]) for w in result["widths"]] == [(32767, 0), (1, 0), (1, 4)]
     assert all(w["same"] + len(w["first_differences"]) == 2 for w in result["widths"])
     assert result["widths"][1]["same"] < 2  # one level a side moves the random model's answers
-    refused = subprocess.run([sys.executable, str(script), "--widths", "127+40"], capture_output=True, text=True,
+    refused = subprocess.run([sys.executable, str(WIDTH_SCRIPT), "--widths", "127+40"], capture_output=True, text=True,
                              timeout=300)
     assert refused.returncode == 2 and "0 <= K < 32" in refused.stderr
