@@ -2,7 +2,10 @@
 features it receives, checkpoints (ours and EAGLE's layout) and their errors."""
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +14,10 @@ from tiny_models import single_thread, tiny_model_dir
 
 from swiftspec.engine.config import DraftKind, SamplingParams, TreeParams
 from swiftspec.engine.host.startup import resolve_draft
+from swiftspec.engine.model.cpu_backends import PackedLinear
 from swiftspec.engine.model.fp16_linear import FP16WeightLinear
 from swiftspec.engine.model.loader import load_model
+from swiftspec.engine.spec import drafters
 from swiftspec.engine.spec.decode import DraftState, TargetState
 from swiftspec.engine.spec.draft_head import DraftHead, HeadArgs, HeadDrafter, load_head, save_head
 from swiftspec.engine.spec.draft_spec import DraftSpec, HeadError, is_head_dir
@@ -20,6 +25,7 @@ from swiftspec.engine.spec.drafters import make_drafter
 from swiftspec.engine.spec.loop import generate
 from swiftspec.engine.spec.sampling import Sampler
 from swiftspec.engine.spec.tree_cache import causal_mask
+from swiftspec.kernels.cpu_linear import Format
 from swiftspec.train_draft import unroll
 
 PROMPTS = [[5, 17, 300, 42, 8, 99], [1, 200, 201, 202, 203, 200, 201]]
@@ -203,25 +209,65 @@ def test_our_format_round_trips(target, target_dir, tmp_path):
     assert resolve_draft(str(tmp_path / "head"), target_dir) == DraftSpec(DraftKind.HEAD, tmp_path / "head")
 
 
-def test_the_cpu_drafter_packs_the_head_in_fp16(target, target_dir, tmp_path):
-    """make_drafter on the CPU: the head's linears and lm_head rows become FBGEMM fp16-weight linears, and
-    its features and logits stay those of the fp32 head to fp16 rounding."""
+def _packed_by_make_drafter(target, target_dir, tmp_path):
+    """A random head (a sub-vocabulary) saved and loaded by make_drafter on the CPU; its fp32 original."""
     head = random_head(target, d2t=torch.arange(0, 320, 3))
     save_head(head, tmp_path / "head")
-    drafter = make_drafter(DraftSpec.of(str(tmp_path / "head")), target_dir, False, False, load=None)
-    packed = drafter.head
-    assert isinstance(packed.lm_head, FP16WeightLinear) and isinstance(packed.feed_forward.w13, FP16WeightLinear)
+    return head, make_drafter(DraftSpec.of(str(tmp_path / "head")), target_dir, False, False, load=None).head
+
+
+def _same_head_to(head: DraftHead, packed: DraftHead, tol: float) -> None:
+    """The packed head's features and logits are the fp32 head's to ``tol`` of their largest magnitude,
+    and not its bits."""
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
     n = 12
     tokens, pos = torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(0)), torch.arange(n)
-    feats = torch.randn(n, target.args.dim, generator=torch.Generator().manual_seed(1))
+    feats = torch.randn(n, head.args.dim, generator=torch.Generator().manual_seed(1))
     outs = []
     for h in (head, packed):
         h.setup_cache(64)
         outs.append(h(tokens, feats, pos, pos, causal_mask(0, n)))
-    torch.testing.assert_close(outs[1], outs[0], atol=5e-3, rtol=5e-3)
-    torch.testing.assert_close(packed.logits(outs[0]), head.logits(outs[0]), atol=5e-3, rtol=5e-3)
-    assert not torch.equal(packed.logits(outs[0]), head.logits(outs[0]))  # it is the fp16 path
+    logits = [h.logits(outs[0]) for h in (head, packed)]
+    for a, b in (outs, logits):
+        assert (b - a).abs().max() <= tol * a.abs().max()
+    assert not torch.equal(*logits)  # it is the packed path
+
+
+def test_the_cpu_drafter_runs_the_head_on_the_kernels(target, target_dir, tmp_path):
+    """make_drafter on the CPU with the kernels: the head's linears and lm_head rows become Q8 blocks of
+    the row-invariant kernels, and its features and logits stay the fp32 head's to 8-bit rounding."""
+    head, packed = _packed_by_make_drafter(target, target_dir, tmp_path)
+    assert isinstance(packed.lm_head, PackedLinear) and isinstance(packed.feed_forward.w13, PackedLinear)
+    assert {m.fmt for m in packed.modules() if isinstance(m, PackedLinear)} == {Format.Q8}
+    _same_head_to(head, packed, 2e-2)
+
+
+def test_without_the_kernels_the_cpu_drafter_packs_the_head_in_fp16(target, target_dir, tmp_path, monkeypatch):
+    """Where the kernels cannot be built, the head's linears and lm_head rows become FBGEMM fp16-weight
+    linears instead, to fp16 rounding."""
+    monkeypatch.setattr(drafters, "kernels_available", lambda args=None: "no C compiler")
+    head, packed = _packed_by_make_drafter(target, target_dir, tmp_path)
+    assert isinstance(packed.lm_head, FP16WeightLinear) and isinstance(packed.feed_forward.w13, FP16WeightLinear)
+    _same_head_to(head, packed, 1e-3)
+
+
+EXPANSION_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "head_expansion.py"
+
+
+def test_the_expansion_benchmark_times_each_backend(target, target_dir, tmp_path):
+    """benchmarks/head_expansion.py times a saved head's expansions with FBGEMM and with the kernels at each
+    activation width."""
+    save_head(random_head(target, d2t=torch.arange(0, 320, 3)), tmp_path / "head")
+    out = tmp_path / "expansion.json"
+    proc = subprocess.run([sys.executable, str(EXPANSION_SCRIPT), "--model", str(target_dir), "--head",
+                           str(tmp_path / "head"), "--leaves", "1,3", "--context", "20", "--reps", "3", "--json",
+                           str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ms = json.loads(out.read_text())["ms"]
+    kernels = [name for name in ms if name.startswith("kernels Q8")]
+    assert [name.split(" · ")[1] for name in kernels] == ["int16 activations", "int8 activations"]
+    assert ("FBGEMM fp16 weights" in ms) == drafters.fbgemm_available()
+    assert all(set(times) == {"1", "3"} and min(times.values()) > 0 for times in ms.values())
 
 
 def _eagle_checkpoint(head: DraftHead, out, dim_override=None, fmt="safetensors"):

@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from swiftspec import kernels
+from swiftspec.engine.model.cpu_backends import CpuAttention, PackedLinear
+from swiftspec.engine.model.cpu_blocks import Blocks
 from swiftspec.engine.model.fp16_linear import FP16WeightLinear, pack_fp16_linears
 from swiftspec.engine.model.model_args import ModelArgs, ModelConfigError
 from swiftspec.engine.model.transformer import Attention, FeedForward, RMSNorm, RotateHalf, rope_inv_freq
@@ -46,6 +48,7 @@ from swiftspec.engine.spec.draft_io import Expansion, read_top
 from swiftspec.engine.spec.draft_spec import HEAD_CONFIG_KEY, HeadError, read_bin
 from swiftspec.engine.spec.transfers import Staging
 from swiftspec.engine.spec.tree_cache import PREFILL_CHUNK, TreeKVCache, causal_mask
+from swiftspec.kernels.cpu_linear import Format
 
 HEAD_FORMAT = 1
 
@@ -97,6 +100,7 @@ class DraftHead(nn.Module):
         self.embed_weight: Tensor | None = None  # the target's, [vocab, dim]
         self.lm_head_weight: Tensor | None = None  # the target's rows of the draft vocabulary, [draft_vocab, dim]
         self.lm_head: nn.Module | None = None  # those rows packed (pack_fp16_cpu_weights)
+        self.attention_ops = kernels  # prepare_mask and tree_attention (the CPU kernels' after pack_cpu_kernels)
         self.inv_freq: Tensor | None = None
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
@@ -156,6 +160,21 @@ class DraftHead(nn.Module):
         pack_fp16_linears(self)
         self.lm_head = FP16WeightLinear(self.lm_head_weight)
 
+    def pack_cpu_kernels(self, dll) -> None:
+        """Drafting on the CPU through the row-invariant kernels (kernels/cpu): every linear and the lm_head
+        rows as Q8 blocks, multiplied at the library's activation width, and the library's attention. An expansion's few rows then cost
+        what their weights take to stream, not FBGEMM's fp32 GEMM (docs/ARCHITECTURE.md gives figures); the
+        blocks' rounding only changes what is proposed. Inference only."""
+        def packed(weight: Tensor, bias: Tensor | None = None) -> PackedLinear:
+            return PackedLinear(dll, Blocks.quantize(weight, Format.Q8), Format.Q8, bias)
+
+        for mod in list(self.modules()):
+            for name, child in list(mod.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(mod, name, packed(child.weight, child.bias))
+        self.lm_head = packed(self.lm_head_weight)
+        self.attention_ops = CpuAttention(dll)
+
     @torch.inference_mode()
     def forward(self, tokens: Tensor, features: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
         """One tree forward over the cache (as Transformer.forward): tokens, positions, slots [T]; features
@@ -165,9 +184,10 @@ class DraftHead(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         rope = RotateHalf(emb.cos(), emb.sin())
         attn = self.attention
-        attn_mask = kernels.prepare_mask(mask, attn.n_heads // attn.n_kv_heads, self.ffn_norm.weight.dtype)
+        ops = self.attention_ops
+        attn_mask = ops.prepare_mask(mask, attn.n_heads // attn.n_kv_heads, self.ffn_norm.weight.dtype)
         x = self.fuse(tokens, features)
-        h = x + attn(x, rope, slots, attn_mask, self.k_cache[0], self.v_cache[0])
+        h = x + attn(x, rope, slots, attn_mask, self.k_cache[0], self.v_cache[0], ops.tree_attention)
         out = self.finish(h)
         self.slot_features.index_copy_(0, slots, out)
         return out

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from swiftspec.engine.config import Device, DraftKind
+from swiftspec.engine.model.cpu_backends import kernels_available, library
 from swiftspec.engine.model.fp16_linear import fbgemm_available
 from swiftspec.engine.model.loader import load_target_io
 from swiftspec.engine.model.model_dir import load_tokenizer, read_args
@@ -222,8 +223,11 @@ def make_drafter(draft: DraftSpec, target_dir: Path, trust_remote_code: bool, hi
         case DraftKind.HEAD:
             head = load_head(draft.path, read_args(target_dir), device, dtype)
             head.attach_target(*load_target_io(target_dir, device, dtype))
-            if Device.of(device) is Device.CPU and dtype == torch.float32 and fbgemm_available():
-                head.pack_fp16_cpu_weights()
+            if Device.of(device) is Device.CPU and dtype == torch.float32:
+                if kernels_available(head.args.model_args()) is None:
+                    head.pack_cpu_kernels(library())
+                elif fbgemm_available():
+                    head.pack_fp16_cpu_weights()
             return HeadDrafter(head, max_slots)
         case DraftKind.MODEL:
             if vocab_size is None:

@@ -20,6 +20,7 @@ from swiftspec.engine.config import (
     ConfigError,
     Device,
     DraftCorpus,
+    DraftKind,
     Dtype,
     EngineConfig,
     Role,
@@ -328,8 +329,8 @@ def load(place: Placement, dtype: Dtype) -> Loaded:
                            place.device, default_dtype(place.device, dtype), slots + DRAFT_TREE_SLOTS,
                            Path(spec.corpus) if spec.corpus else None, spec.vocab_size,
                            Path(config.history_db) if config.drafts_from_store else None)
-    if Device.of(place.device) is Device.CPU and spec.draft_spec.own_model:
-        if kernels_available() is None:  # a draft model runs the kernels too, on its share of the cores
+    if Device.of(place.device) is Device.CPU and (spec.draft_spec.own_model or spec.draft_spec.kind is DraftKind.HEAD):
+        if kernels_available() is None:  # a draft model or head runs the kernels too, on its share of the cores
             set_kernel_threads(place.threads)
     if drafter.wants_features and place.tp_world > 1:
         raise ConfigError("a draft that reads the target's hidden states runs on one draft rank only")
