@@ -112,10 +112,10 @@ def compile_object(cc: str, source: str, flags: list[str], out: Path) -> subproc
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def _build(cc: str, lib: Path, paths: dict[str, tuple[str, list[str]]]) -> None:
+def _build(cc: str, lib: Path, paths: dict[str, tuple[str, list[str]]], host_flags: list[str]) -> None:
     """Compiles every object (at once) and links the library into ``lib``, atomically. A path's object that
     this compiler cannot build is left out (dispatch.c finds it absent); any other failure raises."""
-    recipes = paths | {Path(src).stem: (src, ["-march=native"] if X86 else []) for src in HOST_OBJECTS}
+    recipes = paths | {Path(src).stem: (src, (["-march=native"] if X86 else []) + host_flags) for src in HOST_OBJECTS}
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         outs = {name: Path(tmp) / f"{name}.o" for name in recipes}
         jobs = {name: compile_object(cc, src, flags, outs[name]) for name, (src, flags) in recipes.items()}
@@ -157,10 +157,12 @@ def load(build_dir: Path, activation_bits: int | None = None) -> ctypes.CDLL:
     return dll
 
 
-def build(lib: Path, paths: dict[str, tuple[str, list[str]]] = PATH_OBJECTS) -> None:
-    """Builds the library of ``paths`` (each path's source and flags) into ``lib``."""
+def build(lib: Path, paths: dict[str, tuple[str, list[str]]] = PATH_OBJECTS, host_flags: list[str] | None = None
+          ) -> None:
+    """Builds the library of ``paths`` (each path's source and flags) into ``lib``; ``host_flags``: more flags
+    for the host objects (``-DSS_STEP_PROFILE``: the blocks time their parts)."""
     try:
-        _build(_compiler(), lib, paths)
+        _build(_compiler(), lib, paths, host_flags or [])
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelsUnavailable(f"compiling the CPU kernels failed: {e}") from None
 
@@ -192,6 +194,8 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     dll.ss_layers.restype = ctypes.c_int
     dll.ss_sample.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_float] + [ctypes.c_void_p] * 2
     dll.ss_sample.restype = ctypes.c_int
+    dll.ss_step_profile.argtypes = [ctypes.c_void_p]
+    dll.ss_step_profile.restype = ctypes.c_int
     return dll
 
 

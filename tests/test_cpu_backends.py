@@ -5,6 +5,9 @@ gguf backend stays close to the fp32 dequantised model; --dtype auto chooses by 
 
 import dataclasses
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,3 +246,25 @@ def test_widths_the_kernels_cannot_take_fall_back_to_one_row_forwards():
     model = load_model(odd, "cpu", Dtype.AUTO, max_slots=32)
     assert not isinstance(model.output, PackedLinear) and model.batch_invariant  # exact, the slow way
     assert "multiples of 32" in cpu_backends.kernels_available(model.args)
+
+
+STEP_PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "step_profile.py"
+
+
+def test_the_step_profile_times_a_forward_by_part(gguf_dir, tmp_path):
+    """benchmarks/step_profile.py runs a GGUF target on the kernels built with the blocks' timers: each part's
+    time is there, the layers' parts and the lm_head within the forward. The engine's own build has no timers."""
+    assert cpu_backends.library().ss_step_profile(None) == -1
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, str(STEP_PROFILE), "--model", str(gguf_dir), "--threads", "1,2", "--rows",
+                           "1,3", "--context", "12", "--reps", "3", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert "gguf" in result["precision"] and [(r["threads"], r["rows"]) for r in result["results"]] == \
+        [(1, 1), (1, 3), (2, 1), (2, 3)]
+    for r in result["results"]:
+        ms = r["ms"]
+        inside = sum(ms[p] for p in ("wqkv", "wo", "w13", "w2", "attention", "glue", "lm_head"))
+        assert all(ms[p] > 0 for p in ("wqkv", "wo", "w13", "w2", "attention", "lm_head"))
+        assert inside < ms["forward"] and 0 < r["linears_share"] < 1

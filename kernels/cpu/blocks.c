@@ -25,8 +25,43 @@ typedef struct {
     int dim, n_heads, n_kv_heads, head_dim, inter;
 } block_t;
 
-static int lin(const lin_t *l, int M, const float *x, float *out) {
-    return ss_linear(l->fmt, M, l->K, l->N, x, l->w, l->d, l->m, l->bias, out);
+/* Built with -DSS_STEP_PROFILE (benchmarks/step_profile.py), the blocks time their parts: where a step's
+ * time goes, the linears against the rest. The library the engine runs is built without it. */
+enum { PART_WQKV, PART_WO, PART_W13, PART_W2, PART_ATTENTION, PART_LAYERS, N_PARTS };
+#ifdef SS_STEP_PROFILE
+#include <time.h>
+static double part_seconds[N_PARTS];
+static double seconds_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+#define TIMED(part, expr)                                                                                    \
+    do {                                                                                                     \
+        const double t0_ = seconds_now();                                                                    \
+        expr;                                                                                                \
+        part_seconds[part] += seconds_now() - t0_;                                                           \
+    } while (0)
+#else
+#define TIMED(part, expr) do { (void)(part); expr; } while (0)
+#endif
+
+/* The seconds each part took since the last call, into out[N_PARTS] (wqkv, wo, w13, w2, attention, the layers
+ * whole), zeroed; -1 in a library built without SS_STEP_PROFILE. */
+int ss_step_profile(double *out) {
+#ifdef SS_STEP_PROFILE
+    for (int i = 0; i < N_PARTS; i++) out[i] = part_seconds[i], part_seconds[i] = 0.0;
+    return 0;
+#else
+    (void)out;
+    return -1;
+#endif
+}
+
+static int lin(const lin_t *l, int part, int M, const float *x, float *out) {
+    int rc;
+    TIMED(part, rc = ss_linear(l->fmt, M, l->K, l->N, x, l->w, l->d, l->m, l->bias, out));
+    return rc;
 }
 
 static void add_rms_norm(int T, int dim, float eps, int first, const float *x, float *residual,
@@ -79,7 +114,7 @@ int ss_attention_block(const block_t *b, int T, const float *x, float *residual,
     if (!h) return -1;
     float *qkv = h + (size_t)T * b->dim, *att = qkv + (size_t)T * width;
     add_rms_norm(T, b->dim, b->eps, first, x, residual, b->attention_norm, h);
-    int rc = lin(&b->wqkv, T, h, qkv);
+    int rc = lin(&b->wqkv, PART_WQKV, T, h, qkv);
     if (rc == 0) {
         float *q = malloc(sizeof(float) * (size_t)T * nh * hd);
         if (!q) rc = -1;
@@ -92,10 +127,12 @@ int ss_attention_block(const block_t *b, int T, const float *x, float *residual,
                 kv_write(half, v_cache, ((size_t)j * s_max + slots[t]) * hd, row + (nh + nkv + j) * hd, hd);
             }
         }
-        if (rc == 0) rc = ss_attention(T, nh, nkv, hd, S, s_max, half, b->scale, q, k_cache, v_cache, mask, att);
+        if (rc == 0)
+            TIMED(PART_ATTENTION,
+                  rc = ss_attention(T, nh, nkv, hd, S, s_max, half, b->scale, q, k_cache, v_cache, mask, att));
         free(q);
     }
-    if (rc == 0) rc = lin(&b->wo, T, att, out);
+    if (rc == 0) rc = lin(&b->wo, PART_WO, T, att, out);
     free(h);
     return rc;
 }
@@ -106,14 +143,14 @@ int ss_mlp_block(const block_t *b, int T, const float *x, float *residual, float
     if (!h) return -1;
     float *gu = h + (size_t)T * b->dim, *act = gu + (size_t)T * 2 * inter;
     add_rms_norm(T, b->dim, b->eps, 0, x, residual, b->ffn_norm, h);
-    int rc = lin(&b->w13, T, h, gu);
+    int rc = lin(&b->w13, PART_W13, T, h, gu);
     if (rc == 0) {
         for (int t = 0; t < T; t++)
             for (int i = 0; i < inter; i++) {
                 const float g = gu[(size_t)t * 2 * inter + i], u = gu[(size_t)t * 2 * inter + inter + i];
                 act[(size_t)t * inter + i] = g / (1.0f + ss_exp(-g)) * u;
             }
-        rc = lin(&b->w2, T, act, out);
+        rc = lin(&b->w2, PART_W2, T, act, out);
     }
     free(h);
     return rc;
@@ -127,11 +164,11 @@ int ss_layers(const block_t *blocks, int n, int T, float *x, float *residual, co
               const int64_t *slots, const uint8_t *mask, int S, int half, void *k_cache, void *v_cache,
               int64_t layer_stride, int s_max, float *tmp) {
     const size_t stride = (size_t)layer_stride * (half ? 2 : 4);
-    for (int l = 0; l < n; l++) {
-        int rc = ss_attention_block(blocks + l, T, x, residual, l == 0, cos, sin, slots, mask, S, half,
-                                    (char *)k_cache + l * stride, (char *)v_cache + l * stride, s_max, tmp);
+    int rc = 0;
+    TIMED(PART_LAYERS, for (int l = 0; rc == 0 && l < n; l++) {
+        rc = ss_attention_block(blocks + l, T, x, residual, l == 0, cos, sin, slots, mask, S, half,
+                                (char *)k_cache + l * stride, (char *)v_cache + l * stride, s_max, tmp);
         if (rc == 0) rc = ss_mlp_block(blocks + l, T, tmp, residual, x);
-        if (rc != 0) return rc;
-    }
-    return 0;
+    });
+    return rc;
 }
