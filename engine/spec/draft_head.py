@@ -29,6 +29,7 @@ embedding is used); such a head has no final norm.
 
 from __future__ import annotations
 
+import ctypes
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -99,7 +100,7 @@ class DraftHead(nn.Module):
         self.d2t = None if d2t is None else d2t.long()
         self.embed_weight: Tensor | None = None  # the target's, [vocab, dim]
         self.lm_head_weight: Tensor | None = None  # the target's rows of the draft vocabulary, [draft_vocab, dim]
-        self.lm_head: nn.Module | None = None  # those rows packed (pack_fp16_cpu_weights)
+        self.lm_head: nn.Module | None = None  # those rows packed (pack_fp16_cpu_weights, pack_cpu_kernels)
         self.attention_ops = kernels  # prepare_mask and tree_attention (the CPU kernels' after pack_cpu_kernels)
         self.inv_freq: Tensor | None = None
         self.k_cache: Tensor | None = None
@@ -160,11 +161,12 @@ class DraftHead(nn.Module):
         pack_fp16_linears(self)
         self.lm_head = FP16WeightLinear(self.lm_head_weight)
 
-    def pack_cpu_kernels(self, dll) -> None:
-        """Drafting on the CPU through the row-invariant kernels (kernels/cpu): every linear and the lm_head
-        rows as Q8 blocks, multiplied at the library's activation width, and the library's attention. An expansion's few rows then cost
-        what their weights take to stream, not FBGEMM's fp32 GEMM (docs/ARCHITECTURE.md gives figures); the
-        blocks' rounding only changes what is proposed. Inference only."""
+    def pack_cpu_kernels(self, dll: ctypes.CDLL) -> None:
+        """Drafting on the CPU through the kernels (kernels/cpu): every linear and the lm_head rows as Q8
+        blocks, multiplied at the library's activation width, and the library's attention. An expansion of
+        a few leaves then takes about 0.6 of its time with FBGEMM's fp16-weight linears (docs/ARCHITECTURE.md
+        gives figures); the blocks' rounding only changes what is proposed. Inference only."""
+
         def packed(weight: Tensor, bias: Tensor | None = None) -> PackedLinear:
             return PackedLinear(dll, Blocks.quantize(weight, Format.Q8), Format.Q8, bias)
 
