@@ -30,18 +30,6 @@ from swiftspec.kernels import cpu_linear
 PARTS = ("wqkv", "wo", "w13", "w2", "attention", "layers")
 
 
-def profiled_library(activations: Activations) -> ctypes.CDLL:
-    """The kernels built with the blocks' timers, into the cache beside the engine's build."""
-    lib = cache_dir() / "kernels" / f"cpu_linear-profile-{cpu_linear.source_digest()}.so"
-    if not lib.is_file():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        cpu_linear.build(lib, host_flags=["-DSS_STEP_PROFILE"])
-    dll = cpu_linear.bind(ctypes.CDLL(str(lib)))
-    cpu_linear.set_activation_bits(dll, activations.bits)
-    cpu_linear.use_paths(dll, cpu_linear.fastest_paths(dll, lib.with_suffix(f".path-{activations}.json")))
-    return dll
-
-
 class TimedLinear(torch.nn.Module):
     """The lm_head, timed."""
 
@@ -81,6 +69,7 @@ def profile(model, dll, rows: int, context: int, reps: int) -> dict[str, float]:
     ms["lm_head"] = model.output.seconds / reps * 1e3
     ms["forward"] = total / reps * 1e3
     ms["outside"] = ms["forward"] - linears - ms["attention"] - ms["glue"] - ms["lm_head"]
+    ms["linears_share"] = (linears + ms["lm_head"]) / ms["forward"]
     return ms
 
 
@@ -95,7 +84,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write the results here")
     a = p.parse_args()
     activations = Activations(a.activations)
-    dll = profiled_library(activations)
+    dll = cpu_linear.load(cache_dir() / "kernels", activations.bits, ("-DSS_STEP_PROFILE",))
     cpu_backends.library = lambda activations=None: dll  # the model below runs the profiled build
     model = a.model or embedded_gguf_path()
     torch.set_num_threads(1)
@@ -110,7 +99,7 @@ def main() -> None:
         cpu_linear.set_threads(dll, threads)
         for rows in (int(r) for r in a.rows.split(",")):
             ms = profile(target, dll, rows, a.context, a.reps)
-            share = sum(ms[n] for n in ("wqkv", "wo", "w13", "w2", "lm_head")) / ms["forward"]
+            share = ms.pop("linears_share")
             print(f"{threads:>7} {rows:>4} " + "".join(f"{ms[c]:>10.3f}" for c in cols) + f"{share:>8.0%}")
             results.append({"threads": threads, "rows": rows, "ms": ms, "linears_share": share})
     print("linears: the share of the forward in the linears, the lm_head included; glue: the layers' norms, RoPE, "

@@ -135,20 +135,21 @@ def _build(cc: str, lib: Path, paths: dict[str, tuple[str, list[str]]], host_fla
 
 
 @functools.cache
-def load(build_dir: Path, activation_bits: int | None = None) -> ctypes.CDLL:
+def load(build_dir: Path, activation_bits: int | None = None, host_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The compiled library, built into ``build_dir`` on first use and running the fastest paths here for
     its activations' width: ``activation_bits`` (16 or 8) where given, else the width it has (16 at first);
+    ``host_flags``: a build of its own with more flags for the host objects (see ``build``).
     KernelsUnavailable when it cannot be built."""
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelsUnavailable(f"the C compiler {cc} does not run: {e}") from None
-    key = hashlib.sha256(f"{source_digest()} {version} {_cpu_flags()} {platform.machine()}".encode())
+    key = hashlib.sha256(f"{source_digest()} {version} {_cpu_flags()} {platform.machine()} {host_flags}".encode())
     lib = Path(build_dir) / f"cpu_linear-{key.hexdigest()[:16]}.so"
     if not lib.is_file():
         lib.parent.mkdir(parents=True, exist_ok=True)
-        build(lib)
+        build(lib, host_flags=list(host_flags))
     dll = bind(ctypes.CDLL(str(lib)))
     if activation_bits is not None:
         set_activation_bits(dll, activation_bits)
