@@ -27,21 +27,7 @@ from swiftspec.engine.model.loader import load_model
 from swiftspec.engine.paths import cache_dir
 from swiftspec.kernels import cpu_linear
 
-PARTS = ("wqkv", "wo", "w13", "w2", "attention", "layers")
-
-
-class TimedLinear(torch.nn.Module):
-    """The lm_head, timed."""
-
-    def __init__(self, inner: torch.nn.Module):
-        super().__init__()
-        self.inner, self.seconds = inner, 0.0
-
-    def forward(self, x):
-        t0 = time.perf_counter()
-        out = self.inner(x)
-        self.seconds += time.perf_counter() - t0
-        return out
+PARTS = ("wqkv", "wo", "w13", "w2", "attention", "layers", "lm_head")  # as blocks.c numbers them
 
 
 def profile(model, dll, rows: int, context: int, reps: int) -> dict[str, float]:
@@ -57,7 +43,6 @@ def profile(model, dll, rows: int, context: int, reps: int) -> dict[str, float]:
     for _ in range(5):
         model(tokens[context:], step_pos, step_pos, mask)
     dll.ss_step_profile(parts)
-    model.output.seconds = 0.0
     t0 = time.perf_counter()
     for _ in range(reps):
         model(tokens[context:], step_pos, step_pos, mask)
@@ -66,7 +51,6 @@ def profile(model, dll, rows: int, context: int, reps: int) -> dict[str, float]:
     ms = {name: parts[i] / reps * 1e3 for i, name in enumerate(PARTS)}
     linears = sum(ms[n] for n in ("wqkv", "wo", "w13", "w2"))
     ms["glue"] = ms.pop("layers") - linears - ms["attention"]
-    ms["lm_head"] = model.output.seconds / reps * 1e3
     ms["forward"] = total / reps * 1e3
     ms["outside"] = ms["forward"] - linears - ms["attention"] - ms["glue"] - ms["lm_head"]
     ms["linears_share"] = (linears + ms["lm_head"]) / ms["forward"]
@@ -90,7 +74,6 @@ def main() -> None:
     torch.set_num_threads(1)
     target = load_model(ensure_converted(model) if model.suffix == ".gguf" else model,
                         max_slots=a.context + 64, activations=activations)
-    target.output = TimedLinear(target.output)
     print(f"{target.precision}; {a.context} tokens of context; ms a forward and its parts (means)")
     cols = ("forward", "wqkv", "wo", "w13", "w2", "attention", "glue", "lm_head", "outside")
     print(f"{'threads':>7} {'rows':>4} " + "".join(f"{c:>10}" for c in cols) + f"{'linears':>9}")

@@ -190,9 +190,11 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     dll.ss_attention_block.restype = ctypes.c_int
     dll.ss_mlp_block.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
     dll.ss_mlp_block.restype = ctypes.c_int
-    dll.ss_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 2 \
-        + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
-    dll.ss_layers.restype = ctypes.c_int
+    dll.ss_forward.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 \
+        + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3
+    dll.ss_forward.restype = ctypes.c_int
+    dll.ss_add_rms_norm.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_float] + [ctypes.c_void_p] * 5
+    dll.ss_add_rms_norm.restype = None
     dll.ss_sample.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_float] + [ctypes.c_void_p] * 2
     dll.ss_sample.restype = ctypes.c_int
     dll.ss_step_profile.argtypes = [ctypes.c_void_p]

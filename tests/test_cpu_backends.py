@@ -19,6 +19,7 @@ from swiftspec.engine.model import cpu_backends, cpu_blocks, gguf_io
 from swiftspec.engine.model.cpu_backends import PackedLinear
 from swiftspec.engine.model.cpu_blocks import Blocks
 from swiftspec.engine.model.loader import LoadError, load_model, read_hf_state_dict
+from swiftspec.engine.model.transformer import rope_cos_sin
 from swiftspec.engine.spec.decode import DraftState, TargetState
 from swiftspec.engine.spec.drafters import ModelDrafter
 from swiftspec.engine.spec.loop import generate
@@ -72,17 +73,65 @@ def test_tree_rows_equal_one_token_steps(backend, tree, gguf_dir):
         assert torch.equal(rows, steps), (backend, tree, n)
 
 
-@pytest.mark.parametrize("backend", [Dtype.GGUF, Dtype.FLOAT32])
-def test_the_stack_in_one_call_computes_the_blocks_in_turn(backend, gguf_dir):
-    """Without TP the layers run as one call into the kernels; with TP as two a layer around the all-reduces:
-    the same bits, and the same cache contents."""
-    model = model_for(backend, gguf_dir)
-    assert isinstance(model.layers, cpu_backends.CpuLayers) and model.layers.whole
-    rows, _ = tree_and_steps(model, TREES["branches"])
-    k_cache = model.k_cache.clone()
-    model.layers.whole = False
-    in_turn, _ = tree_and_steps(model, TREES["branches"])
-    assert torch.equal(rows, in_turn) and torch.equal(model.k_cache, k_cache)
+def forward_in_both_ways(model) -> list[torch.Tensor]:
+    """A verified tree (logits, and every second row's logits with the hidden states), then the cache, run
+    as one call (CpuForward) and as the modules in turn (CpuLayers, CpuNorm, PackedLinear), in that order."""
+    found = []
+    whole = model.whole_forward
+    for run in (whole, None):
+        model.whole_forward = run
+        rows, _ = tree_and_steps(model, TREES["branches"])
+        positions, slots, mask = target_inputs(TREES["branches"], len(PROMPT))
+        tokens = torch.arange(3, 3 + len(TREES["branches"]))
+        picked, hidden = model(tokens, positions, slots, mask, logits_rows=slice(1, None, 2), return_hidden=True)
+        found.append([rows, picked, hidden, model.k_cache.clone(), model.v_cache.clone()])
+    model.whole_forward = whole
+    return found
+
+
+@pytest.mark.parametrize("backend", [Dtype.GGUF, Dtype.FLOAT32, Dtype.INT4])
+def test_the_forward_in_one_call_computes_the_modules_in_turn(backend, gguf_dir):
+    """Without TP a forward is one call into the kernels (embedding lookup, layers, final norm, lm_head);
+    with TP the modules run in turn, around the all-reduces: the same bits, and the same cache contents. The
+    embedding from a GGUF's Q8 blocks, int4's tied Q8 blocks, and float rows."""
+    model = load_model(float_dir(), "cpu", backend, max_slots=128) if backend is Dtype.INT4 \
+        else model_for(backend, gguf_dir)
+    assert isinstance(model.whole_forward, cpu_backends.CpuForward)
+    assert isinstance(model.layers, cpu_backends.CpuLayers) and isinstance(model.norm, cpu_backends.CpuNorm)
+    whole, in_turn = forward_in_both_ways(model)
+    n = len(TREES["branches"])
+    assert whole[1].shape == (n // 2, model.args.vocab_size) and whole[2].shape == (n, model.args.dim)
+    assert all(torch.equal(a, b) for a, b in zip(whole, in_turn, strict=True))
+
+
+def test_the_forward_in_one_call_looks_up_an_embedding_of_q4_blocks(gguf_dir):
+    """A GGUF may store its embedding as Q4 blocks (Q4_0 files do): the lookup in C gives each row as the
+    blocks stand for it, d q + m, the same bits as the modules' lookup."""
+    model = model_for(Dtype.GGUF, gguf_dir)
+    q4 = Blocks.quantize(model.tok_embeddings.weight, Format.Q4).in_panels()
+    model.tok_embeddings = cpu_backends.BlockEmbedding(q4)
+    model.whole_forward = cpu_backends.CpuForward(cpu_backends.library(), model)
+    whole, in_turn = forward_in_both_ways(model)
+    assert all(torch.equal(a, b) for a, b in zip(whole, in_turn, strict=True))
+
+
+def test_the_forward_in_one_call_extends_its_rope_tables_and_checks_tokens(gguf_dir):
+    """RoPE's tables cover the cache's slots at first and grow for a later position, with the bits a
+    forward's own cos and sin would have; a token outside the vocabulary is an IndexError, as torch's
+    lookup raises."""
+    model = model_for(Dtype.GGUF, gguf_dir, slots=64)
+    whole = model.whole_forward
+    at = torch.tensor([1000])
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    logits = model(torch.tensor([7]), at, torch.tensor([0]), mask)
+    assert whole.spec.rope_positions >= 1001
+    cos, sin = rope_cos_sin(at, model.inv_freq)
+    assert torch.equal(whole.cos[1000:1001], cos) and torch.equal(whole.sin[1000:1001], sin)
+    model.whole_forward = None
+    assert torch.equal(model(torch.tensor([7]), at, torch.tensor([0]), mask), logits)
+    model.whole_forward = whole
+    with pytest.raises(IndexError):
+        model(torch.tensor([model.args.vocab_size]), at, torch.tensor([0]), mask)
 
 
 def test_the_gguf_backend_keeps_its_kv_cache_in_half_rounded_to_nearest_even(gguf_dir):

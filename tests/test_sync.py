@@ -181,8 +181,8 @@ def test_cost_aware_subtrees_keep_the_output(tiny):
 
 def test_a_draft_learns_the_targets_cost_from_its_verdicts(tiny):
     """A draft whose profile says rows are free, beside a target whose every row costs half a step: each
-    verdict carries the target's time, the draft's costs follow, and its later rounds verify fewer nodes
-    than its first. Output: ar's."""
+    verdict carries the target's time, the draft's costs follow, and its later rounds verify at most half
+    the nodes of its first (which thought 8 rows cost one). Output: ar's."""
     target = TargetState(tiny["target"], 512)
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     ar, _ = run(target, None, PROMPTS[1], params)
@@ -191,7 +191,7 @@ def test_a_draft_learns_the_targets_cost_from_its_verdicts(tiny):
         out, steps = run(target, draft, PROMPTS[1], params, "sync", d=4)
     rounds = [s.tree_size for s in steps if s.tree_size]
     assert out == ar
-    assert rounds[0] == 8 and max(rounds[len(rounds) // 2:]) < 4
+    assert rounds[0] == 8 and max(rounds[len(rounds) // 2:]) <= 4
     assert draft.verify_cost[7] > 3.5 and draft.step_ms == pytest.approx(1.0, rel=0.2)
 
 

@@ -46,6 +46,13 @@ def rope_inv_freq(args: ModelArgs) -> Tensor:
     return torch.where(medium, smoothed, scaled).float()
 
 
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """RoPE's cos and sin [T, head_dim] at ``positions`` [T] (rotate-half: each frequency twice)."""
+    freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -271,6 +278,9 @@ class Transformer(nn.Module):
         self.attention_ops = kernels
         self.precision: str | None = None  # the CPU backend's label, when one is applied
         self.kv_dtype: torch.dtype | None = None  # the KV cache's, where a backend sets it; else the compute dtype
+        # a backend's forward of the whole model in one call, in place of the modules below (the CPU kernels':
+        # engine/model/cpu_backends.py); called with the model and forward's arguments
+        self.whole_forward: Callable | None = None
 
     @property
     def max_slots(self) -> int:
@@ -356,14 +366,14 @@ class Transformer(nn.Module):
         """
         if self.k_cache is None:
             raise RuntimeError("call setup_cache() first")
+        if self.whole_forward is not None:
+            return self.whole_forward(self, tokens, positions, slots, mask, logits_rows, return_hidden)
         invariant = self.batch_invariant
         ops = self.attention_ops
         if invariant and mask.shape[0] > 1 and not tokens.is_cuda and ops is kernels:
             return self._forward_rows(tokens, positions, slots, mask, logits_rows, return_hidden)
-        freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None]
-        emb = torch.cat((freqs, freqs), dim=-1)
         dtype = self.norm.weight.dtype
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
         if invariant:
             rope = RotateHalf(cos, sin)
         else:

@@ -1,4 +1,5 @@
-/* The decoder blocks: the glue between the linears in C too, two calls a layer, the same on every path.
+/* The decoder blocks: the glue between the linears in C too, two calls a layer, the same on every path;
+ * and a whole forward (embedding lookup, the layers, the final norm, the lm_head) in one call.
  * The attention block: residual += x (or = x on the first layer), h = rmsnorm(residual) * w,
  * qkv = h Wqkv (+ bias), RoPE (rotate-half) on q and k, k and v written into the cache at `slots` (a cache
  * of halves holds them rounded to nearest even), tree attention under `mask`, out = attn Wo. The MLP block:
@@ -27,7 +28,7 @@ typedef struct {
 
 /* Built with -DSS_STEP_PROFILE (benchmarks/step_profile.py), the blocks time their parts: where a step's
  * time goes, the linears against the rest. The library the engine runs is built without it. */
-enum { PART_WQKV, PART_WO, PART_W13, PART_W2, PART_ATTENTION, PART_LAYERS, N_PARTS };
+enum { PART_WQKV, PART_WO, PART_W13, PART_W2, PART_ATTENTION, PART_LAYERS, PART_LM_HEAD, N_PARTS };
 #ifdef SS_STEP_PROFILE
 #include <time.h>
 static double part_seconds[N_PARTS];
@@ -47,7 +48,7 @@ static double seconds_now(void) {
 #endif
 
 /* The seconds each part took since the last call, into out[N_PARTS] (wqkv, wo, w13, w2, attention, the layers
- * whole), zeroed; -1 in a library built without SS_STEP_PROFILE. */
+ * whole, ss_forward's lm_head), zeroed; -1 in a library built without SS_STEP_PROFILE. */
 int ss_step_profile(double *out) {
 #ifdef SS_STEP_PROFILE
     for (int i = 0; i < N_PARTS; i++) out[i] = part_seconds[i], part_seconds[i] = 0.0;
@@ -64,20 +65,32 @@ static int lin(const lin_t *l, int part, int M, const float *x, float *out) {
     return rc;
 }
 
-static void add_rms_norm(int T, int dim, float eps, int first, const float *x, float *residual,
-                         const float *w, float *h) {
+/* residual = x (first) or residual + x, h = rmsnorm(residual) * w, row by row. The sum of squares in 8
+ * lanes, lane l over the elements l, l + 8, ... in order (eight at a time: one vector fma), then R8. */
+static void add_rms_norm(int T, int dim, float eps, int first, const float *restrict x, float *restrict residual,
+                         const float *restrict w, float *restrict h) {
     for (int t = 0; t < T; t++) {
-        float *r = residual + (size_t)t * dim;
-        const float *xt = x + (size_t)t * dim;
+        float *restrict r = residual + (size_t)t * dim, *restrict ht = h + (size_t)t * dim;
+        const float *restrict xt = x + (size_t)t * dim;
+        if (first) memcpy(r, xt, sizeof(float) * dim);
+        else
+            for (int i = 0; i < dim; i++) r[i] += xt[i];
         float acc[8] = {0};
-        for (int i = 0; i < dim; i++) {
-            r[i] = first ? xt[i] : r[i] + xt[i];
-            acc[i & 7] = fmaf(r[i], r[i], acc[i & 7]);
-        }
-        const float ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        const float inv = 1.0f / sqrtf(ss / dim + eps);
-        for (int i = 0; i < dim; i++) h[(size_t)t * dim + i] = r[i] * inv * w[i];
+        int i = 0;
+        for (; i + 8 <= dim; i += 8)
+            for (int l = 0; l < 8; l++) acc[l] = fmaf(r[i + l], r[i + l], acc[l]);
+        for (; i < dim; i++) acc[i & 7] = fmaf(r[i], r[i], acc[i & 7]);
+        const float inv = 1.0f / sqrtf(ss_r8(acc) / dim + eps);
+        for (int e = 0; e < dim; e++) ht[e] = r[e] * inv * w[e];
     }
+}
+
+/* add_rms_norm for the final norm of a model run block by block (tensor parallelism): the bits ss_forward's
+ * final norm has. residual_out = x (+ residual where given). */
+void ss_add_rms_norm(int T, int dim, float eps, const float *x, const float *residual, float *residual_out,
+                     const float *w, float *h) {
+    if (residual) memcpy(residual_out, residual, sizeof(float) * (size_t)T * dim);
+    add_rms_norm(T, dim, eps, residual == NULL, x, residual_out, w, h);
 }
 
 static void rope(float *x, const float *cos, const float *sin, int hd) {
@@ -170,5 +183,83 @@ int ss_layers(const block_t *blocks, int n, int T, float *x, float *residual, co
                                 (char *)k_cache + l * stride, (char *)v_cache + l * stride, s_max, tmp);
         if (rc == 0) rc = ss_mlp_block(blocks + l, T, tmp, residual, x);
     });
+    return rc;
+}
+
+/* A model without tensor parallelism, as ss_forward runs it. The embedding is a table of `vocab` rows of
+ * `dim`: Q4 or Q8 blocks in the kernels' panels (kernels.h) with float scales, or F32 rows [vocab][dim].
+ * cos and sin [rope_positions][head_dim]: RoPE's at each position. */
+typedef struct {
+    const block_t *blocks;
+    int n_layers, vocab, rope_positions;
+    lin_t embedding, output;
+    const float *norm, *cos, *sin;
+    float eps;
+} model_t;
+
+/* Row `token` of the embedding into x[dim], as the blocks stand for it: q d (+ m), one rounding each. */
+static void embed(const lin_t *e, int dim, int64_t token, float *x) {
+    const int nb = dim / 32;
+    if (e->fmt == FMT_F32) {
+        memcpy(x, (const float *)e->w + (size_t)token * dim, sizeof(float) * dim);
+        return;
+    }
+    const int p = (int)(token / SS_PANEL), lane = (int)(token % SS_PANEL), q4 = e->fmt == FMT_Q4;
+    const uint8_t *panel = (const uint8_t *)e->w + (size_t)p * nb * (q4 ? 256 : 512);
+    for (int b = 0; b < nb; b++) {
+        const size_t at = ((size_t)p * nb + b) * SS_PANEL + lane;
+        const float d = ((const float *)e->d)[at];
+        float *out = x + b * 32;
+        if (q4) { /* pair j: values 2j, 2j + 1 in its bytes' low nibbles, 2j + 16, 2j + 17 in their high ones */
+            const float m = ((const float *)e->m)[at];
+            for (int j = 0; j < 8; j++) {
+                const uint8_t *pair = panel + (size_t)b * 256 + (j * SS_PANEL + lane) * 2;
+                out[2 * j] = (float)(pair[0] & 15) * d + m, out[2 * j + 16] = (float)(pair[0] >> 4) * d + m;
+                out[2 * j + 1] = (float)(pair[1] & 15) * d + m, out[2 * j + 17] = (float)(pair[1] >> 4) * d + m;
+            }
+        } else { /* pair j: values 2j, 2j + 1 */
+            for (int j = 0; j < 16; j++) {
+                const int8_t *pair = (const int8_t *)panel + (size_t)b * 512 + (j * SS_PANEL + lane) * 2;
+                out[2 * j] = (float)pair[0] * d, out[2 * j + 1] = (float)pair[1] * d;
+            }
+        }
+    }
+}
+
+/* A forward of T rows: tokens, positions and slots [T]; mask [T][S] and the caches as ss_layers takes them;
+ * hidden [T][dim] gets the final norm's output, logits [R][vocab] the lm_head's of the rows `rows` (all T
+ * in order where rows is NULL; R = T then). Returns 0; -1 when out of memory, -2 when a position has no
+ * RoPE row (the caller extends the tables and calls again), -3 when a token is outside the vocabulary. */
+int ss_forward(const model_t *m, int T, const int64_t *tokens, const int64_t *positions, const int64_t *slots,
+               const uint8_t *mask, int S, int half, void *k_cache, void *v_cache, int64_t layer_stride, int s_max,
+               int R, const int64_t *rows, float *hidden, float *logits) {
+    const block_t *b = m->blocks;
+    const int dim = b->dim, hd = b->head_dim;
+    for (int t = 0; t < T; t++) {
+        if (positions[t] < 0 || positions[t] >= m->rope_positions) return -2;
+        if (tokens[t] < 0 || tokens[t] >= m->vocab) return -3;
+    }
+    float *x = malloc(sizeof(float) * ((size_t)T * (3 * dim + 2 * hd) + (size_t)R * dim));
+    if (!x) return -1;
+    float *residual = x + (size_t)T * dim, *tmp = residual + (size_t)T * dim, *cos = tmp + (size_t)T * dim,
+          *sin = cos + (size_t)T * hd, *picked = sin + (size_t)T * hd;
+    for (int t = 0; t < T; t++) {
+        embed(&m->embedding, dim, tokens[t], x + (size_t)t * dim);
+        memcpy(cos + (size_t)t * hd, m->cos + (size_t)positions[t] * hd, sizeof(float) * hd);
+        memcpy(sin + (size_t)t * hd, m->sin + (size_t)positions[t] * hd, sizeof(float) * hd);
+    }
+    int rc = ss_layers(b, m->n_layers, T, x, residual, cos, sin, slots, mask, S, half, k_cache, v_cache, layer_stride,
+                       s_max, tmp);
+    if (rc == 0) {
+        add_rms_norm(T, dim, m->eps, 0, x, residual, m->norm, hidden);
+        const float *in = hidden;
+        if (rows) {
+            for (int r = 0; r < R; r++) memcpy(picked + (size_t)r * dim, hidden + (size_t)rows[r] * dim, sizeof(float) * dim);
+            in = picked;
+        }
+        const lin_t *o = &m->output;
+        if (R > 0) rc = lin(o, PART_LM_HEAD, R, in, logits);
+    }
+    free(x);
     return rc;
 }
