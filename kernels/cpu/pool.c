@@ -85,14 +85,21 @@ int ss_set_threads(int n) {
  * preempts one of them, the caller then runs most units itself and still waits for the unit the other
  * holds, and the threads take turns on the cores with the busy process. So the caller watches each job
  * of enough units: it lagged when the caller ran more than 1.5 times its share of the units, or waited
- * for the others longer than it worked. When more than LAG_SHARE of the recent jobs lagged, the caller
+ * for the others longer than it worked. When more than LAG_SHARE of the last ~100 jobs lagged, the caller
  * runs the next SOLO_JOBS jobs alone (the other threads go to sleep and leave their cores to whoever
- * wants them), then tries them again: a machine that is still loaded shows it within a few jobs. The
- * results do not depend on the number of threads, only the time does. */
+ * wants them), then tries them again: a machine that is still loaded shows it within a few dozen jobs,
+ * and each time it does so soon after a solo run, the next one is twice as long (up to SOLO_MOST, ~200
+ * steps), since every try costs the jobs that wait on a preempted thread. Not the last ~10 jobs: the
+ * engine's own work between two steps (its other processes on the same cores) preempts a thread for a
+ * few jobs at every token, and a window that short took that for load and ran a quiet 2-core Xeon's
+ * decode steps alone half the time (`ar` 220 tok/s instead of 290). The results do not depend on the
+ * number of threads, only the time does. */
 #define LAG_SHARE 0.3
 #define SOLO_JOBS 1024 /* ~7 decode steps of a small model: 5 jobs a layer */
-static double lag_rate; /* the share of the recent jobs that lagged, a moving average */
-static int solo_left;
+#define SOLO_MOST (32 * SOLO_JOBS)
+static double lag_rate; /* the share of the recent jobs that lagged, a moving average over ~100 jobs */
+static int solo_left, solo_jobs = SOLO_JOBS;
+static long tried_jobs; /* jobs judged since the last solo run */
 
 static double seconds(void) {
     struct timespec t;
@@ -129,9 +136,11 @@ void ss_run(ss_task_fn fn, const void *job, int units, int small) {
     const double waited = seconds() - t1;
     if (units < 4 * atomic_load(&n_threads)) return; /* too few to tell a lag from a late start */
     const int lagged = 2 * mine * atomic_load(&n_threads) > 3 * units || waited > t1 - t0 + 20e-6;
-    lag_rate = 0.9 * lag_rate + (lagged ? 0.1 : 0.0);
-    if (lag_rate > LAG_SHARE) {
-        solo_left = SOLO_JOBS, lag_rate = 0.0;
+    lag_rate = 0.99 * lag_rate + (lagged ? 0.01 : 0.0);
+    tried_jobs++;
+    if (lag_rate > LAG_SHARE) { /* lagging again soon after a solo run: the load stays, stay alone longer */
+        solo_jobs = tried_jobs < SOLO_JOBS ? (2 * solo_jobs < SOLO_MOST ? 2 * solo_jobs : SOLO_MOST) : SOLO_JOBS;
+        solo_left = solo_jobs, lag_rate = 0.0, tried_jobs = 0;
     }
 }
 
