@@ -97,9 +97,10 @@ int ss_set_threads(int n) {
 #define LAG_SHARE 0.3
 #define SOLO_JOBS 1024 /* ~7 decode steps of a small model: 5 jobs a layer */
 #define SOLO_MOST (32 * SOLO_JOBS)
+#define TRY_JOBS 64
 static double lag_rate; /* the share of the recent jobs that lagged, a moving average over ~100 jobs */
 static int solo_left, solo_jobs = SOLO_JOBS;
-static long tried_jobs; /* jobs judged since the last solo run */
+static long tried_jobs = TRY_JOBS; /* jobs judged since the last solo run */
 
 static double seconds(void) {
     struct timespec t;
@@ -134,9 +135,10 @@ void ss_run(ss_task_fn fn, const void *job, int units, int small) {
         spin_pause();
     }
     const double waited = seconds() - t1;
-    if (units < 4 * atomic_load(&n_threads)) return; /* too few to tell a lag from a late start */
+    if (units < 2 * atomic_load(&n_threads)) return; /* too few to tell a lag from a late start */
     const int lagged = 2 * mine * atomic_load(&n_threads) > 3 * units || waited > t1 - t0 + 20e-6;
-    lag_rate = 0.99 * lag_rate + (lagged ? 0.01 : 0.0);
+    const double weight = tried_jobs < TRY_JOBS ? 0.1 : 0.01; /* a try is judged on its first few jobs */
+    lag_rate = (1.0 - weight) * lag_rate + (lagged ? weight : 0.0);
     tried_jobs++;
     if (lag_rate > LAG_SHARE) { /* lagging again soon after a solo run: the load stays, stay alone longer */
         solo_jobs = tried_jobs < SOLO_JOBS ? (2 * solo_jobs < SOLO_MOST ? 2 * solo_jobs : SOLO_MOST) : SOLO_JOBS;
