@@ -414,21 +414,38 @@ def test_the_worker_seen_to_exit_first_is_the_cause(tmp_path):
     os.close(w)
     tail = WorkerOutput(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=1)
     assert tail.report("lost the connection to the workers", Exited()).startswith("the target worker (rank 0) ")
-    tail.first_exit = (1, -signal.SIGKILL)
+    tail.saw_exits([(1, -signal.SIGKILL)])
     message = tail.report("lost the connection to the workers", Exited())
     assert message.startswith("the draft worker (rank 1) was killed by signal 9 (SIGKILL)\nthe workers'"), message
 
 
-def test_the_watch_tells_which_process_exited_first_from_the_process_itself():
-    from swiftspec.engine.host.client import _first_exit
+def test_of_the_workers_seen_exited_at_once_the_killed_one_is_the_cause(tmp_path):
+    """A watch that ran late (a busy machine) finds the killed worker and its peer, which failed on the lost
+    connection, both exited: whatever order the pidfds come in, the killed one is named."""
+    r, w = os.pipe()
+    os.write(w, b"[rank1]: ConnectionResetError: [Errno 104] Connection reset by peer\n")
+    os.close(w)
+    tail = WorkerOutput(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=1)
+    tail.thread.join()
+    for seen in ([(1, 1), (0, -signal.SIGKILL)], [(0, -signal.SIGKILL), (1, 1)]):
+        tail.saw_exits(seen)
+        message = tail.report("lost the connection to the workers", Exited())
+        assert message.startswith("the target worker (rank 0) was killed by signal 9 (SIGKILL)"), message
+
+
+def test_the_watch_tells_which_processes_exited_from_the_processes_themselves():
+    from swiftspec.engine.host.client import _first_exits
 
     sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
     try:
-        watching = in_thread(_first_exit, {p.pid for p in sleepers})
+        watching = in_thread(_first_exits, {p.pid for p in sleepers})
         time.sleep(0.2)  # the watch waits on the pidfds meanwhile
         sleepers[1].kill()  # not reaped: a zombie still counts as exited
-        assert watching() == sleepers[1].pid
-        assert _first_exit({sleepers[0].pid, 2 ** 22 + 12345}) == 2 ** 22 + 12345  # gone already
+        assert watching() == [sleepers[1].pid]
+        sleepers[2].kill()
+        os.waitid(os.P_PID, sleepers[2].pid, os.WEXITED | os.WNOWAIT)  # exited, left unreaped
+        assert sorted(_first_exits({p.pid for p in sleepers})) == sorted([sleepers[1].pid, sleepers[2].pid])
+        assert _first_exits({sleepers[0].pid, 2 ** 22 + 12345}) == [2 ** 22 + 12345]  # gone already
     finally:
         for p in sleepers:
             p.kill()

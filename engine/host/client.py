@@ -323,14 +323,15 @@ class Engine:
         no polling; torchrun takes seconds to tear the rest down), even while no answer is being read: the
         group is then dead (``alive`` False, the ``when_dead`` callbacks called). Once torchrun has exited,
         makes sure no worker outlives it."""
-        exited = _first_exit(self._pgids)
-        if exited is not None and not self._closed and self._dead is None:
-            code = exit_of_unreaped(exited)  # at once: torchrun reaps it within its 0.1 s poll
+        exited = _first_exits(self._pgids)
+        if exited and not self._closed and self._dead is None:
             here = socket.gethostname()
-            rank = next((r.rank for r in self.info.ranks if r.pid == exited and r.host == here), None)
-            if rank is not None and code is not None:
-                self._tail.first_exit = (rank, code)
-            self._dead = f"a worker process (pid {exited}) exited"
+            ranks = {r.pid: r.rank for r in self.info.ranks if r.host == here}
+            # at once: torchrun reaps them within its 0.1 s poll
+            seen = [(ranks[pid], code) for pid in exited if pid in ranks and (code := exit_of_unreaped(pid)) is not None]
+            if seen:
+                self._tail.saw_exits(seen)
+            self._dead = f"a worker process (pid {exited[0]}) exited"
             for callback in self._when_dead:
                 callback()
         code = self._proc.wait()
@@ -382,20 +383,21 @@ class Engine:
         self.close()
 
 
-def _first_exit(pids: set[int]) -> int | None:
-    """Waits until one of ``pids`` (torchrun and every worker) exits; its pid. None where the kernel has no
-    pidfds (then only torchrun's own exit tells)."""
+def _first_exits(pids: set[int]) -> list[int] | None:
+    """Waits until one of ``pids`` (torchrun and every worker) exits; the pids that have exited by the
+    time this thread runs (on a busy machine, a killed worker's peers may have followed it already). None
+    where the kernel has no pidfds (then only torchrun's own exit tells)."""
     fds: dict[int, int] = {}
     try:
         for pid in pids:
             try:
                 fds[os.pidfd_open(pid)] = pid
             except ProcessLookupError:
-                return pid
+                return [pid]
         poller = select.poll()
         for fd in fds:
             poller.register(fd, select.POLLIN)
-        return fds[poller.poll()[0][0]]
+        return [fds[fd] for fd, _ in poller.poll()]
     except (AttributeError, OSError):  # no os.pidfd_open (not Linux 5.3+)
         return None
     finally:

@@ -95,6 +95,11 @@ class WorkerOutput:
 
         return min(found, key=self._unlikely) if found else None  # min keeps the first of equals: root first
 
+    def saw_exits(self, exits: list[tuple[int, int]]) -> None:
+        """The workers (rank, Popen's returncode) that had exited when the Engine first looked: the
+        likeliest cause among them is the one that failed first."""
+        self.first_exit = min(exits, key=self._unlikely)
+
     def _unlikely(self, failure: tuple[int, int]) -> tuple[bool, bool]:
         """How unlikely a failure is the cause: (not killed by a signal, failed on a lost connection)."""
         rank, code = failure
