@@ -364,14 +364,16 @@ def _corpus(path: Path, model_dir: Path, sequences: list[tuple[list[int], int]] 
 def test_a_corpus_of_the_targets_answers_drafts_them_and_every_mode_stays_exact(target_dir, references, tmp_path):
     """The suffix drafter with a corpus of the target's own answers to these prompts (session history off:
     an earlier mode's answer must not be what drafts): the first round of each answer, which has nothing
-    of its own to copy yet, is drafted from the corpus and accepted; the tokens are ar's."""
+    of its own to copy yet, is drafted from the corpus and accepted; the tokens are ar's. The rounds draft
+    3 expansions whatever the machine's timings (no cost policy, which may sit rounds out on a busy one)."""
     from swiftspec.engine.model.model_dir import load_tokenizer
 
     tok = load_tokenizer(Path(target_dir))
     prompts = [encode_chat(tok, m) for m in PROMPTS]
     corpus = _corpus(tmp_path / "answers.safetensors", target_dir,
                      [(p + ref, len(p)) for p, ref in zip(prompts, references, strict=True)])
-    with start(target_dir, "suffix", draft_corpus=str(corpus), draft_history=False) as eng:
+    with start(target_dir, "suffix", draft_corpus=str(corpus), draft_history=False, tree=TreeParams(d=3),
+               verify_cost=False) as eng:
         assert eng.info.draft == "suffix + corpus answers"
         for messages, ref in zip(PROMPTS, references, strict=True):
             for mode in ("sync", "async"):
