@@ -286,16 +286,20 @@ def test_async_expansions_fit_in_the_verification(tiny):
         assert fast_rate < 6 <= slow_rate
 
 
-def test_an_async_draft_on_the_targets_cores_pays_for_its_expansions(tiny):
+def test_an_async_draft_on_the_targets_cores_drafts_between_verifications_as_sync_does(tiny):
     """Where the draft shares the target's cores (DraftState.shares_cores), its expansions during a
-    verification slow that verification down, so it stops at the first that did not pay, as a sync round
-    does; on cores of its own it expands as long as the verification lasts. Each expansion takes a fifth
-    of a step here (a fixed clock). Output: ar's."""
+    verification would slow that verification down: its rounds are a sync draft's, expansion for
+    expansion; on cores of its own it expands as long as the verification lasts. Each expansion takes a
+    fifth of a step here (a fixed clock). Output: ar's."""
     drafts = {False: {"step_ms": 100.0}, True: {"step_ms": 100.0, "shares_cores": True}}
-    for ar, runs in timed_runs(tiny, "async", drafts, expand_ms=20.0):
-        (own, own_rate, _), (shared, shared_rate, _) = runs[False], runs[True]
+    for (ar, runs), (_, sync) in zip(timed_runs(tiny, "async", drafts, expand_ms=20.0),
+                                     timed_runs(tiny, "sync", {True: drafts[True]}, expand_ms=20.0), strict=True):
+        (own, own_rate, _), (shared, shared_rate, shared_rounds) = runs[False], runs[True]
         assert own == shared == ar
         assert shared_rate + 1 < own_rate, (shared_rate, own_rate)
+        assert (shared, shared_rate) == sync[True][:2]
+        assert [(s.tree_size, s.accepted, s.draft_ms) for s in shared_rounds] == \
+            [(s.tree_size, s.accepted, s.draft_ms) for s in sync[True][2]]
 
 
 def test_self_draft_accepts_what_a_perfect_draft_could(tiny):

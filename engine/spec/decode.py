@@ -152,7 +152,7 @@ class DraftState:
     ``step_ms``, the target's time for one node, puts the draft's own time on the same scale: a sync
     round pays for its expansions before the verification, so they count in its cost (round_rate).
     ``shares_cores``: the draft runs on cores the target's verification uses (a small CPU machine), so
-    an async draft's expansions during a verification are not free either: they slow it down.
+    an async draft's expansions during a verification would slow it down: it drafts between them.
     ``vocab``: the tokenizer for an answer's grammar (``constraint``, following the verified tokens),
     which prunes the proposals it refuses and proposes what it forces, whatever the drafter.
     """

@@ -4,8 +4,10 @@ knows of the target's costs (DraftState.verify_cost, step_ms).
 A sync round pays for its draft's time: it stops at the first expansion that lowered its expected tokens
 per unit of time, the drafting counted (``PayingExpansions``), and a draft that does not earn its time
 back sits rounds out (``PaybackGate``). An async draft expands while the target verifies: it stops where
-its next expansion would outlast the verification of the subtree it sent, and, on the target's own cores
-(``DraftState.shares_cores``), where it stops paying as a sync round does. Without the costs (no
+its next expansion would outlast the verification of the subtree it sent. On the cores that verification
+fills (``DraftState.shares_cores``: a small CPU machine) an expansion during it delays it, by more than the
+expansion's own time where it preempts one of the kernels' threads, and is drafted for a verdict not yet
+known: there an async draft drafts between verifications, as a sync round does. Without the costs (no
 profile), a round expands d times and tops the tree up to bs nodes.
 """
 
@@ -15,14 +17,14 @@ from swiftspec.engine.spec.decode import DraftState
 
 
 class DraftPolicy:
-    """The draft leader's answers, for one answer: whether a round drafts, what judges its expansions,
-    and whether one more fits in the verification it overlaps."""
+    """The draft leader's answers, for one answer: whether it drafts while the target verifies, whether a
+    round drafts, what judges its expansions, and whether one more fits in the verification it overlaps."""
 
     def __init__(self, ds: DraftState, asynchronous: bool):
         self.ds = ds
         costed = ds.verify_cost is not None and bool(ds.step_ms)
-        self.paying = not asynchronous and costed  # sync pays for every expansion
-        self.overlap_pays = asynchronous and costed and ds.shares_cores  # its expansions slow the verification
+        self.overlaps = asynchronous and not (costed and ds.shares_cores)  # expands while the target verifies
+        self.paying = costed and not self.overlaps  # pays for every expansion, as sync does
         self.payback = PaybackGate()
 
     def drafts(self) -> bool:
@@ -33,10 +35,6 @@ class DraftPolicy:
     def judge_before_send(self) -> PayingExpansions | None:
         """What judges the expansions before the send (None: expand on)."""
         return PayingExpansions(self.ds) if self.paying else None
-
-    def judge_while_verifying(self) -> PayingExpansions | None:
-        """What judges an async draft's expansions during the verification (None: the window alone)."""
-        return PayingExpansions(self.ds) if self.overlap_pays else None
 
     @staticmethod
     def fits(window_ms: float | None, spent_ms: float, last_ms: float) -> bool:

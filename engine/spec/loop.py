@@ -205,8 +205,9 @@ def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finis
 
 def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) -> None:
     """The draft leader's loop for one answer. async: send the subtree, expand d times while the target
-    verifies it, then take the verdict (d is sized to fill a verification, as in the paper); sync: take
-    the verdict, expand d times, send. Either way the tree is topped up to bs nodes.
+    verifies it, then take the verdict (d is sized to fill a verification, as in the paper); sync, and
+    async on the cores the verification fills: take the verdict, expand d times, send. Either way the tree
+    is topped up to bs nodes.
 
     A draft that knows the target's costs spends its time where it pays: ``DraftPolicy`` says whether a
     round drafts and when its expansions stop (engine/spec/draft_policy.py). A drafter that reads the
@@ -228,11 +229,11 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
                    draft_forced)
     tell(FollowerStep(Follow.START, [root]))
     ds.start(root)
-    asynchronous, bs = req.params.mode == "async", ds.params.bs
-    policy = DraftPolicy(ds, asynchronous)
+    bs = ds.params.bs
+    policy = DraftPolicy(ds, req.params.mode == "async")
     n_exp, exp_ms = 0, 0.0
     while True:
-        todo = 0 if asynchronous else d
+        todo = 0 if policy.overlaps else d
         drafting = policy.drafts()
         payoff = policy.judge_before_send()
         while drafting and (todo > 0 or ds.size < bs) and ds.can_expand():
@@ -247,9 +248,8 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
         n_exp, exp_ms = 0, 0.0
         window = ds.verify_ms(len(toks))  # the verification's expected time
         verdict = link.post_recv(None if window is None else time.perf_counter() + window / 1e3)
-        if asynchronous:  # grow the tree for the next round while the target verifies this one
+        if policy.overlaps:  # grow the tree for the next round while the target verifies this one
             last = 0.0
-            payoff = policy.judge_while_verifying()
             for _ in range(d):
                 if not ds.can_expand() or not policy.fits(window, exp_ms, last):
                     break
@@ -257,8 +257,6 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
                 last = ds.expand()
                 exp_ms += last
                 n_exp += 1
-                if payoff is not None and not payoff.paid(exp_ms):
-                    break
         msg = verdict()
         if not isinstance(msg, Verdict):
             raise unexpected(msg, "a verdict")
