@@ -25,6 +25,7 @@ from swiftspec.engine.spec.loop import (
     Finisher,
     LoopGuard,
     Request,
+    _End,
     generate,
     lead_target,
 )
@@ -300,6 +301,27 @@ def test_an_async_draft_on_the_targets_cores_drafts_between_verifications_as_syn
         assert (shared, shared_rate) == sync[True][:2]
         assert [(s.tree_size, s.accepted, s.draft_ms) for s in shared_rounds] == \
             [(s.tree_size, s.accepted, s.draft_ms) for s in sync[True][2]]
+
+
+def test_a_draft_on_the_targets_cores_waits_for_its_verdicts_asleep(tiny, monkeypatch):
+    """A draft that knows the target's costs tells its link when each verdict is due, so that the link
+    polls for it from shortly before; one on the target's cores (DraftState.shares_cores) does not, since
+    its polling would take a core from that verification. In both modes; output: ar's."""
+    dues: list = []
+
+    def post_recv(end, due=None):
+        dues.append(due)
+        return end.recv
+
+    monkeypatch.setattr(_End, "post_recv", post_recv)
+    drafts = {False: {"step_ms": 100.0}, True: {"step_ms": 100.0, "shares_cores": True}}
+    for mode in ("sync", "async"):
+        for ar, runs in timed_runs(tiny, mode, {False: drafts[False]}):
+            assert runs[False][0] == ar and dues and all(isinstance(d, float) for d in dues)
+            dues.clear()
+        for ar, runs in timed_runs(tiny, mode, {True: drafts[True]}):
+            assert runs[True][0] == ar and dues and all(d is None for d in dues)
+            dues.clear()
 
 
 def test_self_draft_accepts_what_a_perfect_draft_could(tiny):

@@ -152,7 +152,8 @@ class DraftState:
     ``step_ms``, the target's time for one node, puts the draft's own time on the same scale: a sync
     round pays for its expansions before the verification, so they count in its cost (round_rate).
     ``shares_cores``: the draft runs on cores the target's verification uses (a small CPU machine), so
-    an async draft's expansions during a verification would slow it down: it drafts between them.
+    an async draft's expansions during a verification would slow it down (it drafts between them), and so
+    would a draft's polling for the verdict (it waits asleep).
     ``vocab``: the tokenizer for an answer's grammar (``constraint``, following the verified tokens),
     which prunes the proposals it refuses and proposes what it forces, whatever the drafter.
     """

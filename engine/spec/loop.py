@@ -247,7 +247,7 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
         link.send(Subtree(toks, parents, n_exp, round(exp_ms * 1e3)))
         n_exp, exp_ms = 0, 0.0
         window = ds.verify_ms(len(toks))  # the verification's expected time
-        verdict = link.post_recv(None if window is None else time.perf_counter() + window / 1e3)
+        verdict = link.post_recv(policy.verdict_due(window))
         if policy.overlaps:  # grow the tree for the next round while the target verifies this one
             last = 0.0
             for _ in range(d):
