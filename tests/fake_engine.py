@@ -44,10 +44,12 @@ class FakeEngine:
     """Streams ``answer`` in small pieces, a few "tokens" per step, with stats from a fixed cycle.
 
     step_delay slows each step (for Esc tests); die_after makes the engine die (EngineError) after that
-    many steps; loops_at makes an answer asked with a loop guard stop there ("repetition"); refuse makes
-    generate() raise EngineError while the engine stays alive; draft "none" is
-    an engine started with --mode ar, which refuses sync and async as the real one does; factory's
-    start_error makes the start fail and start_gate, when given, holds it until set. An answer that ends
+    many steps; accept_gate, when given, holds each request until set, as the real engine does not have
+    a request yet while a turn starts (a cancel then finds no answer to stop); loops_at makes an answer
+    asked with a loop guard stop there ("repetition"); refuse makes generate() raise EngineError while the
+    engine stays alive; draft "none" is an engine started with --mode ar, which refuses sync and async as
+    the real one does; factory's start_error makes the start fail and start_gate, when given, holds it
+    until set. An answer that ends
     with "eos" ends with a step of the EOS token alone, whose text is empty.
 
     A "token" is a 4-character chunk of the answer, and a message counts one token per word plus 4, so
@@ -60,8 +62,9 @@ class FakeEngine:
 
     def __init__(self, answer: str = ANSWER, step_delay: float = 0.0, die_after: int | None = None,
                  refuse: str | None = None, context_length: int = INFO.context_length, draft: str = INFO.draft,
-                 loops_at: int | None = None) -> None:
+                 loops_at: int | None = None, accept_gate: threading.Event | None = None) -> None:
         self.answer = answer
+        self.accept_gate = accept_gate
         self.loops_at = loops_at
         self.step_delay = step_delay
         self.die_after = die_after
@@ -112,6 +115,8 @@ class FakeEngine:
         if prompt_tokens >= self.info.context_length:
             raise EngineError(f"the conversation is {prompt_tokens} tokens, but the context length is "
                               f"{self.info.context_length}")
+        if self.accept_gate is not None:
+            self.accept_gate.wait(30)
         self.calls.append(([dict(m) for m in messages], params))
         self._cancel.clear()
         done_before = messages[-1]["content"] if messages[-1]["role"] == "assistant" else ""

@@ -115,6 +115,24 @@ async def test_escape_stops_and_engine_stays_usable(store):
         assert [m["role"] for m in engine.calls[1][0]] == ["user", "assistant", "user"]
 
 
+async def test_escape_before_the_engine_has_the_request_stops_it(store):
+    """Esc between Enter and the engine taking the request: the cancel then finds no answer, so the app
+    tells the engine again once it has one."""
+    gate = threading.Event()
+    factory = FakeEngine.factory(step_delay=0.05, answer="word " * 200, accept_gate=gate)
+    app = make_app(store, factory)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "long please")
+        await wait_for(pilot, lambda: app._turn is not None)
+        await pilot.press("escape")
+        gate.set()
+        await idle(pilot)
+        answer = app.query_one(ChatView).query(MessageBox).last()
+        assert "cancelled" in answer.border_subtitle
+        assert len(answer.text) < len("word " * 200)
+
+
 async def test_slash_commands(store, tmp_path):
     factory = FakeEngine.factory()
     app = make_app(store, factory)

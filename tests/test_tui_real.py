@@ -23,6 +23,9 @@ from swiftspec.tui.widgets.stats_panel import StatsPanel
 
 pytestmark = pytest.mark.slow
 STARTUP_S, ANSWER_S = 300, 120  # generous: the CI machine has 2 shared cores
+# An answer long enough that Esc or a kill lands mid-answer: the tiny model makes 1500+ tokens a second,
+# and on 2 cores its workers can keep the app from drawing the first text for a second or more.
+LONG_ANSWER, LONG_CONTEXT = 28000, 32768
 
 
 class Shared:
@@ -44,7 +47,8 @@ def engine():
 
     from swiftspec import Engine
 
-    eng = Engine.start(EngineConfig(target=str(tiny_model_dir(seed=0, layers=2)), draft="suffix", max_seq_len=4096))
+    target = tiny_model_dir(seed=0, layers=2, positions=LONG_CONTEXT)
+    eng = Engine.start(EngineConfig(target=str(target), draft="suffix", max_seq_len=LONG_CONTEXT))
     yield eng
     eng.close()
 
@@ -82,6 +86,11 @@ def last_answer(app) -> MessageBox:
     return app.query_one(ChatView).query(MessageBox).last()
 
 
+def streaming(app) -> bool:
+    """The answer being generated has text on screen (not an earlier box, which the last may still be)."""
+    return app._turn is not None and bool(app._turn.box.text)
+
+
 async def test_chat_stream_stats_stop_slash_and_history(engine, store):
     app = app_on(engine, store)
     async with app.run_test(size=(100, 30)) as pilot:
@@ -107,10 +116,10 @@ async def test_chat_stream_stats_stop_slash_and_history(engine, store):
 
         # Esc stops a long answer; the engine answers again afterwards
         await type_and_send(pilot, "/mode async")
-        await type_and_send(pilot, "/max 3500")  # long enough that Esc lands first, even at 300+ tok/s
+        await type_and_send(pilot, f"/max {LONG_ANSWER}")
         await type_and_send(pilot, "/set ignore-eos on")
         await type_and_send(pilot, "tell me everything")
-        await wait_for(pilot, lambda: last_answer(app).text, timeout=60)
+        await wait_for(pilot, lambda: streaming(app), timeout=60)
         await pilot.press("escape")
         await idle(pilot, ANSWER_S)
         assert "cancelled" in last_answer(app).border_subtitle
@@ -147,20 +156,20 @@ async def test_worker_killed_shows_error_and_restart(store):
     from swiftspec.tui.screens import ErrorScreen
 
     started = []
-    target = tiny_model_dir(seed=0, layers=2, positions=8192)
+    target = tiny_model_dir(seed=0, layers=2, positions=LONG_CONTEXT)
 
     def start(progress):
         # room for the cut answer again: a random model's text tokenises back into up to ~1.5x its tokens
-        eng = Engine.start(EngineConfig(target=str(target), max_seq_len=8192), progress=progress)
+        eng = Engine.start(EngineConfig(target=str(target), max_seq_len=LONG_CONTEXT), progress=progress)
         started.append(eng)
         return eng
 
-    # long enough that the kill lands mid-answer, even at 300+ tok/s under load
-    app = SwiftSpecApp(start, Settings(params=SamplingParams(max_new_tokens=3500, ignore_eos=True)), store=store)
+    app = SwiftSpecApp(start, Settings(params=SamplingParams(max_new_tokens=LONG_ANSWER, ignore_eos=True)),
+                       store=store)
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot, STARTUP_S)
         await type_and_send(pilot, "a long answer please")
-        await wait_for(pilot, lambda: last_answer(app).text, timeout=60)
+        await wait_for(pilot, lambda: streaming(app), timeout=60)
         victim = next(r.pid for r in started[0].info.ranks if r.role == "draft")
         os.kill(victim, signal.SIGKILL)
         await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen), timeout=30)

@@ -245,8 +245,12 @@ class SwiftSpecApp(App[int]):
 
     @work(thread=True, group="generate")
     def _generate(self, engine: EngineAPI, turn: Turn) -> None:
-        self.conversation.run(turn.reply, engine, on_accept=lambda _: self.post_message(AnswerAccepted(turn)),
-                              on_event=turn.buffer.push)
+        def accepted(_reply) -> None:
+            if turn.stop:  # Esc came before the engine had the request, and its cancel found none
+                engine.cancel()
+            self.post_message(AnswerAccepted(turn))
+
+        self.conversation.run(turn.reply, engine, on_accept=accepted, on_event=turn.buffer.push)
         self.post_message(AnswerDone(turn))
 
     async def _flush_answer(self) -> None:
@@ -362,6 +366,7 @@ class SwiftSpecApp(App[int]):
 
     def action_stop(self) -> None:
         if self._turn is not None and self.engine is not None:
+            self._turn.stop = True
             self.engine.cancel()
 
     def action_interrupt(self) -> None:

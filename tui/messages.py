@@ -36,6 +36,7 @@ class Turn:
     buffer: AnswerBuffer
     edited: str | None = None  # the message an edit replaces
     notice: Notice | None = None  # the "turns left out" notice it added
+    stop: bool = False  # Esc was pressed: told to the engine again once it has taken the request
 
 
 @dataclass
