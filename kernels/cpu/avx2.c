@@ -304,13 +304,17 @@ INLINE void float_block(const job_t *j, const int fmt, int n, int b, __m256 v[4]
     }
 }
 
-INLINE void float_tile(const job_t *j, const int fmt, const int R, int r0, int n) {
-    const int nb = j->K / 32, K = j->K;
+/* Rows r0 .. r0 + R - 1 of column n; with `fetch`, memory is asked for column n + 16 while it computes. */
+INLINE void float_tile(const job_t *j, const int fmt, const int R, int r0, int n, int fetch) {
+    const int nb = j->K / 32, K = j->K, line = fmt == FMT_F32 ? 128 : 64;
+    const char *ahead = (const char *)j->w + (size_t)(n + 16) * nb * line;
     __m256 acc[FLOAT_ROWS][4];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
     const float *x0 = j->x + (size_t)r0 * K;
     for (int b = 0; b < nb; b++) {
+        if (fetch)
+            for (int at = 0; at < line; at += 64) _mm_prefetch(ahead + (size_t)b * line + at, _MM_HINT_T1);
         __m256 v[4];
         float_block(j, fmt, n, b, v);
         for (int r = 0; r < R; r++)
@@ -325,16 +329,17 @@ INLINE void float_tile(const job_t *j, const int fmt, const int R, int r0, int n
 }
 
 /* Float formats: FLOAT_ROWS rows a tile, in chunks of 16 columns whose weights stay in cache while every
- * tile passes over them. */
+ * tile passes over them. The first tile of a multi-row call asks memory for the next chunk while it
+ * computes (a row alone streams at memory speed without). */
 INLINE void float_columns(const job_t *j, const int fmt, int n0, int n1) {
     const int rest = j->M % FLOAT_ROWS, full = j->M - rest;
     for (int c0 = n0; c0 < n1; c0 += 16) {
-        const int c1 = c0 + 16 < n1 ? c0 + 16 : n1;
+        const int c1 = c0 + 16 < n1 ? c0 + 16 : n1, fetch = j->M > 1 && c1 + 16 <= j->N;
         for (int r0 = 0; r0 < full; r0 += FLOAT_ROWS)
-            for (int n = c0; n < c1; n++) float_tile(j, fmt, FLOAT_ROWS, r0, n);
+            for (int n = c0; n < c1; n++) float_tile(j, fmt, FLOAT_ROWS, r0, n, fetch && r0 == 0);
         for (int n = c0; n < c1; n++) {
-            if (rest == 2) float_tile(j, fmt, 2, full, n);
-            else if (rest == 1) float_tile(j, fmt, 1, full, n);
+            if (rest == 2) float_tile(j, fmt, 2, full, n, fetch && full == 0);
+            else if (rest == 1) float_tile(j, fmt, 1, full, n, 0);
         }
     }
 }
