@@ -49,8 +49,7 @@ class FakeEngine:
     asked with a loop guard stop there ("repetition"); refuse makes generate() raise EngineError while the
     engine stays alive; draft "none" is an engine started with --mode ar, which refuses sync and async as
     the real one does; factory's start_error makes the start fail and start_gate, when given, holds it
-    until set. An answer that ends
-    with "eos" ends with a step of the EOS token alone, whose text is empty.
+    until set. An answer that ends with "eos" ends with a step of the EOS token alone, whose text is empty.
 
     A "token" is a 4-character chunk of the answer, and a message counts one token per word plus 4, so
     context_length can be filled as the real engine's is: an answer that reaches it ends with "context",

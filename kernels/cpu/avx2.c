@@ -307,7 +307,7 @@ INLINE void float_block(const job_t *j, const int fmt, int n, int b, __m256 v[4]
 /* Rows r0 .. r0 + R - 1 of column n; with `fetch`, memory is asked for column n + 16 while it computes. */
 INLINE void float_tile(const job_t *j, const int fmt, const int R, int r0, int n, int fetch) {
     const int nb = j->K / 32, K = j->K, line = fmt == FMT_F32 ? 128 : 64;
-    const char *ahead = (const char *)j->w + (size_t)(n + 16) * nb * line;
+    const char *ahead = fetch ? (const char *)j->w + (size_t)(n + 16) * nb * line : 0;
     __m256 acc[FLOAT_ROWS][4];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
