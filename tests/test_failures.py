@@ -433,6 +433,23 @@ def test_of_the_workers_seen_exited_at_once_the_killed_one_is_the_cause(tmp_path
         assert message.startswith("the target worker (rank 0) was killed by signal 9 (SIGKILL)"), message
 
 
+def test_a_worker_reaped_before_the_watch_looked_leaves_the_cause_to_torchrun(tmp_path):
+    """A watch that ran late finds the killed draft reaped by torchrun already (its code gone) and the
+    target, which failed on the lost connection, unreaped: the target is not blamed, torchrun's report
+    names the draft. A worker seen killed by a signal is the cause whatever else was reaped."""
+    r, w = os.pipe()
+    os.write(w, TORCHRUN_REPORT.encode())
+    os.close(w)
+    tail = WorkerOutput(os.fdopen(r, "rb"), tmp_path / "workers.log", n_target=1)
+    tail.thread.join()
+    tail.saw_exits([(0, 1), (1, None)])
+    message = tail.report("lost the connection to the workers", Exited())
+    assert message.startswith("the draft worker (rank 1) was killed by signal 9 (SIGKILL)\n"), message
+    tail.saw_exits([(0, -signal.SIGKILL), (1, None)])
+    message = tail.report("lost the connection to the workers", Exited())
+    assert message.startswith("the target worker (rank 0) was killed by signal 9 (SIGKILL)\n"), message
+
+
 def test_the_watch_tells_which_processes_exited_from_the_processes_themselves():
     from swiftspec.engine.host.client import _first_exits
 

@@ -328,9 +328,7 @@ class Engine:
             here = socket.gethostname()
             ranks = {r.pid: r.rank for r in self.info.ranks if r.host == here}
             # at once: torchrun reaps them within its 0.1 s poll
-            seen = [(ranks[pid], code) for pid in exited if pid in ranks and (code := exit_of_unreaped(pid)) is not None]
-            if seen:
-                self._tail.saw_exits(seen)
+            self._tail.saw_exits([(ranks[pid], exit_of_unreaped(pid)) for pid in exited if pid in ranks])
             self._dead = f"a worker process (pid {exited[0]}) exited"
             for callback in self._when_dead:
                 callback()

@@ -95,10 +95,15 @@ class WorkerOutput:
 
         return min(found, key=self._unlikely) if found else None  # min keeps the first of equals: root first
 
-    def saw_exits(self, exits: list[tuple[int, int]]) -> None:
+    def saw_exits(self, exits: list[tuple[int, int | None]]) -> None:
         """The workers (rank, Popen's returncode) that had exited when the Engine first looked: the
-        likeliest cause among them is the one that failed first."""
-        self.first_exit = min(exits, key=self._unlikely)
+        likeliest cause among them is the one that failed first. A code is None where torchrun had reaped
+        the worker already (on a busy machine, the one that died first): then only a worker killed by a
+        signal is sure to be the cause, and otherwise torchrun's report, which has every code, decides."""
+        known = [e for e in exits if e[1] is not None]
+        likeliest = min(known, key=self._unlikely, default=None)
+        if likeliest is not None and (len(known) == len(exits) or not self._unlikely(likeliest)[0]):
+            self.first_exit = likeliest
 
     def _unlikely(self, failure: tuple[int, int]) -> tuple[bool, bool]:
         """How unlikely a failure is the cause: (not killed by a signal, failed on a lost connection)."""
