@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import platform
+import re
 import signal
 import subprocess
 import tempfile
@@ -393,16 +395,42 @@ def test_a_report_waits_for_torchrun_to_name_the_worker_that_died(tmp_path, monk
 
 
 def test_an_unreaped_process_tells_how_it_ended():
-    """The watch reads how the first worker to exit ended before torchrun reaps it: a signal, or a code."""
-    from swiftspec.engine.host.failures import exit_of_unreaped
+    """The watch reads how a worker ended before torchrun reaps it (from /proc): a signal, or a code."""
+    from swiftspec.engine.host.failures import exit_of
 
     killed, failed = subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sh", "-c", "exit 3"])
-    killed.kill()
-    for p in (killed, failed):
-        os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # exited, left unreaped
-    assert (exit_of_unreaped(killed.pid), exit_of_unreaped(failed.pid)) == (-signal.SIGKILL, 3)
-    assert (killed.wait(), failed.wait()) == (-signal.SIGKILL, 3)
-    assert exit_of_unreaped(killed.pid) is None  # reaped: /proc no longer has it
+    fds = [os.pidfd_open(p.pid) for p in (killed, failed)]
+    try:
+        killed.kill()
+        for p in (killed, failed):
+            os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # exited, left unreaped
+        assert [exit_of(p.pid, fd) for p, fd in zip((killed, failed), fds, strict=True)] == [-signal.SIGKILL, 3]
+        assert (killed.wait(), failed.wait()) == (-signal.SIGKILL, 3)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.mark.skipif(tuple(map(int, re.findall(r"\d+", platform.release())[:2])) < (6, 15),
+                    reason="a pidfd keeps the status of a reaped process from Linux 6.15 on")
+def test_a_reaped_process_tells_how_it_ended_through_a_pidfd_opened_before():
+    """torchrun reaps a killed worker within 0.1 s, often before the watch reads it: the pidfd still says."""
+    from swiftspec.engine.host.failures import exit_of
+
+    parents = [subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE, text=True)
+               for script in ("sleep 60 & echo $!; wait", "(sleep 0.5; exit 3) & echo $!; wait")]
+    children = [int(p.stdout.readline()) for p in parents]  # not this process's: their parent reaps them
+    fds = [os.pidfd_open(pid) for pid in children]
+    try:
+        os.kill(children[0], signal.SIGKILL)
+        for p in parents:
+            p.wait()
+            p.stdout.close()
+        assert not any(Path(f"/proc/{pid}").exists() for pid in children)
+        assert [exit_of(pid, fd) for pid, fd in zip(children, fds, strict=True)] == [-signal.SIGKILL, 3]
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def test_the_worker_seen_to_exit_first_is_the_cause(tmp_path):
@@ -458,11 +486,12 @@ def test_the_watch_tells_which_processes_exited_from_the_processes_themselves():
         watching = in_thread(_first_exits, {p.pid for p in sleepers})
         time.sleep(0.2)  # the watch waits on the pidfds meanwhile
         sleepers[1].kill()  # not reaped: a zombie still counts as exited
-        assert watching() == [sleepers[1].pid]
+        assert watching() == {sleepers[1].pid: -signal.SIGKILL}
         sleepers[2].kill()
         os.waitid(os.P_PID, sleepers[2].pid, os.WEXITED | os.WNOWAIT)  # exited, left unreaped
-        assert sorted(_first_exits({p.pid for p in sleepers})) == sorted([sleepers[1].pid, sleepers[2].pid])
-        assert _first_exits({sleepers[0].pid, 2 ** 22 + 12345}) == [2 ** 22 + 12345]  # gone already
+        exited = {sleepers[1].pid: -signal.SIGKILL, sleepers[2].pid: -signal.SIGKILL}
+        assert _first_exits({p.pid for p in sleepers}) == exited
+        assert _first_exits({sleepers[0].pid, 2 ** 22 + 12345}) == {2 ** 22 + 12345: None}  # gone already
     finally:
         for p in sleepers:
             p.kill()

@@ -29,7 +29,7 @@ from swiftspec.engine.events import Step, StepEvent
 from swiftspec.engine.host import frames, launcher, protocol
 from swiftspec.engine.host.answer import Answer
 from swiftspec.engine.host.encode import encode_chat, encode_prompt
-from swiftspec.engine.host.failures import EngineError, WorkerOutput, exit_of_unreaped, worker_log_path
+from swiftspec.engine.host.failures import EngineError, WorkerOutput, exit_of, worker_log_path
 from swiftspec.engine.host.frames import Cancel, Failure, Generate, Shutdown, Stepped
 from swiftspec.engine.host.protocol import EngineInfo
 from swiftspec.engine.host.startup import (
@@ -327,9 +327,8 @@ class Engine:
         if exited and not self._closed and self._dead is None:
             here = socket.gethostname()
             ranks = {r.pid: r.rank for r in self.info.ranks if r.host == here}
-            # at once: torchrun reaps them within its 0.1 s poll
-            self._tail.saw_exits([(ranks[pid], exit_of_unreaped(pid)) for pid in exited if pid in ranks])
-            self._dead = f"a worker process (pid {exited[0]}) exited"
+            self._tail.saw_exits([(ranks[pid], code) for pid, code in exited.items() if pid in ranks])
+            self._dead = f"a worker process (pid {next(iter(exited))}) exited"
             for callback in self._when_dead:
                 callback()
         code = self._proc.wait()
@@ -381,21 +380,22 @@ class Engine:
         self.close()
 
 
-def _first_exits(pids: set[int]) -> list[int] | None:
+def _first_exits(pids: set[int]) -> dict[int, int | None] | None:
     """Waits until one of ``pids`` (torchrun and every worker) exits; the pids that have exited by the
-    time this thread runs (on a busy machine, a killed worker's peers may have followed it already). None
-    where the kernel has no pidfds (then only torchrun's own exit tells)."""
+    time this thread runs (on a busy machine, a killed worker's peers may have followed it already), each
+    with how it ended (``exit_of``). None where the kernel has no pidfds (then only torchrun's own exit
+    tells)."""
     fds: dict[int, int] = {}
     try:
         for pid in pids:
             try:
                 fds[os.pidfd_open(pid)] = pid
             except ProcessLookupError:
-                return [pid]
+                return {pid: None}
         poller = select.poll()
         for fd in fds:
             poller.register(fd, select.POLLIN)
-        return [fds[fd] for fd, _ in poller.poll()]
+        return {fds[fd]: exit_of(fds[fd], fd) for fd, _ in poller.poll()}
     except (AttributeError, OSError):  # no os.pidfd_open (not Linux 5.3+)
         return None
     finally:

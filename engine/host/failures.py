@@ -3,9 +3,11 @@ worker failed first and how, in words a person can act on."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
+import struct
 import subprocess
 import threading
 import time
@@ -39,18 +41,43 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def exit_of_unreaped(pid: int) -> int | None:
-    """How a process that has exited but is not yet reaped by its parent ended, from /proc (Popen's
-    returncode: -signal or the exit code); None once it is reaped, where /proc does not say, or for 0 (what
-    /proc shows where it may not say more)."""
+def exit_of(pid: int, pidfd: int) -> int | None:
+    """How a process that has exited ended (Popen's returncode: -signal or the exit code), ``pidfd`` one
+    opened on it while it ran: from /proc while its parent has not reaped it, else from the pidfd (Linux
+    6.15+ keeps the status there once it is reaped, as torchrun does within 0.1 s). None where neither
+    says, or for 0 (what /proc shows where it may not say more)."""
+    status = _status_unreaped(pid)
+    if status is None:
+        status = _status_reaped(pidfd)
+    return None if status is None else os.waitstatus_to_exitcode(status) or None
+
+
+def _status_unreaped(pid: int) -> int | None:
+    """The wait status of a process that has exited but is not yet reaped, from /proc."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:
         return None
     if len(fields) < 50 or fields[0] != "Z":  # field 3 the state, field 52 the exit status (Linux 3.5+)
         return None
-    status = int(fields[-1])
-    return -(status & 0x7F) if status & 0x7F else (status >> 8) or None
+    return int(fields[-1])
+
+
+PIDFD_INFO_EXIT, PIDFD_INFO_SIZE = 1 << 3, 64  # linux/pidfd.h: struct pidfd_info, its first version
+PIDFD_GET_INFO = (3 << 30) | (PIDFD_INFO_SIZE << 16) | (0xFF << 8) | 11  # _IOWR(PIDFS_IOCTL_MAGIC, 11, ...)
+
+
+def _status_reaped(pidfd: int) -> int | None:
+    """The wait status of a reaped process from a pidfd opened on it before (PIDFD_GET_INFO's exit_code)."""
+    info = bytearray(PIDFD_INFO_SIZE)
+    struct.pack_into("Q", info, 0, PIDFD_INFO_EXIT)
+    try:
+        fcntl.ioctl(pidfd, PIDFD_GET_INFO, info)
+    except OSError:  # a kernel before 6.13 (no PIDFD_GET_INFO)
+        return None
+    if not struct.unpack_from("Q", info, 0)[0] & PIDFD_INFO_EXIT:  # not reaped yet, or before 6.15
+        return None
+    return struct.unpack_from("i", info, 60)[0]
 
 
 class WorkerOutput:
@@ -97,9 +124,9 @@ class WorkerOutput:
 
     def saw_exits(self, exits: list[tuple[int, int | None]]) -> None:
         """The workers (rank, Popen's returncode) that had exited when the Engine first looked: the
-        likeliest cause among them is the one that failed first. A code is None where torchrun had reaped
-        the worker already (on a busy machine, the one that died first): then only a worker killed by a
-        signal is sure to be the cause, and otherwise torchrun's report, which has every code, decides."""
+        likeliest cause among them is the one that failed first. A code is None where it could not be read
+        (a kernel that keeps no status once torchrun reaps the process): then only a worker killed by a
+        signal is sure to be the cause, and otherwise torchrun's report decides."""
         known = [e for e in exits if e[1] is not None]
         likeliest = min(known, key=self._unlikely, default=None)
         if likeliest is not None and (len(known) == len(exits) or not self._unlikely(likeliest)[0]):
