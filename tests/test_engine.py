@@ -199,7 +199,9 @@ def test_step_times_are_measured_once_then_read_from_the_profile_cache(target_di
 
 @pytest.fixture(scope="module")
 def self_engine(target_dir):
-    eng = start(target_dir, "self", max_seq_len=2048, tree=TreeParams(d=4))
+    """The target drafting for itself, 4 expansions a round whatever the machine's timings: no cost policy,
+    which sits rounds out on a busy machine (1.04 tokens a round in a full run on a 2-core Zen 4)."""
+    eng = start(target_dir, "self", max_seq_len=2048, tree=TreeParams(d=4), verify_cost=False)
     yield eng
     eng.close()
     assert no_processes_left(eng)
@@ -209,7 +211,7 @@ def self_engine(target_dir):
 def test_self_draft_accepts_deep_paths(self_engine, references):
     tokens, _, events = answer(self_engine, PROMPTS[0], mode="async", max_new_tokens=N_TOKENS, ignore_eos=True)
     assert tokens == references[0]
-    # a perfect draft (d fixed: profiling gives d = 1, as the draft is as slow as the target)
+    # a perfect draft, d fixed
     assert self_engine.info.d == 4 and not self_engine.info.d_auto
     assert events[-1].stats.mean_accepted > 2.5
 
