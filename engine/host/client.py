@@ -82,6 +82,7 @@ class Engine:
         self._dead: str | None = None
         self._when_dead: list[Callable[[], None]] = []
         _live_engines.add(self)
+        tail.watched = threading.Event()
         threading.Thread(target=self._watch, daemon=True, name="engine-watch").start()
 
     # ------------------------------------------------------------------------------------ start-up
@@ -324,10 +325,14 @@ class Engine:
         group is then dead (``alive`` False, the ``when_dead`` callbacks called). Once torchrun has exited,
         makes sure no worker outlives it."""
         exited = _first_exits(self._pgids)
-        if exited and not self._closed and self._dead is None:
+        if exited and not self._closed:
             here = socket.gethostname()
             ranks = {r.pid: r.rank for r in self.info.ranks if r.host == here}
+            # also where the answer's reader noticed the failure first (a lost connection): its report,
+            # which waits for torchrun, names the worker from this
             self._tail.saw_exits([(ranks[pid], code) for pid, code in exited.items() if pid in ranks])
+        self._tail.watched.set()
+        if exited and not self._closed and self._dead is None:
             self._dead = f"a worker process (pid {next(iter(exited))}) exited"
             for callback in self._when_dead:
                 callback()

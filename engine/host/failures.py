@@ -25,6 +25,7 @@ TORCHRUN_REPORT_S = 3.0  # after a failure, for torchrun to find which worker fa
 # the longest a report waits while torchrun runs and all it has shown is a peer's lost connection: torchrun
 # names the worker that died only once it has ended the rest, which takes seconds on a loaded machine
 TORCHRUN_NAMES_S = 15.0
+WATCH_LOOKS_S = 2.0  # the longest a report waits for the Engine's watch once torchrun has exited
 
 
 def worker_log_path() -> Path:
@@ -89,6 +90,8 @@ class WorkerOutput:
         self.log_path, self.n_target = log_path, n_target
         # (rank, Popen's returncode) of the worker seen to exit first, from the process itself: the cause
         self.first_exit: tuple[int, int] | None = None
+        # set by the Engine's watch once it has looked at the processes that exited (None: no watch yet)
+        self.watched: threading.Event | None = None
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("w", encoding="utf-8")
         self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True, name="worker-output")
@@ -151,6 +154,8 @@ class WorkerOutput:
             # the workers' last words usually come right after a failure is noticed; once torchrun has
             # exited, its report is in the pipe: read to its end
             self.thread.join(TORCHRUN_REPORT_S if exited else 1.0)
+            if exited and self.watched is not None:  # the watch, woken by the same exits, may not have run yet
+                self.watched.wait(WATCH_LOOKS_S)
             failed = self.failed_worker()
             if exited or time.monotonic() > deadline:
                 break
