@@ -49,6 +49,7 @@ from swiftspec.engine.spec.corpus import check_corpus
 from swiftspec.engine.spec.history_corpus import summarise, tokenizer_fingerprint
 
 CLOSE_GRACE_S = 1.0  # for a clean exit after "shutdown", before signals
+EXITS_SETTLE_S = 0.2  # after the first worker exits, for the watch to see any that exit with it
 # After Ctrl-C or an abandoned answer, the workers stop at their next step; not stopped after this long,
 # they are taken for hung (only a long prefill of a big model on CPU takes longer, and the caller asked to
 # stop anyway).
@@ -400,7 +401,11 @@ def _first_exits(pids: set[int]) -> dict[int, int | None] | None:
         poller = select.poll()
         for fd in fds:
             poller.register(fd, select.POLLIN)
-        return {fds[fd]: exit_of(fds[fd], fd) for fd, _ in poller.poll()}
+        exits = {fds[fd]: exit_of(fds[fd], fd) for fd, _ in poller.poll()}
+        # a killed worker's sockets close before its exit is signalled, so on a busy machine its peer, failing
+        # on the lost connection, can be seen to exit first: a moment for the rest
+        time.sleep(EXITS_SETTLE_S)
+        return exits | {fds[fd]: exit_of(fds[fd], fd) for fd, _ in poller.poll(0) if fds[fd] not in exits}
     except (AttributeError, OSError):  # no os.pidfd_open (not Linux 5.3+)
         return None
     finally:
