@@ -1,6 +1,6 @@
 """The CPU kernels' linears by ISA path: what a verified row costs against one decode row, on this machine.
 
-For every path this CPU runs (portable, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI, AMX), times the packed
+For every path this CPU runs (portable, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI, AVX-512 BF16, AMX), times the packed
 linears a small model's decode step, verification and prefill are made of (the embedded SmolLM2's shapes:
 Q4 gate/up and down, a Q8 weight of the same width) at 1, 2, 4, 8 and 32 rows, for each thread count asked,
 and prints the time, the cost of 8 rows as a multiple of one row, and the multiply-adds per second
@@ -9,13 +9,16 @@ load) are marked. With ``--check`` it first confirms that every path gives the p
 these shapes.
 
 With ``--activations int16,int8`` it does all this for each width the integer formats' activations are
-quantised to (the int8 tiles: vpmaddubsw, vpdpbusd, one AMX dot product a block).
+quantised to (the int8 tiles: vpmaddubsw, vpdpbusd, one AMX dot product a block). ``bf16`` times the same
+shapes as BF16 weights, on fp32 activations and then on bf16 ones (vdpbf16ps where the CPU has it, which
+only the AVX-512 BF16 path runs; two fp32 fmas a pair on the others).
 
 With ``--attention`` it also times tree attention the way a step of the embedded model runs it: 30 layers'
 caches in turn (so the keys and values stream from L3 or memory, as in the model), 9 query heads over 3 kv
 heads of 64, at each of ``--contexts`` tokens and 1, 4 and 8 rows, with a float32 and a float16 KV cache.
 
-    python benchmarks/cpu_kernels.py [--threads 1,2] [--reps 200] [--json out.json] [--check] [--activations int16,int8]
+    python benchmarks/cpu_kernels.py [--threads 1,2] [--reps 200] [--json out.json] [--check]
+        [--activations int16,int8,bf16]
         [--attention [--contexts 300,1000,2000]]
 """
 
@@ -58,7 +61,19 @@ def cpu_name() -> str:
             f"{os.cpu_count()} CPUs; {' '.join(flags)})")
 
 
+def runs_here(dll) -> list[str]:
+    """The paths that run on this CPU with the library's activations, widest first."""
+    return [kp.name for kp in cpu_linear.paths(dll) if kp.runs]
+
+
+def shapes(width: Activations) -> tuple[tuple[Format, int, int], ...]:
+    """The linears timed at ``width``: BF16 weights of SHAPES' sizes for bf16 activations."""
+    return tuple((Format.BF16, n, k) for _, n, k in SHAPES) if width is Activations.BF16 else SHAPES
+
+
 def weights(g: torch.Generator, fmt: Format, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    if fmt == Format.BF16:
+        return (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16), None, None
     nb = k // 32
     w = torch.randint(-128, 128, (n, nb * (16 if fmt == Format.Q4 else 32)), generator=g, dtype=torch.int8)
     return w, torch.rand(n, nb, generator=g), torch.rand(n, nb, generator=g)
@@ -79,12 +94,13 @@ def median_us(fn, most: int) -> float:
     return statistics.median(batches)
 
 
-def check(dll, paths: list[str]) -> list[str]:
-    """The paths whose outputs differ from the portable path's on these shapes (an empty list: all agree)."""
+def check(dll, paths: list[str], width: Activations) -> list[str]:
+    """The paths whose outputs differ from the portable path's on ``width``'s shapes (an empty list: all
+    agree)."""
     g = torch.Generator().manual_seed(1)
     portable = cpu_linear.paths(dll)[-1].name  # the table ends with the portable path
     wrong = []
-    for fmt, n, k in SHAPES:
+    for fmt, n, k in shapes(width):
         w, d, m = weights(g, fmt, n, k)
         x = torch.randn(8, k, generator=g)
         cpu_linear.use_path(dll, portable)
@@ -96,8 +112,10 @@ def check(dll, paths: list[str]) -> list[str]:
     return wrong
 
 
-def time_linears(dll, paths: list[str], threads: list[int], reps: int, chosen: cpu_linear.PathChoice) -> list[dict]:
-    """Each path's linears at each of ROWS on each thread count, printed as a table and returned."""
+def time_linears(dll, paths: list[str], threads: list[int], reps: int, chosen: cpu_linear.PathChoice,
+                 linears: tuple[tuple[Format, int, int], ...] = SHAPES, activations: str = "") -> list[dict]:
+    """Each path's ``linears`` at each of ROWS on each thread count, printed as a table and returned (each
+    entry's format named with ``activations`` where given)."""
     g = torch.Generator().manual_seed(0)
     print(f"\n{'path':<16}{'thr':>4}  {'linear':<14}" + "".join(f"{f'{r} row':>10}" for r in ROWS)
           + f"{'8 ÷ 1':>8}{'GMAC/s@8':>10}{'@32':>7}")
@@ -106,7 +124,7 @@ def time_linears(dll, paths: list[str], threads: list[int], reps: int, chosen: c
         cpu_linear.set_threads(dll, n_threads)
         for name in paths:
             cpu_linear.use_path(dll, name)
-            for fmt, n, k in SHAPES:
+            for fmt, n, k in linears:
                 w, d, m = weights(g, fmt, n, k)
                 us = {}
                 for rows in ROWS:
@@ -114,10 +132,10 @@ def time_linears(dll, paths: list[str], threads: list[int], reps: int, chosen: c
                     us[rows] = median_us(partial(cpu_linear.linear, dll, fmt, x, n, w, d, m), reps)
                 mark = "".join(sign if name == path else " " for sign, path in
                                (("*", chosen.rows), ("1", chosen.one_row), ("+", chosen.many_rows)))
-                print(f"{name + mark:<16}{n_threads:>4}  {f'{fmt.name} {n}x{k}':<14}"
+                print(f"{name + mark:<16}{n_threads:>4}  {f'{fmt.name}{activations} {n}x{k}':<14}"
                       + "".join(f"{us[r]:>8.1f}µs" for r in ROWS) + f"{us[8] / us[1]:>8.2f}"
                       + f"{8 * n * k / us[8] / 1e3:>10.1f}{32 * n * k / us[32] / 1e3:>7.1f}")
-                found.append({"path": name, "threads": n_threads, "format": fmt.name, "n": n, "k": k,
+                found.append({"path": name, "threads": n_threads, "format": fmt.name + activations, "n": n, "k": k,
                               "us": {str(r): round(us[r], 2) for r in ROWS}})
     print("\n* the path the engine picks for several rows on this CPU, 1 for one row, + for many; '8 ÷ 1' is "
           "what a verification of 8 rows costs in one-row linears")
@@ -168,7 +186,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--check", action="store_true", help="first check every path against the portable bits")
     p.add_argument("--activations", default="int16",
-                   help="comma-separated activation widths, each timed in turn: int16 (default), int8 or int16,int8")
+                   help="comma-separated activations, each timed in turn: int16 (default), int8, bf16 or int16,int8,bf16")
     p.add_argument("--attention", action="store_true", help="also time attention, float32 and float16 KV caches")
     p.add_argument("--contexts", default="300,1000,2000", help="with --attention: comma-separated context lengths")
     args = p.parse_args()
@@ -179,7 +197,14 @@ def main() -> int:
         return 2
 
     dll = cpu_backends.library()  # the engine's own build
-    running = [kp.name for kp in cpu_linear.paths(dll) if kp.runs]
+    running = runs_here(dll)
+    if Activations.BF16 in widths:  # and the path that runs with bf16 activations alone
+        chosen = cpu_linear.paths_in_use(dll)
+        cpu_linear.set_bf16_activations(dll, True)
+        with_bf16 = runs_here(dll)
+        cpu_linear.set_bf16_activations(dll, False)
+        cpu_linear.use_paths(dll, chosen)
+        running = [name for name in with_bf16 if name not in running] + running
     paths = [s for s in args.paths.split(",") if s] or running
     unknown = [s for s in paths if s not in running]
     if unknown:
@@ -187,16 +212,26 @@ def main() -> int:
         return 2
     result: dict = {"cpu": cpu_name(), "paths": running, "activations": {}}
     print(f"CPU: {result['cpu']}\npaths that run: {', '.join(running)}")
+    threads = [int(t) for t in args.threads.split(",")]
     for width in widths:
         dll = cpu_backends.library(width)  # and the paths the engine picks for this width
         chosen = cpu_linear.paths_in_use(dll)
         found: dict = {"chosen": asdict(chosen)}
         print(f"\n{width} activations: the engine picks {cpu_linear.isa(dll)}")
+        runs = runs_here(dll)  # the AVX-512 BF16 path runs with bf16 activations alone
+        timed = [name for name in paths if name in runs]
         if args.check:
-            found["differ"] = check(dll, running)
+            found["differ"] = check(dll, runs, width)
             print("bits: every path equals portable" if not found["differ"]
                   else f"bits DIFFER: {', '.join(found['differ'])}")
-        found["linears"] = time_linears(dll, paths, [int(t) for t in args.threads.split(",")], args.reps, chosen)
+        if width is Activations.BF16:  # the same weights on fp32 activations, for comparison
+            cpu_linear.set_bf16_activations(dll, False)
+            fp32_timed = [name for name in timed if name in runs_here(dll)]
+            found["fp32_linears"] = time_linears(dll, fp32_timed, threads, args.reps, cpu_linear.paths_in_use(dll),
+                                                 shapes(width), " fp32")
+            cpu_linear.set_bf16_activations(dll, True)
+            cpu_linear.use_paths(dll, chosen)
+        found["linears"] = time_linears(dll, timed, threads, args.reps, chosen, shapes(width))
         cpu_linear.use_paths(dll, chosen)
         result["activations"][str(width)] = found
     cpu_backends.library(Activations.INT16)

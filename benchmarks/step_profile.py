@@ -6,7 +6,8 @@ over a context of ``--context`` tokens.
 It builds the kernels once more with ``-DSS_STEP_PROFILE`` (the blocks then time their parts; the engine's
 library has no timers) and runs the model on that build, with the paths the engine picks here.
 
-    python benchmarks/step_profile.py [--model PATH] [--threads 1,2] [--rows 1,4,8] [--context 300] [--json out.json]
+    python benchmarks/step_profile.py [--model PATH] [--dtype auto] [--activations int16] [--threads 1,2]
+        [--rows 1,4,8] [--context 300] [--json out.json]
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from swiftspec.engine.config import Activations
+from swiftspec.engine.config import Activations, Dtype
 from swiftspec.engine.model import cpu_backends
 from swiftspec.engine.model.embedded import embedded_gguf_path
 from swiftspec.engine.model.gguf_io import ensure_converted
@@ -64,16 +65,18 @@ def main() -> None:
     p.add_argument("--rows", default="1,4,8", help="comma-separated rows a forward")
     p.add_argument("--context", type=int, default=300, help="tokens already in the cache")
     p.add_argument("--reps", type=int, default=60, help="timed forwards a case")
+    p.add_argument("--dtype", default="auto", choices=[str(d) for d in Dtype], help="the CPU backend (--dtype)")
     p.add_argument("--activations", default="int16", choices=[str(a) for a in Activations])
     p.add_argument("--json", type=Path, help="also write the results here")
     a = p.parse_args()
     activations = Activations(a.activations)
-    dll = cpu_linear.load(cache_dir() / "kernels", activations.bits, ("-DSS_STEP_PROFILE",))
+    dll = cpu_linear.load(cache_dir() / "kernels", activations.bits, ("-DSS_STEP_PROFILE",),
+                          activations is Activations.BF16)
     cpu_backends.library = lambda activations=None: dll  # the model below runs the profiled build
     model = a.model or embedded_gguf_path()
     torch.set_num_threads(1)
     target = load_model(ensure_converted(model) if model.suffix == ".gguf" else model,
-                        max_slots=a.context + 64, activations=activations)
+                        dtype=Dtype(a.dtype), max_slots=a.context + 64, activations=activations)
     print(f"{target.precision}; {a.context} tokens of context; ms a forward and its parts (means)")
     cols = ("forward", "wqkv", "wo", "w13", "w2", "attention", "glue", "lm_head", "outside")
     print(f"{'threads':>7} {'rows':>4} " + "".join(f"{c:>10}" for c in cols) + f"{'linears':>9}")

@@ -53,16 +53,20 @@ FLOAT_DTYPES = (Dtype.FLOAT32, Dtype.FLOAT16, Dtype.BFLOAT16)  # widths a checkp
 
 
 class Activations(StrEnum):
-    """What the CPU kernels quantise the activations to before a GGUF's integer blocks multiply them
-    (--activations): blocks of 32 at int16 (within ~0.1 % of the logits' range of fp32 on SmolLM2), or
-    llama.cpp's int8, whose byte multiply-adds run a row in about half the work (5-6 % of the range).
-    Every decoding mode computes the same tokens at either width."""
+    """What the CPU kernels round the activations to before the weights multiply them (--activations): for
+    a GGUF's integer blocks, blocks of 32 at int16 (within ~0.1 % of the logits' range of fp32 on SmolLM2)
+    or llama.cpp's int8, whose byte multiply-adds run a row in about half the work (5-6 % of the range); for
+    a bfloat16 checkpoint, fp32 (int16, the default) or bf16, which AVX512-BF16's vdpbf16ps multiplies 32
+    at a time, half a row's fp32 work (what torch computes at bfloat16, where every activation is one).
+    Every decoding mode computes the same tokens with any of them."""
 
     INT16 = "int16"
     INT8 = "int8"
+    BF16 = "bf16"
 
     @property
     def bits(self) -> int:
+        """The integer blocks' width."""
         return 8 if self is Activations.INT8 else 16
 
 
@@ -403,6 +407,9 @@ class EngineConfig:
         if self.activations is Activations.INT8 and self.dtype in FLOAT_DTYPES:
             raise ConfigError(f"--activations int8: quantises what a GGUF's integer blocks multiply; --dtype "
                               f"{self.dtype} multiplies in fp32 (use --dtype gguf, int4 or auto)")
+        if self.activations is Activations.BF16 and self.dtype not in (Dtype.BFLOAT16, Dtype.AUTO):
+            raise ConfigError(f"--activations bf16: rounds what a bfloat16 checkpoint's weights multiply; "
+                              f"--dtype {self.dtype} has no bfloat16 weights (use --dtype bfloat16)")
         self.kv_cache = _parse(KvCache, self.kv_cache, "kv-cache")
         self.batch_invariant = _parse(BatchInvariance, self.batch_invariant, "batch-invariant")
         if self.corpus_file is not None and self.builtin_draft is not DraftKind.SUFFIX:

@@ -1,8 +1,8 @@
 """The row-invariant CPU kernels of ``cpu/`` (linears over packed weights, tree attention, decoder-block
 glue), built with the host's C compiler for the machine at hand and loaded through ctypes.
 
-The library holds one path per ISA family (portable C, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI, AMX), each
-file compiled with its own target flags, so every path is built on every x86 machine, whether it can run
+The library holds one path per ISA family (portable C, AVX2, AVX-VNNI, AVX-512, AVX-512 VNNI, AVX-512 BF16,
+AMX), each file compiled with its own target flags, so every path is built on every x86 machine, whether it can run
 there or not; ``cpu/dispatch.c`` runs the one chosen. Every path computes the same bits (cpu/kernels.h says
 how), so the choice is one of speed alone: on first use each path this CPU runs is timed on a few linears,
 and the fastest for one row (a decode step), for several (a verification) and for many (a prefill) are
@@ -45,6 +45,7 @@ PATH_OBJECTS = {
         "avx_vnni": ("avx2.c", [*_AVX2, "-mavxvnni", "-DSS_VNNI"]),
         "avx512": ("avx512.c", _AVX512),
         "avx512_vnni": ("avx512.c", [*_AVX512, "-mavx512vnni", "-DSS_VNNI"]),
+        "avx512_bf16": ("avx512.c", [*_AVX512, "-mavx512vnni", "-mavx512bf16", "-DSS_VNNI", "-DSS_BF16"]),
         "amx": ("amx.c", [*_AVX512, "-mavx512vnni", "-mamx-tile", "-mamx-int8"]),
     } if X86 else {}),
 }
@@ -135,11 +136,8 @@ def _build(cc: str, lib: Path, paths: dict[str, tuple[str, list[str]]], host_fla
 
 
 @functools.cache
-def load(build_dir: Path, activation_bits: int | None = None, host_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """The compiled library, built into ``build_dir`` on first use and running the fastest paths here for
-    its activations' width: ``activation_bits`` (16 or 8) where given, else the width it has (16 at first);
-    ``host_flags``: a build of its own with more flags for the host objects (see ``build``).
-    KernelsUnavailable when it cannot be built."""
+def _built(build_dir: Path, host_flags: tuple[str, ...]) -> tuple[ctypes.CDLL, Path]:
+    """The compiled library and its file, built into ``build_dir`` on first use."""
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -150,12 +148,35 @@ def load(build_dir: Path, activation_bits: int | None = None, host_flags: tuple[
     if not lib.is_file():
         lib.parent.mkdir(parents=True, exist_ok=True)
         build(lib, host_flags=list(host_flags))
-    dll = bind(ctypes.CDLL(str(lib)))
+    return bind(ctypes.CDLL(str(lib))), lib
+
+
+_PATHS_CHOSEN_FOR: dict[Path, tuple[int, int]] = {}  # a library file -> the activations its paths in use suit
+
+
+def load(build_dir: Path, activation_bits: int | None = None, host_flags: tuple[str, ...] = (),
+         bf16_activations: bool | None = None) -> ctypes.CDLL:
+    """The compiled library, built into ``build_dir`` on first use and running the fastest paths here for
+    its activations: ``activation_bits`` (16 or 8) and ``bf16_activations`` from now on where given, else
+    what it has (int16 and fp32 at first); ``host_flags``: a build of its own with more flags for the host
+    objects (see ``build``). KernelsUnavailable when it cannot be built."""
+    dll, lib = _built(Path(build_dir), tuple(host_flags))
     if activation_bits is not None:
         set_activation_bits(dll, activation_bits)
-    record = ".path.json" if dll.ss_activation_bits() == 16 else ".path-int8.json"  # each width's fastest
-    use_paths(dll, fastest_paths(dll, lib.with_suffix(record)))
+    if bf16_activations is not None and bf16_activations != bool(dll.ss_bf16_activations()):
+        set_bf16_activations(dll, bf16_activations)
+    activations = (dll.ss_activation_bits(), dll.ss_bf16_activations())
+    if _PATHS_CHOSEN_FOR.get(lib) != activations:
+        use_paths(dll, fastest_paths(dll, lib.with_suffix(path_record(dll))))
+        _PATHS_CHOSEN_FOR[lib] = activations
     return dll
+
+
+def path_record(dll: ctypes.CDLL) -> str:
+    """The suffix of the record of the fastest paths for the library's activations (each has its own)."""
+    if dll.ss_bf16_activations():
+        return ".path-bf16.json"
+    return ".path.json" if dll.ss_activation_bits() == 16 else ".path-int8.json"
 
 
 def build(lib: Path, paths: dict[str, tuple[str, list[str]]] = PATH_OBJECTS, host_flags: list[str] | None = None
@@ -174,6 +195,8 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     dll.ss_linear.restype = ctypes.c_int
     dll.ss_set_activation_bits.argtypes = [ctypes.c_int]
     dll.ss_set_activation_bits.restype = ctypes.c_int
+    dll.ss_set_bf16_activations.argtypes = [ctypes.c_int]
+    dll.ss_set_bf16_activations.restype = None
     dll.ss_set_threads.argtypes = [ctypes.c_int]
     dll.ss_set_threads.restype = ctypes.c_int
     dll.ss_attention.argtypes = [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_void_p] * 5
@@ -278,17 +301,22 @@ PATH_ROUNDS = 7  # rounds of the paths' measurement (_path_seconds)
 
 def _path_seconds(dll: ctypes.CDLL, candidates: list[KernelPath]) -> dict[str, dict[str, float]]:
     """Each path's time on the linears a decode step, a verification and a prefill are made of (Q4 and Q8
-    weights of the embedded model's shapes, one thread), for each PathChoice class it is meant for (its
-    min_rows) at the class's CLASS_ROWS. Round by round, every path in turn, so that a machine whose speed
+    weights of the embedded model's shapes, BF16 ones with bf16 activations; one thread), for each
+    PathChoice class it is meant for (its min_rows) at the class's CLASS_ROWS. Round by round, every path in turn, so that a machine whose speed
     drifts while it measures (a busy neighbour, a VM's host) weighs on every path alike; a round's time is
     the sum of each linear's best of two calls, a path's the median of its rounds. A path over twice the
     fastest in every class it serves after the first round (the portable one) is not measured again."""
     g = torch.Generator().manual_seed(0)
     linears = []  # the embedded model's MLP (gate and up as one linear, down) and a Q8 weight as wide
+    bf16 = bool(dll.ss_bf16_activations())
     for fmt, n, k in ((Format.Q4, 3072, 576), (Format.Q4, 576, 1536), (Format.Q8, 4096, 576)):
         nb = k // 32
-        w = torch.randint(-100, 100, (n, nb * (16 if fmt == Format.Q4 else 32)), generator=g, dtype=torch.int8)
-        d, m = torch.rand(n, nb, generator=g), torch.rand(n, nb, generator=g)
+        if bf16:
+            fmt, d, m = Format.BF16, None, None
+            w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
+        else:
+            w = torch.randint(-100, 100, (n, nb * (16 if fmt == Format.Q4 else 32)), generator=g, dtype=torch.int8)
+            d, m = torch.rand(n, nb, generator=g), torch.rand(n, nb, generator=g)
         linears.append((fmt, n, w, d, m, {rows: torch.randn(rows, k, generator=g) for rows in CLASS_ROWS.values()}))
     times = {p.name: {cls: [] for cls, rows in CLASS_ROWS.items() if rows >= p.min_rows} for p in candidates}
     measured = list(times)
@@ -341,6 +369,12 @@ def set_activation_bits(dll: ctypes.CDLL, bits: int) -> None:
     """Quantises the integer formats' activations to ``bits`` (16, or llama.cpp's 8) from now on."""
     if dll.ss_set_activation_bits(bits) != 0:
         raise ValueError(f"the CPU kernels quantise activations to 16 or 8 bits, not {bits}")
+
+
+def set_bf16_activations(dll: ctypes.CDLL, on: bool) -> None:
+    """BF16 weights multiply bf16 activations from now on (vdpbf16ps where the CPU has it), or fp32 ones;
+    either way the paths in use are the widest that run until ``use_paths`` says otherwise."""
+    dll.ss_set_bf16_activations(int(on))
 
 
 def set_threads(dll: ctypes.CDLL, n: int) -> int:

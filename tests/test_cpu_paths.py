@@ -1,7 +1,7 @@
 """The CPU kernels' ISA paths (kernels/cpu/): every path this machine runs computes what the portable path
 computes, bit for bit, on random shapes (partial panels, odd block counts), every format and row count,
-one thread or two, with int16 or int8 activations; every path, whether it runs here or not, compiles; the
-library names the path it runs and keeps the one it measured fastest."""
+one thread or two, with int16 or int8 activations, and BF16 weights on bf16 ones; every path, whether it
+runs here or not, compiles; the library names the path it runs and keeps the one it measured fastest."""
 
 import ctypes
 import importlib.util
@@ -74,8 +74,8 @@ def weights(g: torch.Generator, fmt: Format, n: int, k: int):
 def test_the_portable_path_and_a_vector_one_run_on_x86(dll):
     names = {p.name for p in cpu_linear.paths(dll)}
     assert PORTABLE in names
-    if cpu_linear.X86:
-        assert {"AVX2", "AVX-VNNI", "AVX-512", "AVX-512 VNNI", "AMX"} <= names  # compiled, whether they run here or not
+    if cpu_linear.X86:  # compiled, whether they run here or not
+        assert {"AVX2", "AVX-VNNI", "AVX-512", "AVX-512 VNNI", "AVX-512 BF16", "AMX"} <= names
         assert in_use(dll) <= set(running(dll))
 
 
@@ -185,6 +185,118 @@ def test_the_paths_compute_the_format(dll):
     finally:
         cpu_linear.set_activation_bits(dll, 16)
     assert (out - want).abs().max() <= 2e-2 * want.abs().max()  # int8's error: 1/254 of a block's max
+
+
+@pytest.fixture
+def bf16_activations(dll):
+    """BF16 weights on bf16 activations during the test, then on fp32 ones and the paths in use before."""
+    chosen = cpu_linear.paths_in_use(dll)
+    cpu_linear.set_bf16_activations(dll, True)
+    yield
+    cpu_linear.set_bf16_activations(dll, False)
+    cpu_linear.use_paths(dll, chosen)
+
+
+def bf16_case(g: torch.Generator, rows: int, k: int, n: int):
+    """BF16 weights, fp32 rows and a bias, with values small enough that products and sums fall below 2^-126
+    (which vdpbf16ps flushes to zero; row 1 and column 1 are small throughout, and column 1 has no bias, so
+    that what is flushed there is the answer), a subnormal weight (read as zero), a subnormal activation
+    (rounded to zero) and a block of zeros."""
+    w = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g)
+    w[:, ::3] = (torch.randn(n, len(range(0, k, 3)), generator=g) * 1e-19).to(torch.bfloat16)
+    x[:, ::3] = torch.randn(rows, len(range(0, k, 3)), generator=g) * 1e-19
+    w[1] = (torch.randn(k, generator=g) * 2e-19).to(torch.bfloat16)
+    x[1] = torch.randn(k, generator=g) * 2e-19
+    w[0, 4] = torch.tensor(1e-39).to(torch.bfloat16)
+    x[-1, 7] = 1e-39
+    x[0, :32] = 0.0
+    bias = torch.randn(n, generator=g)
+    bias[1] = 0.0
+    return w, x, bias
+
+
+@pytest.mark.parametrize("blocks", [1, 7, 18, 48])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_with_bf16_activations_every_path_computes_the_portable_bits(dll, bf16_activations, blocks, threads):
+    """vdpbf16ps where the CPU has it (the AVX-512 BF16 path) and two fmas under DAZ and FTZ on the others:
+    one answer, for every count of rows a verification sends and row by row, the rounding to bf16 and the
+    flushes included; and the answer is what fp32 math gives on the bf16-rounded rows, within fp32's error."""
+    g = torch.Generator().manual_seed(blocks + 100)
+    k, n = 32 * blocks, 105 if blocks % 2 else 100
+    w, x, bias = bf16_case(g, 11, k, n)
+    names = running(dll)
+    assert ("AVX-512 BF16" in names) == ("avx512_bf16" in cpu_linear._cpu_flags().split() and "AVX-512 VNNI" in names)
+    cpu_linear.set_threads(dll, threads)
+    try:
+        alone = on_every_path(dll, lambda: torch.cat([cpu_linear.linear(dll, Format.BF16, x[i:i + 1], n, w, bias=bias)
+                                                      for i in range(len(x))]))
+        for rows in (2, 3, 4, 5, 8, 11):
+            outs = on_every_path(dll, lambda rows=rows: cpu_linear.linear(dll, Format.BF16, x[:rows], n, w, bias=bias))
+            for name in outs:
+                assert torch.equal(outs[name], alone[PORTABLE][:rows]), (name, rows)
+    finally:
+        cpu_linear.set_threads(dll, 1)
+    for name in alone:
+        assert torch.equal(alone[name], alone[PORTABLE]), name
+    want = x.to(torch.bfloat16).float() @ w.float().T + bias
+    torch.testing.assert_close(alone[PORTABLE], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    cpu_linear.set_bf16_activations(dll, False)
+    assert not torch.equal(cpu_linear.linear(dll, Format.BF16, x, n, w, bias=bias), alone[PORTABLE])  # fp32 rows differ
+
+
+def test_bf16_activations_flush_what_is_tiny_after_rounding(dll, bf16_activations):
+    """A sum just below 2^-126 that rounds up to it on fp32's subnormal grid is tiny to an x86, which rounds to
+    24 bits with an unbounded exponent before it decides: vdpbf16ps flushes it, and so must every path. A
+    column gets 2^-126 from its first product, then adds -1.5 * 2^-151 (in that band: 0) or -2^-151 (the
+    tie, which rounds to 2^-126 and stays)."""
+    w = torch.zeros(2, 32, dtype=torch.bfloat16)
+    x = torch.zeros(1, 32)
+    x[0, 1], x[0, 0] = 2.0 ** -63, -(2.0 ** -75)
+    w[:, 1] = 2.0 ** -63
+    w[0, 0], w[1, 0] = 1.5 * 2.0 ** -76, 2.0 ** -76
+    outs = on_every_path(dll, lambda: cpu_linear.linear(dll, Format.BF16, x, 2, w))
+    for name, out in outs.items():
+        assert out.tolist() == [[0.0, 2.0 ** -126]], name
+
+
+def test_the_bf16_path_runs_with_bf16_activations_alone(dll):
+    """It is the AVX-512 VNNI path but for the BF16 linear on bf16 activations: with fp32 ones it never runs,
+    and the library keeps a record of the fastest paths for each setting."""
+    assert "AVX-512 BF16" not in running(dll) and cpu_linear.path_record(dll) == ".path.json"
+    if cpu_linear.X86:
+        assert "AVX-512 BF16" in {p.name for p in cpu_linear.paths(dll)}  # compiled
+    chosen = cpu_linear.paths_in_use(dll)
+    cpu_linear.set_bf16_activations(dll, True)
+    try:
+        assert cpu_linear.path_record(dll) == ".path-bf16.json"
+        assert in_use(dll) == {running(dll)[0]}  # the widest that runs, until told otherwise
+    finally:
+        cpu_linear.set_bf16_activations(dll, False)
+        cpu_linear.use_paths(dll, chosen)
+    cpu_linear.set_activation_bits(dll, 8)
+    try:
+        assert cpu_linear.path_record(dll) == ".path-int8.json"
+    finally:
+        cpu_linear.set_activation_bits(dll, 16)
+
+
+def test_the_fastest_paths_for_bf16_activations_are_measured_on_bf16_weights(dll, bf16_activations, tmp_path):
+    record = tmp_path / "path-bf16.json"
+    chosen = cpu_linear.fastest_paths(dll, record)
+    seconds = json.loads(record.read_text())["seconds"]
+    assert set(seconds) == set(running(dll)) and set(asdict(chosen).values()) <= set(running(dll))
+
+
+def test_the_library_takes_the_activations_at_every_call_that_names_them(dll):
+    """Built and loaded once, it is set to the activations each call asks for, with their own measured paths:
+    int16 again after int8 and bf16, not whatever the last model loaded left."""
+    for activations in (Activations.INT8, Activations.BF16, Activations.INT16):
+        lib = cpu_backends.library(activations)
+        assert lib.ss_activation_bits() == activations.bits
+        assert lib.ss_bf16_activations() == (activations is Activations.BF16)
+        assert in_use(lib) <= set(running(lib))
+    assert cpu_backends.library() is lib and lib.ss_activation_bits() == 16  # no activations named: as it is
 
 
 def test_the_activations_are_16_or_8_bits(dll):
@@ -386,15 +498,19 @@ def test_a_path_that_cannot_run_is_refused(dll):
 def test_the_kernel_benchmark_checks_the_bits_and_times_every_row_count(dll, tmp_path):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_kernels.py"
     out = tmp_path / "kernels.json"
-    proc = subprocess.run([sys.executable, str(script), "--check", "--paths", running(dll)[0], "--reps", "2", "--json",
-                           str(out), "--activations", "int16,int8", "--attention", "--contexts", "40"],
+    vector = running(dll)[0]
+    proc = subprocess.run([sys.executable, str(script), "--check", "--paths", vector, "--reps", "2", "--json",
+                           str(out), "--activations", "int16,int8,bf16", "--attention", "--contexts", "40"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result["paths"]) == set(running(dll)) and set(result["activations"]) == {"int16", "int8"}
-    for width in result["activations"].values():
-        assert width["differ"] == [] and set(width["chosen"].values()) <= set(running(dll))
-        assert {(r["format"], r["path"]) for r in width["linears"]} == {("Q4", running(dll)[0]), ("Q8", running(dll)[0])}
+    assert set(running(dll)) <= set(result["paths"]) and set(result["activations"]) == {"int16", "int8", "bf16"}
+    for name, width in result["activations"].items():
+        assert width["differ"] == [] and set(width["chosen"].values()) <= set(result["paths"])
+        formats = {"Q4", "Q8"} if name != "bf16" else {"BF16"}
+        assert {(r["format"], r["path"]) for r in width["linears"]} == {(f, vector) for f in formats}
+        if name == "bf16":
+            assert {(r["format"], r["path"]) for r in width["fp32_linears"]} == {("BF16 fp32", vector)}
         assert all(set(r["us"]) == {"1", "2", "4", "8", "32"} and min(r["us"].values()) > 0 for r in width["linears"])
     [attention] = result["attention"]
     assert attention["context"] == 40 and len(attention["ms"]) == 6 and min(attention["ms"].values()) > 0

@@ -20,7 +20,15 @@ from tiny_models import tiny_model_dir
 
 from swiftspec import window
 from swiftspec.conversation import Conversation, Reply, Settings
-from swiftspec.engine.config import ConfigError, EngineConfig, KvCache, SamplingParams, TreeParams
+from swiftspec.engine.config import (
+    Activations,
+    ConfigError,
+    Dtype,
+    EngineConfig,
+    KvCache,
+    SamplingParams,
+    TreeParams,
+)
 from swiftspec.engine.host.client import Engine, EngineError
 from swiftspec.engine.host.encode import encode_chat
 from swiftspec.engine.worker.profiling import choose_d
@@ -152,6 +160,27 @@ def test_int8_activations_every_mode_equals_ar(target_dir):
             for mode in ("async", "sync"):
                 assert answer(eng, messages, mode=mode, max_new_tokens=N_TOKENS, ignore_eos=True)[0] == ar, mode
     assert no_processes_left(eng)
+
+
+@pytest.mark.slow
+def test_bf16_activations_every_mode_equals_ar(target_dir):
+    """--activations bf16 (bfloat16 weights on bf16 activations: vdpbf16ps where the CPU has it) changes what
+    the target computes, not that every mode computes it: sync and async give ar's tokens."""
+    with start(target_dir, "self", dtype="bfloat16", activations="bf16") as eng:
+        assert "bfloat16 weights · bf16 activations" in eng.info.target
+        for messages in PROMPTS:
+            ar, _, _ = answer(eng, messages, mode="ar", max_new_tokens=N_TOKENS, ignore_eos=True)
+            for mode in ("async", "sync"):
+                assert answer(eng, messages, mode=mode, max_new_tokens=N_TOKENS, ignore_eos=True)[0] == ar, mode
+    assert no_processes_left(eng)
+
+
+def test_bf16_activations_need_bfloat16_weights():
+    assert EngineConfig(dtype="bfloat16", activations="bf16").validate().activations is Activations.BF16
+    assert EngineConfig(activations="bf16").validate().dtype is Dtype.AUTO  # a bfloat16 checkpoint's own width
+    for dtype in ("float32", "float16", "gguf", "int4"):
+        with pytest.raises(ConfigError, match="--activations bf16"):
+            EngineConfig(dtype=dtype, activations="bf16").validate()
 
 
 def test_the_kv_cache_setting_is_one_of_its_words():

@@ -44,9 +44,11 @@ def kv_dtype(backend: Dtype, kv_cache: KvCache = KvCache.AUTO) -> torch.dtype:
 
 
 def library(activations: Activations | None = None) -> ctypes.CDLL:
-    """The kernels, built on first use into the cache (KernelsUnavailable without a C compiler), quantising
-    the activations of the integer blocks to ``activations`` from now on where given."""
-    return cpu_linear.load(cache_dir() / "kernels", activations.bits if activations else None)
+    """The kernels, built on first use into the cache (KernelsUnavailable without a C compiler), rounding
+    the activations to ``activations`` from now on where given."""
+    if activations is None:
+        return cpu_linear.load(cache_dir() / "kernels")
+    return cpu_linear.load(cache_dir() / "kernels", activations.bits, bf16_activations=activations is Activations.BF16)
 
 
 def kernels_available(args=None, tp_world: int = 1) -> str | None:
@@ -291,7 +293,8 @@ def apply(model: nn.Module, backend: Dtype, blocks: dict[str, Blocks] | None = N
     ``tok_embeddings.weight``); a linear without blocks keeps fp32 weights. ``quantize`` (gguf backend on a
     float checkpoint): every linear packed as Q4 blocks, the lm_head and embedding as Q8. ``activations``:
     what the integer blocks multiply, a setting of the library and so of the process (as its threads are),
-    which serves one model; ``kv_cache``: what the cache (set up after this) holds.
+    which serves one model (bf16: the bfloat16 backend's); ``kv_cache``: what the cache (set up after
+    this) holds.
     """
     dll = library(activations)
     blocks = dict(blocks or {})
@@ -332,11 +335,13 @@ def label(backend: Dtype, blocks: dict[str, Blocks], dll: ctypes.CDLL, quantized
           activations: Activations = Activations.INT16, kv: torch.dtype = torch.float32) -> str:
     """What the title bar shows, in --dtype's own words: "gguf (Q4_1 blocks) · int16 activations · fp16 KV ·
     AVX2" (a GGUF's own blocks, named by their 4-bit types, else their types), "int4 (packed at load) · …",
-    "float16 weights · fp32 math · fp32 KV · AVX2"; ``kv``: what the KV cache holds."""
+    "float16 weights · fp32 math · fp32 KV · AVX2", "bfloat16 weights · bf16 activations · …"; ``kv``: what
+    the KV cache holds."""
     isa = cpu_linear.isa(dll)
     cache = "fp16 KV" if kv == torch.float16 else "fp32 KV"
     if backend != Dtype.GGUF:
-        return f"{backend} weights · fp32 math · {cache} · {isa}"
+        math = "bf16 activations" if activations is Activations.BF16 else "fp32 math"
+        return f"{backend} weights · {math} · {cache} · {isa}"
     linears = [b for k, b in blocks.items() if k != "tok_embeddings.weight"]
     kinds = sorted({b.kind for b in linears if b.fmt == Format.Q4}) or sorted({b.kind for b in linears})
     what = "int4 (packed at load)" if quantized else f"gguf ({'/'.join(kinds)} blocks)"

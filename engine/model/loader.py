@@ -164,7 +164,7 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: Dtype
     ``int8``: dynamic int8 linears (FBGEMM, CPU only), for a fast approximate copy of a model that
     serves as a draft: its proposals are verified, so the approximation never reaches the output.
     On CUDA ``batch_invariant``: see Transformer.make_batch_invariant; None = on. ``activations``: what the
-    CPU kernels' integer blocks multiply (gguf, int4); ``kv_cache``: what they keep the keys and values in.
+    CPU kernels' integer blocks (gguf, int4) or bfloat16 weights multiply; ``kv_cache``: what they keep the keys and values in.
     """
 
     device = torch.device(device)
@@ -184,6 +184,9 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: Dtype
             if backend is Dtype.GGUF:
                 raise LoadError(f"the gguf backend needs the CPU kernels, which cannot be built here: {why}")
             backend = None  # torch's linears, exact through one-row forwards
+        if activations is Activations.BF16 and backend not in (None, Dtype.BFLOAT16):
+            raise LoadError(f"--activations bf16 multiplies bfloat16 weights: {model_dir.name} runs as {backend} here "
+                            "(use --dtype bfloat16 with a bfloat16 checkpoint)")
     elif cpu and dtype.blocks:
         raise LoadError(f"--dtype {dtype} runs through the row-invariant kernels: it cannot be combined with "
                         "int8 or --batch-invariant off")

@@ -271,4 +271,4 @@ static void columns(const job_t *j, int n0, int n1) {
 
 static void attend(const attn_t *a, int t, int g, int *keys, float *buf) { BASE.attend(a, t, g, keys, buf); }
 
-const ss_path_t PATH = {NAME, NEEDS, SS_MANY_ROWS, quantise, columns, attend};
+const ss_path_t PATH = {NAME, NEEDS, SS_MANY_ROWS, quantise, columns, attend, 0};

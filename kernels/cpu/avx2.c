@@ -344,7 +344,70 @@ INLINE void float_columns(const job_t *j, const int fmt, int n0, int n1) {
     }
 }
 
+/* 16 bfloat16 as the 8 fp32 of their odd elements and the 8 of their even ones, exactly. */
+INLINE __m256 odd_bf16(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000))); }
+INLINE __m256 even_bf16(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+
+/* BF16 weights on bf16 activations (kernels.h): the block at k of rows r0 .. r0 + R - 1 of column n into acc (the
+ * lanes of the even blocks or of the odd, each as two vectors), each vdpbf16ps as two fmas under
+ * bf16_tile's DAZ and FTZ; with `fetch`, memory is asked for column n + 16. A tile passes over the blocks
+ * two at a time, so that each accumulator stays in its register. */
+INLINE void bf16_block(const int R, const uint16_t *w, const uint16_t *x, int K, int k, int fetch,
+                       __m256 acc[FLOAT_ROWS][2]) {
+    if (fetch) _mm_prefetch((const char *)(w + (size_t)16 * K + k), _MM_HINT_T1);
+    __m256 wo[2], we[2];
+    for (int i = 0; i < 2; i++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + k + 16 * i));
+        wo[i] = odd_bf16(v), we[i] = even_bf16(v);
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < 2; i++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(x + (size_t)r * K + k + 16 * i));
+            acc[r][i] = _mm256_fmadd_ps(we[i], even_bf16(v), _mm256_fmadd_ps(wo[i], odd_bf16(v), acc[r][i]));
+        }
+}
+
+INLINE void bf16_tile(const job_t *j, const int R, int r0, int n, int fetch) {
+    const int K = j->K;
+    const uint16_t *w = (const uint16_t *)j->w + (size_t)n * K, *x = j->xb + (size_t)r0 * K;
+    __m256 even[FLOAT_ROWS][2], odd[FLOAT_ROWS][2]; /* lanes 0-7 and 8-15 of the even blocks, and of the odd */
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < 2; i++) even[r][i] = odd[r][i] = _mm256_setzero_ps();
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040); /* DAZ and FTZ for the fmas alone: R8 and the bias add as usual */
+    int k = 0;
+    for (; k + 64 <= K; k += 64) {
+        bf16_block(R, w, x, K, k, fetch, even);
+        bf16_block(R, w, x, K, k + 32, fetch, odd);
+    }
+    if (k < K) bf16_block(R, w, x, K, k, fetch, even);
+    _mm_setcsr(csr);
+    for (int r = 0; r < R; r++) {
+        float s = r8(_mm256_add_ps(_mm256_add_ps(even[r][0], odd[r][0]), _mm256_add_ps(even[r][1], odd[r][1])));
+        if (j->bias) s += j->bias[n];
+        j->out[(size_t)(r0 + r) * j->N + n] = s;
+    }
+}
+
+/* BF16 weights on bf16 activations: FLOAT_ROWS rows a tile, in chunks of 16 columns, as the float formats. */
+static void bf16_columns(const job_t *j, int n0, int n1) {
+    const int rest = j->M % FLOAT_ROWS, full = j->M - rest;
+    for (int c0 = n0; c0 < n1; c0 += 16) {
+        const int c1 = c0 + 16 < n1 ? c0 + 16 : n1, fetch = j->M > 1 && c1 + 16 <= j->N;
+        for (int r0 = 0; r0 < full; r0 += FLOAT_ROWS)
+            for (int n = c0; n < c1; n++) bf16_tile(j, FLOAT_ROWS, r0, n, fetch && r0 == 0);
+        for (int n = c0; n < c1; n++) {
+            if (rest == 2) bf16_tile(j, 2, full, n, fetch && full == 0);
+            else if (rest == 1) bf16_tile(j, 1, full, n, 0);
+        }
+    }
+}
+
 static void columns(const job_t *j, int n0, int n1) {
+    if (j->xb) {
+        bf16_columns(j, n0, n1);
+        return;
+    }
     switch (j->fmt) {
     case FMT_Q4: int_columns(j, FMT_Q4, n0, n1); break;
     case FMT_Q8: int_columns(j, FMT_Q8, n0, n1); break;
@@ -447,4 +510,4 @@ void ss_avx2_attend_group(const attn_t *a, int t, int g, const int *keys, int n,
 }
 #endif
 
-const ss_path_t PATH = {NAME, NEEDS, 1, quantise, columns, attend};
+const ss_path_t PATH = {NAME, NEEDS, 1, quantise, columns, attend, 0};

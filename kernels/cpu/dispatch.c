@@ -17,11 +17,13 @@ extern const ss_path_t ss_path_avx2 __attribute__((weak));
 extern const ss_path_t ss_path_avx_vnni __attribute__((weak));
 extern const ss_path_t ss_path_avx512 __attribute__((weak));
 extern const ss_path_t ss_path_avx512_vnni __attribute__((weak));
+extern const ss_path_t ss_path_avx512_bf16 __attribute__((weak));
 extern const ss_path_t ss_path_amx __attribute__((weak));
 
-/* Every path, widest first. */
-static const ss_path_t *const paths[] = {&ss_path_amx,      &ss_path_avx512_vnni, &ss_path_avx512,
-                                         &ss_path_avx_vnni, &ss_path_avx2,        &ss_path_portable};
+/* Every path, widest first (a bf16_only path just before the one it extends). */
+static const ss_path_t *const paths[] = {&ss_path_amx,    &ss_path_avx512_bf16, &ss_path_avx512_vnni,
+                                         &ss_path_avx512, &ss_path_avx_vnni,    &ss_path_avx2,
+                                         &ss_path_portable};
 enum { N_PATHS = sizeof paths / sizeof paths[0] };
 
 /* Whether this process may use the AMX tiles: Linux grants their (8 KiB a thread) state on request. */
@@ -54,16 +56,23 @@ static unsigned cpu_features(void) {
     if (leaves >= 1) {
         __cpuid_count(7, 1, a, b, c, d);
         if (a & (1u << 4)) f |= SS_CPU_AVX_VNNI;
+        if ((f & SS_CPU_AVX512_VNNI) && (a & (1u << 5))) f |= SS_CPU_AVX512_BF16;
     }
 #endif
     return f;
 }
 
-/* 1 when path i was compiled into this library and runs on this CPU. */
+/* Whether BF16 weights multiply bf16 activations (kernels.h) rather than fp32 ones: a setting of the whole
+ * library, as the integer formats' activation width is. */
+static int bf16_activations;
+
+/* 1 when path i was compiled into this library and runs on this CPU (a bf16_only path: with bf16
+ * activations). */
 int ss_path_runs(int i) {
     static int features = -1;
     if (features < 0) features = (int)cpu_features();
-    return i >= 0 && i < N_PATHS && paths[i] && (paths[i]->needs & ~(unsigned)features) == 0;
+    return i >= 0 && i < N_PATHS && paths[i] && (paths[i]->needs & ~(unsigned)features) == 0 &&
+           (!paths[i]->bf16_only || bf16_activations);
 }
 
 int ss_path_count(void) { return N_PATHS; }
@@ -142,6 +151,32 @@ int ss_set_activation_bits(int bits) {
 
 int ss_activation_bits(void) { return activation_bits; }
 
+/* BF16 weights multiply bf16 activations from now on (on != 0), or fp32 ones; the paths in use are the
+ * widest again, since the paths that run change. */
+void ss_set_bf16_activations(int on) {
+    bf16_activations = on != 0;
+    for (int c = 0; c < N_CLASSES; c++) active[c] = 0;
+}
+
+int ss_bf16_activations(void) { return bf16_activations; }
+
+/* The rows in bfloat16 (ss_float_to_bf16), into one buffer per thread: what every path's BF16 linear on
+ * bf16 activations multiplies. */
+static int prepare_bf16_rows(job_t *j) {
+    static _Thread_local uint16_t *buf;
+    static _Thread_local size_t cap;
+    const size_t n = (size_t)j->M * j->K;
+    if (n > cap) {
+        free(buf);
+        buf = malloc(n * sizeof *buf);
+        cap = buf ? n : 0;
+        if (!buf) return -1;
+    }
+    for (size_t i = 0; i < n; i++) buf[i] = ss_float_to_bf16(j->x[i]);
+    j->xb = buf;
+    return 0;
+}
+
 /* Each row's integer blocks (int16, and int8 with int8 activations), their scales and (Q4) exact block
  * sums, into one buffer per thread. */
 static int prepare_rows(job_t *j) {
@@ -196,10 +231,11 @@ static void linear_unit(const void *job, int unit, int part) {
  * memory. */
 int ss_linear(int fmt, int M, int K, int N, const float *x, const void *w, const void *d, const void *m,
               const float *bias, float *out) {
-    job_t j = {fmt & ~SS_HALF_SCALES, M, K, N, (fmt & SS_HALF_SCALES) != 0, x, 0, 0, 0, 0, 0, w, d, m, bias, out};
+    job_t j = {fmt & ~SS_HALF_SCALES, M, K, N, (fmt & SS_HALF_SCALES) != 0, x, 0, 0, 0, 0, 0, w, d, m, bias, out, 0};
     fmt = j.fmt;
     path(M); /* chosen here, before the pool's threads read it */
     if ((fmt == FMT_Q4 || fmt == FMT_Q8) && prepare_rows(&j) != 0) return -1;
+    if (fmt == FMT_BF16 && bf16_activations && prepare_bf16_rows(&j) != 0) return -1;
     ss_run(linear_unit, &j, (N + column_grain(N) - 1) / column_grain(N), (size_t)N * K < 65536);
     return 0;
 }

@@ -2,8 +2,8 @@
  * table's entry type.
  *
  * The files, ggml-cpu's way: one per ISA family (portable.c, avx2.c, avx512.c, amx.c), each compiled
- * with its own target flags (kernels/cpu_linear.py holds the recipe; avx2.c and avx512.c are built twice,
- * with and without VNNI), and dispatch.c, which holds the one table of paths, picks the one in use and owns
+ * with its own target flags (kernels/cpu_linear.py holds the recipe; avx2.c is built with and without
+ * VNNI, avx512.c without, with, and with VNNI and BF16), and dispatch.c, which holds the one table of paths, picks the one in use and owns
  * the entry points; pool.c is the thread pool, blocks.c the decoder-block glue; vec256.h holds the
  * helpers that the AVX2 and AVX-512 paths share, vec512.h the generic-vector code of the AMX and AVX-512
  * VNNI paths (vnni512_emulated.c builds the latter's int8 tiles anywhere, for the tests).
@@ -28,7 +28,8 @@
  * int8 is the opt-in (ss_set_activation_bits): its byte products halve a row's multiply-adds (vpmaddubsw,
  * vpdpbusd), which is what makes verified rows cheap. The values of an
  * int8 block are int16 values too, so a path without int8 kernels computes the same bits from its int16
- * copy. The 16- and 32-bit formats multiply in fp32.
+ * copy. The 16- and 32-bit formats multiply in fp32, BF16 weights on bf16 activations where asked
+ * (ss_set_bf16_activations): torch's own precision at bfloat16, which vdpbf16ps multiplies 32 at a time.
  *
  * Every path computes every output bit for bit as portable.c does: the block dot products are exact
  * integers, and each path performs the same fp32 operations in the same order (below), so the same
@@ -47,6 +48,16 @@
  *              and converted to float once, rounding to nearest even.
  *   Float linear: 32 lanes c, each +0; c_i = fma(w[32 b + i], x[32 b + i], c_i) for the blocks in order;
  *              out = R8(t) with t_l = (c_l + c_{16 + l}) + (c_{8 + l} + c_{24 + l}) (+ bias).
+ *   BF16 linear on bf16 activations (ss_set_bf16_activations): each row rounded to bfloat16 once
+ *              (ss_float_to_bf16); 32 lanes c, each +0; for the blocks in order, lane i = l + 16 (b mod 2)
+ *              takes block b's pair l, the odd value first: c_i = B(w[32 b + 2 l + 1], x[..], c_i), then
+ *              c_i = B(w[32 b + 2 l], x[..], c_i); out = R8(t) with t_l = (c_l + c_{16 + l}) +
+ *              (c_{8 + l} + c_{24 + l}) (+ bias): two chains of vdpbf16ps a column, not one.
+ *              B (ss_bf16_fma) is what AVX512-BF16's vdpbf16ps does with one product: a weight below 2^-126
+ *              read as zero, the product added with one rounding to nearest even, and a sum that is tiny
+ *              after it (below 2^-126 when rounded to 24 bits with an unbounded exponent) flushed to zero;
+ *              the paths without the instruction run two fp32 fmas with the MXCSR's DAZ and FTZ set, which
+ *              do the same (benchmarks/bf16_dot.py checks a CPU's instruction against this definition).
  *   Attention, one (row, head) over its allowed keys in order (k and v at their exact fp32 values: a
  *              cache of halves is widened exactly): a score is R8 of 8 lanes, lane l summing
  *              fma(q[e], k[e], .) over e = l, l + 8, ... from +0, times the scale; p_i = exp8(score_i -
@@ -98,6 +109,7 @@ typedef struct {
     const void *d, *m;   /* [panels][nb][SS_PANEL] floats, or halves */
     const float *bias;
     float *out;
+    const uint16_t *xb;  /* [M][K] the rows in bfloat16: BF16 weights on bf16 activations */
 } job_t;
 
 /* Tree attention: q [T][H][D] fp32, k and v [Hkv][s_max][D] fp32 or IEEE halves (half), mask [T][S] bytes
@@ -119,6 +131,7 @@ enum {
     SS_CPU_AVX512 = 1 << 2, /* F, BW and VL */
     SS_CPU_AVX512_VNNI = 1 << 3,
     SS_CPU_AMX = 1 << 4, /* AMX-TILE and AMX-INT8, the OS saving the tiles and letting this process use them */
+    SS_CPU_AVX512_BF16 = 1 << 5,
 };
 
 /* A path: one ISA family's kernels. */
@@ -135,6 +148,8 @@ typedef struct {
     /* one (row, kv head) of an attention: its H / Hkv query heads, which read each key once; keys holds S
      * ints, buf (H / Hkv) x S floats */
     void (*attend)(const attn_t *a, int t, int g, int *keys, float *buf);
+    int bf16_only;       /* 1: it is the path after it in the table but for the BF16 linear on bf16 activations,
+                            which it runs on vdpbf16ps; so it runs only with them */
 } ss_path_t;
 
 /* The thread pool (pool.c): fn over units 0 .. units - 1 on the pool's threads (the caller is part 0),
@@ -219,6 +234,39 @@ static inline uint16_t ss_float_to_half(float f) {
 /* Element i of a KV cache of floats or halves. */
 static inline float ss_kv(const attn_t *a, const void *base, size_t i) {
     return a->half ? ss_half_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* A bfloat16 as a float, exactly. */
+static inline float ss_bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* A float as a bfloat16, rounded to nearest even, a result below 2^-126 in magnitude as a zero of its sign
+ * (vdpbf16ps would read it as zero), a NaN as a quiet NaN: a row of bf16 activations. */
+static inline uint16_t ss_float_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t a = x & 0x7FFFFFFF;
+    if (a > 0x7F800000) return (uint16_t)((x >> 16) | 0x40);
+    const uint32_t h = (x + 0x7FFF + ((x >> 16) & 1)) >> 16;
+    return (h & 0x7F80) ? (uint16_t)h : (uint16_t)(h & 0x8000);
+}
+
+/* c + w x as vdpbf16ps adds one product (kernels.h's B): w below 2^-126 read as zero (x and c never are:
+ * ss_float_to_bf16 and this flush them), one rounding to nearest even, a tiny sum flushed to a zero of its
+ * sign. The x86 detects tininess after rounding to 24 bits with an unbounded exponent, so a sum that
+ * fmaf rounds up to 2^-126 from the band just below it is tiny there too: that one case is decided on the
+ * exact sum, which a double holds (a product of two bfloat16 has 16 bits, and a sum this small of it and
+ * an fp32 spans fewer than 53). */
+static inline float ss_bf16_fma(float w, float x, float c) {
+    if (fabsf(w) < 0x1p-126f) w = copysignf(0.0f, w);
+    const float r = fmaf(w, x, c);
+    if (fabsf(r) > 0x1p-126f) return r;
+    if (fabsf(r) == 0x1p-126f && fabs((double)w * x + c) >= 0x1p-126 - 0x1p-151) return r;
+    return copysignf(0.0f, r);
 }
 
 static inline float ss_r8(const float *t) {

@@ -68,11 +68,24 @@ static float float_dot(const job_t *j, int r, int n) {
     return ss_r8(t);
 }
 
+static float bf16_dot(const job_t *j, int r, int n) {
+    const uint16_t *x = j->xb + (size_t)r * j->K, *w = (const uint16_t *)j->w + (size_t)n * j->K;
+    float c[32] = {0}, t[8];
+    for (int k = 0; k < j->K; k += 32)
+        for (int l = 0; l < 16; l++) {
+            float *lane = c + l + 16 * ((k / 32) % 2);
+            for (int i = 2 * l + 1; i >= 2 * l; i--) /* the odd value first */
+                *lane = ss_bf16_fma(ss_bf16_to_float(w[k + i]), ss_bf16_to_float(x[k + i]), *lane);
+        }
+    for (int l = 0; l < 8; l++) t[l] = (c[l] + c[16 + l]) + (c[8 + l] + c[24 + l]);
+    return ss_r8(t);
+}
+
 static void columns(const job_t *j, int n0, int n1) {
     const int integer = j->fmt == FMT_Q4 || j->fmt == FMT_Q8;
     for (int r = 0; r < j->M; r++)
         for (int n = n0; n < n1; n++) {
-            float s = integer ? int_dot(j, r, n) : float_dot(j, r, n);
+            float s = integer ? int_dot(j, r, n) : j->xb ? bf16_dot(j, r, n) : float_dot(j, r, n);
             if (j->bias) s += j->bias[n];
             j->out[(size_t)r * j->N + n] = s;
         }
@@ -109,4 +122,4 @@ static void attend(const attn_t *a, int t, int g, int *keys, float *buf) {
     for (int h = g * G; h < (g + 1) * G; h++) ss_portable_attend_head(a, t, h, keys, n, buf);
 }
 
-const ss_path_t ss_path_portable = {"portable C", 0, 1, quantise, columns, attend};
+const ss_path_t ss_path_portable = {"portable C", 0, 1, quantise, columns, attend, 0};

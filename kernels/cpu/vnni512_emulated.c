@@ -16,4 +16,4 @@ static void columns(const job_t *j, int n0, int n1) {
 
 static void attend(const attn_t *a, int t, int g, int *keys, float *buf) { ss_path_portable.attend(a, t, g, keys, buf); }
 
-const ss_path_t ss_path_avx512_vnni = {"AVX-512 VNNI (emulated)", 0, 1, quantise, columns, attend};
+const ss_path_t ss_path_avx512_vnni = {"AVX-512 VNNI (emulated)", 0, 1, quantise, columns, attend, 0};

@@ -135,10 +135,12 @@ DTypeOpt = Annotated[str, cli_option(
 ActivationsOpt = Annotated[str, cli_option(
     "--activations", parser=choice(ACTIVATIONS, "activations"), panel=MODEL, metavar="WIDTH",
     autocompletion=complete_choices(*ACTIVATIONS),
-    help="int16 or int8: what the CPU's gguf and int4 blocks multiply, the activations quantised in blocks of 32. "
-         "int16 (default) stays within ~0.1 % of fp32's logits; int8 is llama.cpp's precision (a few % of "
-         "the logits' range on small models) at about half the arithmetic a row, which makes steps and "
-         "verified rows cheaper. Every mode gives the same tokens at either width.")]
+    help="int16, int8 or bf16: what the CPU kernels round the activations to before the weights multiply them. "
+         "For gguf and int4 blocks, in blocks of 32: int16 (default) stays within ~0.1 % of fp32's logits; int8 "
+         "is llama.cpp's precision (a few % of the logits' range on small models) at about half the arithmetic "
+         "a row, which makes steps and verified rows cheaper. For --dtype bfloat16, fp32 (the default) or bf16, "
+         "torch's precision at bfloat16, which a CPU with AVX512-BF16 multiplies at twice fp32's rate (slower "
+         "without it). Every mode gives the same tokens with any of them.")]
 KvCacheOpt = Annotated[str, cli_option(
     "--kv-cache", parser=choice(KV_CACHES, "kv-cache"), panel=MODEL, metavar="DTYPE",
     autocompletion=complete_choices(*KV_CACHES),
