@@ -150,24 +150,14 @@ def test_16_bit_on_the_cpu_every_mode_equals_ar(target_dir, dtype):
 
 
 @pytest.mark.slow
-def test_int8_activations_every_mode_equals_ar(target_dir):
-    """--activations int8 changes what the target computes (the label says so), not that every mode
-    computes it: sync and async give ar's tokens."""
-    with start(target_dir, "self", dtype="int4", activations="int8") as eng:
-        assert "int8 activations" in eng.info.target
-        for messages in PROMPTS:
-            ar, _, _ = answer(eng, messages, mode="ar", max_new_tokens=N_TOKENS, ignore_eos=True)
-            for mode in ("async", "sync"):
-                assert answer(eng, messages, mode=mode, max_new_tokens=N_TOKENS, ignore_eos=True)[0] == ar, mode
-    assert no_processes_left(eng)
-
-
-@pytest.mark.slow
-def test_bf16_activations_every_mode_equals_ar(target_dir):
-    """--activations bf16 (bfloat16 weights on bf16 activations: vdpbf16ps where the CPU has it) changes what
-    the target computes, not that every mode computes it: sync and async give ar's tokens."""
-    with start(target_dir, "self", dtype="bfloat16", activations="bf16") as eng:
-        assert "bfloat16 weights · bf16 activations" in eng.info.target
+@pytest.mark.parametrize("dtype, activations, label", [("int4", "int8", "int8 activations"),
+                                                       ("bfloat16", "bf16", "bfloat16 weights · bf16 activations")])
+def test_narrower_activations_every_mode_equals_ar(target_dir, dtype, activations, label):
+    """--activations int8 (the blocks' llama.cpp width) or bf16 (bfloat16 weights on bf16 activations:
+    vdpbf16ps where the CPU has it) changes what the target computes (the label says so), not that every
+    mode computes it: sync and async give ar's tokens."""
+    with start(target_dir, "self", dtype=dtype, activations=activations) as eng:
+        assert label in eng.info.target
         for messages in PROMPTS:
             ar, _, _ = answer(eng, messages, mode="ar", max_new_tokens=N_TOKENS, ignore_eos=True)
             for mode in ("async", "sync"):

@@ -29,12 +29,7 @@ static inline int int_weight(const job_t *j, int n, int b, int k) {
 static inline float float_weight(const job_t *j, int n, int k) {
     const size_t at = (size_t)n * j->K + k;
     if (j->fmt == FMT_F16) return ss_half_to_float(((const uint16_t *)j->w)[at]);
-    if (j->fmt == FMT_BF16) {
-        uint32_t bits = (uint32_t)((const uint16_t *)j->w)[at] << 16;
-        float f;
-        memcpy(&f, &bits, 4);
-        return f;
-    }
+    if (j->fmt == FMT_BF16) return ss_bf16_to_float(((const uint16_t *)j->w)[at]);
     return ((const float *)j->w)[at];
 }
 
