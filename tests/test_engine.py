@@ -165,6 +165,17 @@ def test_narrower_activations_every_mode_equals_ar(target_dir, dtype, activation
     assert no_processes_left(eng)
 
 
+def test_bf16_activations_on_a_target_not_stored_in_bfloat16_are_refused_before_any_process(target_dir):
+    from swiftspec.engine.model.model_dir import LoadError
+
+    started = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("swiftspec.engine.host.launcher.spawn", lambda *a, **k: started.append(a))
+        with pytest.raises(LoadError, match="--activations bf16 multiplies bfloat16 weights"):
+            Engine.start(EngineConfig(target=str(target_dir), activations="bf16"))  # auto: the tiny model's fp32
+    assert started == []
+
+
 def test_bf16_activations_need_bfloat16_weights():
     assert EngineConfig(dtype="bfloat16", activations="bf16").validate().activations is Activations.BF16
     assert EngineConfig(activations="bf16").validate().dtype is Dtype.AUTO  # a bfloat16 checkpoint's own width

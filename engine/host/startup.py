@@ -14,21 +14,26 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
-from swiftspec.engine.config import DraftCorpus, DraftKind, EngineConfig
+from swiftspec.engine.config import Activations, DraftCorpus, DraftKind, Dtype, EngineConfig
 from swiftspec.engine.host import frames, protocol
 from swiftspec.engine.host.failures import EngineError, WorkerOutput
 from swiftspec.engine.host.frames import Failure, Hello, Progress, Ready
 from swiftspec.engine.host.protocol import EngineInfo
 from swiftspec.engine.model.embedded import EMBEDDED_ID, EMBEDDED_NAME
-from swiftspec.engine.model.model_dir import read_args, resolve_model_dir
+from swiftspec.engine.model.model_dir import LoadError, read_args, resolve_model_dir, stored_float_dtype
 from swiftspec.engine.spec.draft_spec import DraftSpec
 
 POLL_S = 0.25  # how often a blocked receive looks at the worker processes
 
 
 def resolve_models(config: EngineConfig, say: Callable[[str], None]) -> tuple[Path, DraftSpec, int]:
-    """The target's directory, the draft as resolved, and the positions both models hold."""
+    """The target's directory, the draft as resolved, and the positions both models hold. LoadError for bf16
+    activations on a target that --dtype auto would not run as bfloat16 (the workers would refuse it)."""
     target_dir = resolve_model_dir(config.target, say)
+    if config.activations is Activations.BF16 and config.dtype is Dtype.AUTO \
+            and stored_float_dtype(target_dir) is not Dtype.BFLOAT16:
+        raise LoadError(f"--activations bf16 multiplies bfloat16 weights, and --dtype auto runs {target_name(config)} "
+                        "at the width it is stored at, not bfloat16 (use --dtype bfloat16)")
     draft = resolve_draft(config.draft, target_dir, say)
     limit = min(read_args(d).context_limit for d in [target_dir] + ([draft.model_dir] if draft.model_dir else []))
     return target_dir, draft, limit
