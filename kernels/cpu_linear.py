@@ -302,10 +302,11 @@ PATH_ROUNDS = 7  # rounds of the paths' measurement (_path_seconds)
 def _path_seconds(dll: ctypes.CDLL, candidates: list[KernelPath]) -> dict[str, dict[str, float]]:
     """Each path's time on the linears a decode step, a verification and a prefill are made of (Q4 and Q8
     weights of the embedded model's shapes, BF16 ones with bf16 activations; one thread), for each
-    PathChoice class it is meant for (its min_rows) at the class's CLASS_ROWS. Round by round, every path in turn, so that a machine whose speed
-    drifts while it measures (a busy neighbour, a VM's host) weighs on every path alike; a round's time is
-    the sum of each linear's best of two calls, a path's the median of its rounds. A path over twice the
-    fastest in every class it serves after the first round (the portable one) is not measured again."""
+    PathChoice class it is meant for (its min_rows) at the class's CLASS_ROWS. Round by round, every path
+    in turn, so that a machine whose speed drifts while it measures (a busy neighbour, a VM's host) weighs
+    on every path alike; a round's time is the sum of each linear's best of two calls, a path's the median
+    of its rounds. A path over twice the fastest in every class it serves after the first round (the
+    portable one) is not measured again."""
     g = torch.Generator().manual_seed(0)
     linears = []  # the embedded model's MLP (gate and up as one linear, down) and a Q8 weight as wide
     bf16 = bool(dll.ss_bf16_activations())

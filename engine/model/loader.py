@@ -164,7 +164,8 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: Dtype
     ``int8``: dynamic int8 linears (FBGEMM, CPU only), for a fast approximate copy of a model that
     serves as a draft: its proposals are verified, so the approximation never reaches the output.
     On CUDA ``batch_invariant``: see Transformer.make_batch_invariant; None = on. ``activations``: what the
-    CPU kernels' integer blocks (gguf, int4) or bfloat16 weights multiply; ``kv_cache``: what they keep the keys and values in.
+    CPU kernels' integer blocks (gguf, int4) or bfloat16 weights multiply; ``kv_cache``: what they keep the
+    keys and values in.
     """
 
     device = torch.device(device)

@@ -3,10 +3,11 @@
  *
  * The files, ggml-cpu's way: one per ISA family (portable.c, avx2.c, avx512.c, amx.c), each compiled
  * with its own target flags (kernels/cpu_linear.py holds the recipe; avx2.c is built with and without
- * VNNI, avx512.c without, with, and with VNNI and BF16), and dispatch.c, which holds the one table of paths, picks the one in use and owns
- * the entry points; pool.c is the thread pool, blocks.c the decoder-block glue; vec256.h holds the
- * helpers that the AVX2 and AVX-512 paths share, vec512.h the generic-vector code of the AMX and AVX-512
- * VNNI paths (vnni512_emulated.c builds the latter's int8 tiles anywhere, for the tests).
+ * VNNI, avx512.c without, with, and with VNNI and BF16), and dispatch.c, which holds the one table of
+ * paths, picks the one in use and owns the entry points; pool.c is the thread pool, blocks.c the
+ * decoder-block glue; vec256.h holds the helpers that the AVX2 and AVX-512 paths share, vec512.h the
+ * generic-vector code of the AMX and AVX-512 VNNI paths (vnni512_emulated.c builds the latter's int8 tiles
+ * anywhere, for the tests).
  *
  * Every output element is computed by the same sequence of operations whatever the number of rows in the
  * call, the row's place among them and the number of threads, and each row's own preparation (its int16
