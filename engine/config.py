@@ -53,20 +53,17 @@ FLOAT_DTYPES = (Dtype.FLOAT32, Dtype.FLOAT16, Dtype.BFLOAT16)  # widths a checkp
 
 
 class Activations(StrEnum):
-    """What the CPU kernels round the activations to before the weights multiply them (--activations): for
-    a GGUF's integer blocks, blocks of 32 at int16 (within ~0.1 % of the logits' range of fp32 on SmolLM2)
-    or llama.cpp's int8, whose byte multiply-adds run a row in about half the work (5-6 % of the range); for
-    a bfloat16 checkpoint, fp32 (int16, the default) or bf16, which AVX512-BF16's vdpbf16ps multiplies 32
-    at a time, half a row's fp32 work (what torch computes at bfloat16, where every activation is one).
-    Every decoding mode computes the same tokens with any of them."""
+    """What the CPU kernels round the activations to before the weights multiply them (--activations): a
+    GGUF's blocks take int16 in blocks of 32 (~0.1 % of the logits' range from fp32 on SmolLM2) or llama.cpp's
+    int8 (half a row's work, 5-6 %); bfloat16 weights take fp32 (with int16) or bf16, torch's precision at
+    bfloat16, half a row's work on AVX512-BF16. Every decoding mode computes the same tokens with any."""
 
     INT16 = "int16"
     INT8 = "int8"
     BF16 = "bf16"
 
     @property
-    def bits(self) -> int:
-        """The integer blocks' width."""
+    def bits(self) -> int:  # the integer blocks' width
         return 8 if self is Activations.INT8 else 16
 
 
@@ -408,8 +405,7 @@ class EngineConfig:
             raise ConfigError(f"--activations int8: quantises what a GGUF's integer blocks multiply; --dtype "
                               f"{self.dtype} multiplies in fp32 (use --dtype gguf, int4 or auto)")
         if self.activations is Activations.BF16 and self.dtype not in (Dtype.BFLOAT16, Dtype.AUTO):
-            raise ConfigError(f"--activations bf16: rounds what a bfloat16 checkpoint's weights multiply; "
-                              f"--dtype {self.dtype} has no bfloat16 weights (use --dtype bfloat16)")
+            raise ConfigError(f"--activations bf16 is for bfloat16 weights: --dtype bfloat16, not {self.dtype}")
         self.kv_cache = _parse(KvCache, self.kv_cache, "kv-cache")
         self.batch_invariant = _parse(BatchInvariance, self.batch_invariant, "batch-invariant")
         if self.corpus_file is not None and self.builtin_draft is not DraftKind.SUFFIX:
