@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from enum import IntEnum
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -218,8 +219,9 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     dll.ss_forward.restype = ctypes.c_int
     dll.ss_add_rms_norm.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_float] + [ctypes.c_void_p] * 5
     dll.ss_add_rms_norm.restype = None
-    dll.ss_sample.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_float] + [ctypes.c_void_p] * 2
-    dll.ss_sample.restype = ctypes.c_int
+    dll.ss_choose.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 \
+        + [ctypes.c_float] * 5 + [ctypes.c_void_p] * 2
+    dll.ss_choose.restype = ctypes.c_int
     dll.ss_step_profile.argtypes = [ctypes.c_void_p]
     dll.ss_step_profile.restype = ctypes.c_int
     return dll
@@ -407,15 +409,39 @@ def scales_format(fmt: Format, d: Tensor | None) -> int:
     return int(fmt) | (HALF_SCALES if d is not None and d.dtype == torch.float16 else 0)
 
 
-def sample(dll: ctypes.CDLL, logits: Tensor, temperature: float, min_p: float, uniforms: Tensor) -> Tensor:
-    """One token per row of logits [n, V] (fp32) from softmax(logits / temperature) with min-p (0: off),
-    each drawn at its uniform in [0, 1) (``uniforms`` [n] float64): the inverse of the cumulative
-    distribution, never a token of mass 0 (a -inf logit, or one min-p removes). [n] int64."""
-    logits = logits.float().contiguous()
-    uniforms = uniforms.double().contiguous()
-    out = torch.empty(logits.shape[0], dtype=torch.int64)
-    if dll.ss_sample(logits.shape[0], logits.shape[1], logits.data_ptr(), temperature, min_p, uniforms.data_ptr(),
-                     out.data_ptr()) != 0:
+@dataclass(frozen=True)
+class Penalties:
+    """What ``choose`` penalises the logits of a tree's nodes by (``tokens``, ``parents`` as a verification
+    has them), as Sampler.penalise does: each node's tokens in the last ``last_n`` of its context (``history``,
+    the tokens before the root, then the node's path), each seen c times: divided by ``repeat`` (multiplied
+    where negative), then less ``frequency`` c and ``presence``."""
+
+    history: list[int]
+    tokens: list[int]
+    parents: list[int]
+    last_n: int
+    repeat: float
+    frequency: float
+    presence: float
+
+
+def choose(dll: ctypes.CDLL, logits: Tensor, temperature: float, min_p: float = 0.0, uniforms: Tensor | None = None,
+           penalties: Penalties | None = None) -> Tensor:
+    """One token per row of logits [n, V] (fp32, contiguous; penalties change them in place): with
+    ``penalties``, each row's first; then the first of its largest logits when ``temperature`` is 0, else a
+    draw at its uniform in [0, 1) (``uniforms`` [n] float64) from softmax(logits / temperature) with min-p
+    (0: off), the inverse of the cumulative distribution, never a token of mass 0 (a -inf logit, or one min-p
+    removes). [n] int64."""
+    n, vocab = logits.shape
+    out = torch.empty(n, dtype=torch.int64)
+    tree: tuple = (None, None, None, 0, 0, 1.0, 0.0, 0.0)
+    if penalties is not None:
+        tail = penalties.history[-penalties.last_n:]
+        arrays = [np.array(a or [0], dtype=np.int64) for a in (penalties.tokens, penalties.parents, tail)]
+        tree = (*(a.ctypes.data for a in arrays), len(tail), penalties.last_n, penalties.repeat,
+                penalties.frequency, penalties.presence)
+    if dll.ss_choose(n, vocab, logits.data_ptr(), *tree, temperature, min_p,
+                     None if uniforms is None else uniforms.data_ptr(), out.data_ptr()) != 0:
         raise MemoryError("cpu_linear: out of memory for the sampler's row")
     return out
 

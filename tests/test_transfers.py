@@ -17,7 +17,7 @@ from swiftspec.engine.spec import loop
 from swiftspec.engine.spec.decode import DraftState, TargetState
 from swiftspec.engine.spec.drafters import ModelDrafter, SuffixDrafter
 from swiftspec.engine.spec.sampling import Sampler
-from swiftspec.engine.spec.transfers import TransferCounter
+from swiftspec.engine.spec.transfers import Staging, TransferCounter
 
 PROMPT = [5, 17, 300, 42, 8, 99, 17, 300]
 SETTINGS = {
@@ -25,6 +25,14 @@ SETTINGS = {
     "penalised": SamplingParams(repeat_penalty=1.3, presence_penalty=0.5, repeat_last_n=16),
     "sampled": SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, seed=3),
 }
+
+
+@pytest.fixture(autouse=True)
+def as_on_a_gpu(monkeypatch):
+    """The rounds as a GPU runs them: on the CPU, Staging and the Sampler take the host's own ways (numpy
+    inputs, the kernels' choice), which move nothing."""
+    monkeypatch.setattr(Staging, "on_host", property(lambda self: False))
+    monkeypatch.setattr(Sampler, "_in_kernels", False)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from swiftspec.engine.config import TreeParams
 from swiftspec.engine.spec.decode import DraftState
 from swiftspec.engine.spec.drafters import SuffixDrafter
-from swiftspec.engine.spec.tree import TokenTree, target_inputs, tree_mask
+from swiftspec.engine.spec.transfers import Staging
+from swiftspec.engine.spec.tree import TokenTree, target_inputs, target_rows, tree_mask
 
 
 def ancestors_or_self(parents: list[int], i: int) -> set[int]:
@@ -162,6 +163,24 @@ def test_target_inputs_match_brute_force(parents, n_prefix):
             want[i, n_prefix + a] = True
     assert torch.equal(mask, want)
     assert torch.equal(tree_mask(parents), want[:, n_prefix:])
+
+
+class OneCopy(Staging):
+    """Staging as on a GPU: one copy of a host buffer, the mask made by torch's ops."""
+
+    on_host = False
+
+
+@given(parent_lists(), st.integers(0, 30), st.lists(st.integers(0, 50), max_size=6))
+@settings(max_examples=100, deadline=None)
+def test_the_hosts_staging_gives_the_devices_inputs(parents, n_prefix, extra):
+    """On the CPU a round's inputs are numpy's (Staging.on_host): the same tensors as the one-copy way."""
+    rows = target_rows(parents, list(range(len(parents))), n_prefix)
+    host = Staging("cpu").upload(rows, extra, [7, 8])
+    device = OneCopy("cpu").upload(rows, extra, [7, 8])
+    for a, b in zip((host.tokens, host.positions, host.slots, host.mask, *host.extras),
+                    (device.tokens, device.positions, device.slots, device.mask, *device.extras), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 def test_subtree_size_follows_the_verify_cost():

@@ -260,6 +260,41 @@ def test_the_kernels_draw_the_samplers_distribution(params):
 def test_greedy_choice_is_the_first_of_equal_maxima():
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0]])
     assert Sampler(SamplingParams()).choose(logits).tolist() == [1, 0]
+    wide = torch.full((3, 21), -torch.inf)  # past the kernels' 8 lanes: a maximum in the tail, equal ones apart
+    wide[0, 20] = 1.0
+    wide[1, [3, 11, 19]] = 5.0
+    assert Sampler(SamplingParams()).choose(wide).tolist() == [20, 3, 0]
+
+
+KERNEL_PENALTIES = [
+    SamplingParams(repeat_penalty=1.3, repeat_last_n=5),
+    SamplingParams(repeat_penalty=0.7, presence_penalty=0.5, frequency_penalty=0.3, repeat_last_n=64),
+    SamplingParams(temperature=0.7, min_p=0.05, repeat_penalty=1.1, repeat_last_n=3),
+    SamplingParams(temperature=1.2, presence_penalty=-0.4, frequency_penalty=1.5, repeat_last_n=9),
+]
+
+
+@given(st.data())
+@settings(max_examples=60, deadline=None)
+def test_the_kernels_penalise_and_choose_as_the_sampler_does(data):
+    """A tree's penalties and choice in the kernels' one pass (choose_tree, the CPU's verification) against
+    the Sampler's torch path (each node's window counts, penalise, then choose): the same penalised logits
+    bit for bit and the same tokens, greedy and drawn at the same seed."""
+    vocab = 301
+    parents, _ = random_tree(data)
+    tokens = data.draw(st.lists(st.integers(0, vocab - 1), min_size=len(parents), max_size=len(parents)))
+    history = data.draw(st.lists(st.integers(0, vocab - 1), max_size=80))
+    params = replace(data.draw(st.sampled_from(KERNEL_PENALTIES)), seed=data.draw(st.integers(0, 99)))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 99)))
+    logits = torch.randn(len(parents), vocab, generator=g) * 4
+    logits[:, tokens[:3]] = logits[:, tokens[:3]].abs() * data.draw(st.sampled_from([1.0, -1.0]))
+    in_kernels, in_torch = Sampler(params), Sampler(params)
+    assert in_kernels.chooses_tree_in_kernels
+    want = in_torch.logits(logits, history, tokens, ancestors(parents))
+    got = logits.clone()
+    chosen = in_kernels.choose_tree(got, history, tokens, parents)
+    assert torch.equal(got, want)
+    assert chosen.tolist() == in_torch.choose(want).tolist()
 
 
 def test_seeded_sampler_is_reproducible():

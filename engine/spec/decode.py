@@ -114,7 +114,8 @@ class TargetState:
         n, p0 = len(tokens), self.cache.prefix_len
         if n > self.room:
             raise ContextFull(f"the KV cache ({self.cache.capacity} slots) is full")
-        counts = sampler.penalty_counts(self._committed, tokens, parents)
+        in_kernels = sampler.chooses_tree_in_kernels  # the penalties too: nothing to stage for them
+        counts = None if in_kernels else sampler.penalty_counts(self._committed, tokens, parents)
         t_mask = time.perf_counter()
         masks = sampler.grammar_masks(tokens, parents)
         mask_ms = (time.perf_counter() - t_mask) * 1e3
@@ -123,12 +124,16 @@ class TargetState:
         self.cache.apply(staged.extras[0])  # before the forward writes behind the prefix
         out = self.model(staged.tokens, staged.positions, staged.slots, staged.mask, return_hidden=hidden)
         logits, states = out if hidden else (out, None)
-        if counts is not None:
-            ids, found = staged.extras[1:3]
-            logits = sampler.penalise(logits, ids, found.view(n, -1))
-        if masks is not None:
-            logits = sampler.constrain(logits, staged.extras[-1].view(n, -1))
-        v = walk(sampler.choose(logits).tolist(), tokens, parents)
+        if in_kernels:
+            choice = sampler.choose_tree(logits, self._committed, tokens, parents)
+        else:
+            if counts is not None:
+                ids, found = staged.extras[1:3]
+                logits = sampler.penalise(logits, ids, found.view(n, -1))
+            if masks is not None:
+                logits = sampler.constrain(logits, staged.extras[-1].view(n, -1))
+            choice = sampler.choose(logits)
+        v = walk(choice.tolist(), tokens, parents)
         emitted = [tokens[i] for i in v.path] + [v.bonus]
         sampler.advance(emitted)
         self.cache.commit([p0] + [p0 + i for i in v.path], 1 + len(v.path))

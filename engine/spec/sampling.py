@@ -65,6 +65,7 @@ class Sampler:
             if vocab is None:
                 raise ConfigError("this model takes no grammar: its tokenizer is unknown to the sampler")
             self.constraint = Constraint(vocab, params.grammar)
+        self.device = torch.device(device)
         self.generator = torch.Generator(device)
         if params.seed is None:
             self.generator.seed()
@@ -153,22 +154,47 @@ class Sampler:
                    cdf[..., -1:])
         return torch.searchsorted(cdf, u, right=True).squeeze(-1)  # the first whose mass exceeds u: mass > 0
 
-    def choose(self, logits: Tensor) -> Tensor:
-        """The target's token at each of n nodes from (penalised) logits [n, V]: the argmax when greedy,
-        else a draw from its distribution; [n] int64 on the logits' device. On the CPU the argmax is numpy's
-        (the first of equal maxima, as torch's, which took 70 µs a row of 49k logits, numpy's 4), and a
-        draw without top-k or top-p is the kernels' (temperature, min-p and the draw in one pass: 0.2 ms a
-        row in torch's ops)."""
-        if self.greedy:
-            if Device.of(logits.device) is Device.CPU and logits.dtype == torch.float32:
-                return torch.from_numpy(np.argmax(logits.numpy(), -1))
-            return logits.argmax(-1)
+    @functools.cached_property
+    def _in_kernels(self) -> bool:
+        """Whether the choice runs in the kernels' one pass (kernels/cpu/sample.c): on the CPU where they are
+        built, greedy or without top-k and top-p."""
         p = self.params
-        if Device.of(logits.device) is Device.CPU and not 0 < p.top_k < logits.shape[-1] and p.top_p >= 1.0 \
-                and (dll := _kernels()) is not None:
-            u = torch.rand(len(logits), generator=self.generator, dtype=torch.float64)
-            return cpu_linear.sample(dll, logits, p.temperature, p.min_p, u)
+        return (Device.of(self.device) is Device.CPU and (self.greedy or (p.top_k == 0 and p.top_p >= 1.0))
+                and _kernels() is not None)
+
+    @property
+    def chooses_tree_in_kernels(self) -> bool:
+        """Whether ``choose_tree`` penalises and chooses in the kernels: as ``choose`` does, and without a
+        grammar (its mask comes between the penalties and the choice)."""
+        return self._in_kernels and self.constraint is None
+
+    def _uniforms(self, n: int) -> Tensor | None:
+        return None if self.greedy else torch.rand(n, generator=self.generator, dtype=torch.float64)
+
+    def choose(self, logits: Tensor) -> Tensor:
+        """The target's token at each of n nodes from (penalised) logits [n, V]: the argmax when greedy (the
+        first of equal maxima), else a draw from its distribution; [n] int64 on the logits' device. On the
+        CPU the kernels' pass (in torch's ops, the argmax of a row of 49k logits took 70 µs and the draw
+        0.2 ms)."""
+        p = self.params
+        if self._in_kernels:
+            return cpu_linear.choose(_kernels(), logits.float().contiguous(), p.temperature, p.min_p,
+                                     self._uniforms(len(logits)))
+        if self.greedy:
+            return logits.argmax(-1)
         return self.draw(self.probs(logits))
+
+    def choose_tree(self, logits: Tensor, history: list[int], tokens: list[int], parents: list[int]) -> Tensor:
+        """``choose`` at each node of a tree from its raw logits [n, V] (fp32 on the CPU, changed in place),
+        each node penalised by its own path first (``logits``): one call into the kernels where
+        ``chooses_tree_in_kernels``."""
+        p = self.params
+        if not self.chooses_tree_in_kernels:
+            return self.choose(self.logits(logits, history, tokens, ancestors(parents)))
+        penalties = cpu_linear.Penalties(history, tokens, parents, p.repeat_last_n, p.repeat_penalty,
+                                         p.frequency_penalty, p.presence_penalty) if p.penalised else None
+        return cpu_linear.choose(_kernels(), logits.float().contiguous(), p.temperature, p.min_p,
+                                 self._uniforms(len(logits)), penalties)
 
     def sample(self, logits: Tensor) -> int:
         """The next token from (penalised) logits [V] (a prefill's first token: read at once)."""

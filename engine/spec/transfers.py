@@ -66,12 +66,21 @@ def rows_mask(visible: Tensor, ancestors: Tensor, kv_len: int) -> Tensor:
 class Staging:
     """A host buffer (pinned on CUDA) and a device buffer of int64: a forward's inputs and its extras go
     to the device in one copy. The buffers grow when a round needs more and are reused otherwise; a
-    round's download waits for the copy, so the next round may overwrite the host side."""
+    round's download waits for the copy, so the next round may overwrite the host side.
+
+    On the CPU the host is the device: the inputs are numpy arrays that become tensors in place, the mask
+    made in numpy too. Right after a forward, whose weights have just streamed through the caches, torch's
+    ops run several times slower than warm: the copy, the split and the mask's ops took 0.17 ms of a 4 ms
+    decode step on the Zen 4, numpy's way 0.06."""
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self._host = self._dev = torch.empty(0, dtype=torch.int64)
         self._host_np = self._host.numpy()
+
+    @property
+    def on_host(self) -> bool:
+        return Device.of(self.device) is Device.CPU
 
     def _reserve(self, n: int) -> None:
         if n > len(self._host_np):
@@ -81,6 +90,8 @@ class Staging:
             self._dev = torch.empty(size, dtype=torch.int64, device=self.device)
 
     def upload(self, rows: Rows, *extras: np.ndarray | list[int]) -> StagedRows:
+        if self.on_host:
+            return self._on_host(rows, extras)
         n = len(rows.tokens)
         parts = [rows.tokens, rows.positions, rows.slots, rows.visible, [s for row in rows.ancestors for s in row],
                  *(np.asarray(e, dtype=np.int64).reshape(-1) for e in extras)]
@@ -95,6 +106,16 @@ class Staging:
         tokens, positions, slots, visible, anc, *rest = dev.split_with_sizes(sizes)
         mask = rows_mask(visible, anc.view(n, -1), rows.kv_len)
         return StagedRows(tokens, positions, slots, mask, rest)
+
+    @staticmethod
+    def _on_host(rows: Rows, extras: tuple[np.ndarray | list[int], ...]) -> StagedRows:
+        ints = np.array([rows.tokens, rows.positions, rows.slots], dtype=np.int64)
+        mask = np.zeros((len(rows.tokens), rows.kv_len), dtype=bool)
+        for r, (visible, ancestors) in enumerate(zip(rows.visible, rows.ancestors, strict=True)):
+            mask[r, :visible] = True
+            mask[r, ancestors] = True
+        return StagedRows(*(torch.from_numpy(a) for a in ints), torch.from_numpy(mask),
+                          [torch.from_numpy(np.asarray(e, dtype=np.int64).reshape(-1)) for e in extras])
 
 
 # What the counter treats as a read of device values into Python (a device->host synchronisation); not
