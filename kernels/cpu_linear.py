@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 from enum import IntEnum
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -409,12 +410,12 @@ def scales_format(fmt: Format, d: Tensor | None) -> int:
     return int(fmt) | (HALF_SCALES if d is not None and d.dtype == torch.float16 else 0)
 
 
-@dataclass(frozen=True)
-class Penalties:
+class Penalties(NamedTuple):
     """What ``choose`` penalises the logits of a tree's nodes by (``tokens``, ``parents`` as a verification
     has them), as Sampler.penalise does: each node's tokens in the last ``last_n`` of its context (``history``,
     the tokens before the root, then the node's path), each seen c times: divided by ``repeat`` (multiplied
-    where negative), then less ``frequency`` c and ``presence``."""
+    where negative), then less ``frequency`` c and ``presence``. A tuple: made right after a forward, when
+    every Python object is slow to make (kernels/cpu/sample.c)."""
 
     history: list[int]
     tokens: list[int]
@@ -433,17 +434,18 @@ def choose(dll: ctypes.CDLL, logits: Tensor, temperature: float, min_p: float = 
     (0: off), the inverse of the cumulative distribution, never a token of mass 0 (a -inf logit, or one min-p
     removes). [n] int64."""
     n, vocab = logits.shape
-    out = torch.empty(n, dtype=torch.int64)
+    out = np.empty(n, dtype=np.int64)
     tree: tuple = (None, None, None, 0, 0, 1.0, 0.0, 0.0)
     if penalties is not None:
         tail = penalties.history[-penalties.last_n:]
-        arrays = [np.array(a or [0], dtype=np.int64) for a in (penalties.tokens, penalties.parents, tail)]
-        tree = (*(a.ctypes.data for a in arrays), len(tail), penalties.last_n, penalties.repeat,
-                penalties.frequency, penalties.presence)
+        ints = np.array(penalties.tokens + penalties.parents + tail, dtype=np.int64)  # one array: one object
+        at = ints.ctypes.data
+        tree = (at, at + 8 * n, at + 16 * n, len(tail), penalties.last_n, penalties.repeat, penalties.frequency,
+                penalties.presence)
     if dll.ss_choose(n, vocab, logits.data_ptr(), *tree, temperature, min_p,
-                     None if uniforms is None else uniforms.data_ptr(), out.data_ptr()) != 0:
+                     None if uniforms is None else uniforms.data_ptr(), out.ctypes.data) != 0:
         raise MemoryError("cpu_linear: out of memory for the sampler's row")
-    return out
+    return torch.from_numpy(out)
 
 
 def kv_half(k_cache: Tensor) -> int:
