@@ -115,7 +115,7 @@ class Staging:
             mask[r, :visible] = True
             mask[r, ancestors] = True
         return StagedRows(*(torch.from_numpy(a) for a in ints), torch.from_numpy(mask),
-                          [torch.from_numpy(np.asarray(e, dtype=np.int64).reshape(-1)) for e in extras])
+                          [torch.from_numpy(np.array(e, dtype=np.int64).reshape(-1)) for e in extras])
 
 
 # What the counter treats as a read of device values into Python (a device->host synchronisation); not
