@@ -132,7 +132,7 @@ int ss_choose(int n, int V, float *logits, const int64_t *tokens, const int64_t 
     for (int r = 0; r < n; r++) {
         float *x = logits + (size_t)r * V;
         if (history) {
-            int depth = 0; /* the path, root first, at w + h - ... : collected leaf first, then turned */
+            int depth = 0; /* node r's path behind the history's h tokens: collected from r up, then reversed */
             for (int i = r; i >= 0; i = (int)parents[i]) w[h + depth++] = tokens[i];
             for (int a = 0, b = depth - 1; a < b; a++, b--) {
                 const int64_t t = w[h + a];
