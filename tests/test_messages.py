@@ -19,6 +19,7 @@ from swiftspec.engine.spec.messages import (
     Follow,
     FollowerStep,
     Kind,
+    Plain,
     Start,
     Subtree,
     Verdict,
@@ -32,7 +33,8 @@ BS = 4
 
 
 @pytest.mark.parametrize("msg", [Start(7), Start(7, reuse=3, hidden_size=64), Subtree([5, 6, 7], [-1, 0, 0], 2, 1500),
-                                 Verdict([9]), Verdict([1, 2, 3, 4], last=True), Verdict([3], verify_us=5400)])
+                                 Plain(1), Plain(BS), Verdict([9]), Verdict([1, 2, 3, 4], last=True),
+                                 Verdict([3], verify_us=5400)])
 def test_leader_messages_round_trip(msg):
     wire = Wire(BS)
     t = wire.pack(msg)
@@ -61,6 +63,9 @@ def test_what_does_not_fit_is_refused_by_the_sender():
         wire.pack(Subtree([1, 2], [-1]))
     with pytest.raises(WireError, match="do not fit"):
         wire.pack_step(FollowerStep(Follow.REROOT, list(range(BS + 1))))
+    for steps in (0, BS + 1):  # their verdict could not hold them
+        with pytest.raises(WireError, match="plain steps"):
+            wire.pack(Plain(steps))
 
 
 def _raw(kind: int, n: int) -> torch.Tensor:
@@ -79,6 +84,8 @@ def test_unknown_or_over_long_leader_messages_are_errors(read):
         unpack(_raw(Kind.SUBTREE, BS + 1))
     with pytest.raises(WireError, match="unknown leader message"):
         unpack(_raw(Kind.START, 2))  # a start names one root
+    with pytest.raises(WireError, match="unknown leader message"):
+        unpack(_raw(Kind.PLAIN, 0))  # no steps
 
 
 class _Target:
@@ -116,6 +123,9 @@ class _Draft:
     def reroot(self, path):
         self.calls.append(("reroot", list(path)))
 
+    def advance(self, path):
+        self.calls.append(("advance", list(path)))
+
 
 def _feed(*tensors: torch.Tensor):
     """A follower's ``next_step`` that decodes these tensors, as the group's broadcast delivers them."""
@@ -136,8 +146,8 @@ def test_followers_mirror_their_leaders_steps():
     draft = _Draft()
     follow_draft(draft, REQ, _feed(*(wire.pack_step(s) for s in [
         FollowerStep(Follow.START, [4]), FollowerStep(Follow.EXPAND), FollowerStep(Follow.REROOT, [4, 5]),
-        FollowerStep(Follow.END)])))
-    assert draft.calls == [("prefill",), ("start", 4), ("expand",), ("reroot", [4, 5])]
+        FollowerStep(Follow.ADVANCE, [6, 7, 8]), FollowerStep(Follow.END)])))
+    assert draft.calls == [("prefill",), ("start", 4), ("expand",), ("reroot", [4, 5]), ("advance", [6, 7, 8])]
 
 
 @pytest.mark.parametrize("follow, state", [(follow_target, _Target), (follow_draft, _Draft)])
@@ -158,6 +168,7 @@ def test_each_follower_refuses_an_over_long_subtree(follow, state, op):
     (follow_target, _Target, FollowerStep(Follow.DECODE, [1, 2])),  # ar decodes one token
     (follow_draft, _Draft, FollowerStep(Follow.VERIFY, [1], [-1])),
     (follow_draft, _Draft, FollowerStep(Follow.START, [])),
+    (follow_target, _Target, FollowerStep(Follow.ADVANCE, [1])),
 ])
 def test_each_follower_refuses_a_step_that_is_not_its_own(follow, state, step):
     with pytest.raises(WireError, match="follower cannot take"):
@@ -168,7 +179,7 @@ def test_the_socket_link_carries_every_message_and_features():
     a, b = socket.socketpair()
     wire = Wire(BS)
     left, right = SocketLink(wire, a), SocketLink(wire, b)
-    for msg in (Start(7, 2, 16), Subtree([5, 6, 7], [-1, 0, 0], 2, 1500), Verdict([1, 2], last=True)):
+    for msg in (Start(7, 2, 16), Subtree([5, 6, 7], [-1, 0, 0], 2, 1500), Plain(3), Verdict([1, 2], last=True)):
         left.send(msg)
         assert right.post_recv()() == msg
     hidden = torch.randn(3, 16)

@@ -17,6 +17,7 @@ from tiny_models import single_thread, tiny_model_dir
 
 from swiftspec.engine.config import ConfigError, SamplingParams, TreeParams
 from swiftspec.engine.model.loader import load_model
+from swiftspec.engine.spec import loop
 from swiftspec.engine.spec.decode import DraftState, TargetState, profile_verify_cost
 from swiftspec.engine.spec.draft_policy import PaybackGate
 from swiftspec.engine.spec.drafters import ModelDrafter, SuffixDrafter
@@ -241,21 +242,40 @@ def test_sync_rounds_count_the_drafts_time(tiny):
         assert all(s.draft_ms > 0 for s in free_rounds)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_draft_that_sits_out_lets_the_target_step_alone(tiny, monkeypatch, mode):
+    """Where drafting never pays (the target's step reads as 1e-4 ms), the draft sits rounds out as Plain
+    messages (async: on the target's cores, as sync): the target takes those steps on its own, one
+    verdict for them all, and the draft follows past its tree (DraftState.advance). The output is ar's,
+    and the draft ends holding what the target committed."""
+    plain = []
+    real = loop.plain_steps
+    monkeypatch.setattr(loop, "plain_steps", lambda *a: plain.append(a[2]) or real(*a))
+    target = TargetState(tiny["target"], 512)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    cost = [1.0 + 0.05 * i for i in range(8)]
+    for prompt in PROMPTS:
+        ar, _ = run(target, None, prompt, params)
+        draft = DraftState(tiny["self"](), TreeParams(), verify_cost=cost, step_ms=1e-4, shares_cores=True)
+        with clocked(target, 1e-4, cost):
+            out, _ = run(target, draft, prompt, params, mode)
+        assert out == ar
+        assert draft.committed == target.committed
+    assert max(plain) == TreeParams().bs  # the back-off grew to a verdict's worth of steps
+
+
 def test_the_payback_gate_backs_off_while_drafting_does_not_pay():
     gate = PaybackGate(weight=1.0)  # the means are then the last round's
     waits = []
     for _ in range(8):
         gate.judge(0.5, 0.2)
-        waits.append(gate.wait)
-        sat_out = 0
-        while not gate.open():  # plain-step rounds, then it drafts again
-            sat_out += 1
-        assert sat_out == waits[-1]
+        waits.append(gate.sit_out())  # plain steps, all at once, then it drafts again
+        assert gate.sit_out() == 0
     assert waits == [1, 2, 4, 8, 16, 32, 32, 32]
     gate.judge(1.2, 0.2)  # a round that paid: draft every round again
-    assert gate.wait == 0 and gate.misses == 0 and gate.open()
+    assert gate.misses == 0 and gate.sit_out() == 0
     gate.judge(0.9, 0.2)
-    assert gate.wait == 1  # the back-off starts over
+    assert gate.sit_out() == 1  # the back-off starts over
 
 
 def test_the_payback_gate_judges_a_draft_by_all_its_rounds():
@@ -265,16 +285,16 @@ def test_the_payback_gate_judges_a_draft_by_all_its_rounds():
     cheap = PaybackGate()
     for _ in range(50):
         cheap.judge(0.97, 0.03)
-        assert cheap.open()
+        assert cheap.sit_out() == 0
     paying = PaybackGate()
     for _ in range(20):
         paying.judge(2.5, 0.02)
     for _ in range(3):
         paying.judge(1 / 1.1, 0.1)
-        assert paying.open()
+        assert paying.sit_out() == 0
     for _ in range(20):  # only losing rounds: the means fall below 1 and past 5 % of a step
         paying.judge(1 / 1.1, 0.1)
-    assert not paying.open()
+    assert paying.sit_out() > 0
 
 
 def test_async_expansions_fit_in_the_verification(tiny):

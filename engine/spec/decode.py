@@ -233,14 +233,27 @@ class DraftState:
         verified = nodes[:len(path)]  # the old root and the accepted tokens: all in the tree
         if len(verified) != len(path):  # committing it would put KV that was never computed in the prefix
             raise WireError("a verdict accepted a token the draft never proposed")
+        # A node without draft KV has no children, so only the last verified ones can lack it.
         with_kv = [tree.slot[i] for i in verified if tree.slot[i] >= 0]
-        new_tokens = [tree.token[i] for i in verified]
         if len(nodes) > len(path):  # the bonus token is in the tree: keep its subtree
             new_tree, _ = tree.reroot(nodes[-1])
             survivors = sorted(s for s in new_tree.slot if s >= 0)
         else:
             new_tree, survivors = TokenTree(path[-1]), []
-        # A node without draft KV has no children, so only the last verified ones can lack it.
+        self._move_on([tree.token[i] for i in verified], with_kv, new_tree, survivors, features)
+
+    def advance(self, path: list[int], features: Tensor | None = None) -> None:
+        """The target's plain steps (the verdict of a Plain): the root and path[:-1] are now verified, none
+        of them past the root ever drafted, and path[-1] is the new root. Nothing else of the tree
+        survives. ``features``: as reroot's."""
+        root_kv = [self.tree.slot[0]] if self.tree.slot[0] >= 0 else []
+        self._move_on([self.tree.token[0], *path[:-1]], root_kv, TokenTree(path[-1]), [], features)
+
+    def _move_on(self, new_tokens: list[int], with_kv: list[int], new_tree: TokenTree, survivors: list[int],
+                 features: Tensor | None) -> None:
+        """``new_tokens`` join the prefix (the first len(with_kv) with their draft KV at those slots, the rest
+        pending), the KV of the surviving nodes (slots ``survivors``) moves behind it, and ``new_tree`` is
+        the tree."""
         self.pending += new_tokens[len(with_kv):]
         self.cache.commit(with_kv + survivors, len(with_kv))
         self.drafter.extend(new_tokens, features)

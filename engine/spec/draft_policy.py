@@ -2,8 +2,9 @@
 knows of the target's costs (DraftState.verify_cost, step_ms).
 
 A sync round pays for its draft's time: it stops at the first expansion that lowered its expected tokens
-per unit of time, the drafting counted (``PayingExpansions``), and a draft that does not earn its time
-back sits rounds out (``PaybackGate``). An async draft expands while the target verifies: it stops where
+per unit of time, the drafting counted (``PayingExpansions``), and a draft whose rounds yield less than
+plain steps would, hand-offs included, sits rounds out (``PaybackGate``): the target takes them as plain
+steps on its own (a ``Plain``), without a round trip each. An async draft expands while the target verifies: it stops where
 its next expansion would outlast the verification of the subtree it sent. On the cores that verification
 fills (``DraftState.shares_cores``: a small CPU machine) an expansion during it delays it, by more than the
 expansion's own time where it preempts one of the kernels' threads, and is drafted for a verdict not yet
@@ -29,10 +30,10 @@ class DraftPolicy:
         self.paying = costed and not self.overlaps  # pays for every expansion, as sync does
         self.payback = PaybackGate()
 
-    def drafts(self) -> bool:
-        """Whether this round drafts before it sends its subtree (a sync draft that does not pay sits
-        rounds out)."""
-        return not self.paying or self.payback.open()
+    def sits_out(self) -> int:
+        """The plain steps the target takes before the next round drafts (0: this one drafts): a draft
+        whose rounds do not pay sits rounds out."""
+        return self.payback.sit_out() if self.paying else 0
 
     def judge_before_send(self) -> PayingExpansions | None:
         """What judges the expansions before the send (None: expand on)."""
@@ -58,10 +59,12 @@ class DraftPolicy:
         """A round's drafting in one-node steps (0 where the draft's time is not paid for)."""
         return drafting_ms / self.ds.step_ms if self.paying else 0.0
 
-    def judge(self, tokens: int, verified: int, draft_share: float) -> None:
-        """A round's outcome: ``tokens`` from a verification of ``verified`` nodes."""
-        if draft_share > 0:  # a sync round that drafted
-            self.payback.judge(tokens / (self.ds.verify_cost[verified - 1] + draft_share), draft_share)
+    def judge(self, tokens: int, cycle_ms: float, verify_ms: float) -> None:
+        """A drafting round's outcome: ``tokens`` in ``cycle_ms`` (from the last verdict to this one, as the
+        draft sees it: its drafting, the hand-offs and the verification of ``verify_ms``)."""
+        if self.paying and cycle_ms > 0:
+            step = self.ds.step_ms
+            self.payback.judge(tokens * step / cycle_ms, max(cycle_ms - verify_ms, 0.0) / step)
 
 
 class PayingExpansions:
@@ -82,40 +85,39 @@ class PayingExpansions:
 
 
 class PaybackGate:
-    """``sync`` with a draft whose own time is a real share of a step (a head, a draft model; rarely the
-    suffix drafter, whose expansions are table lookups): drafting must earn that time back. Every drafting
-    round's realised rate (tokens per one-node step, its drafting and verification counted; a plain step
-    makes 1) and its drafting's share of a step feed running means; while the mean rate is below 1 and the
-    mean share at least ``MIN_DRAFT_SHARE``, the draft sits out 1, 2, 4 ... 32 rounds, which are then plain
-    steps, and tries again. So a draft that does not pay costs about what ar does instead of slowing every
-    round.
+    """``sync`` (and ``async`` on the target's cores) where a round costs a real share of a step besides its
+    verification (a head's or a draft model's drafting; the hand-offs between the two processes, ~0.35 ms
+    of a 4 ms round on a 2-core CPU): drafting must earn that time back. Every drafting round's realised
+    rate (tokens per one-node step over its whole cycle; a plain step makes 1) and the share of a step
+    its cycle adds to the verification feed running means; while the mean rate is below 1 and the mean
+    share at least ``MIN_DRAFT_SHARE``, the draft sits out 1, 2, 4 ... 32 steps, which the target takes
+    as plain steps on its own, and tries again. So a draft that does not pay (a sampled answer, where
+    little is accepted) costs about what ar does instead of slowing every round.
 
     Every drafting round is judged, not only the dear ones: the rounds whose drafting took long are mostly
     those where nothing paid (the loop expanded on, looking), so means over those alone read below 1 for a
     draft that pays on average, and would sit out a drafter that copies long runs of an earlier turn
     (``benchmarks/draft_replay.py`` replays it; docs/ARCHITECTURE.md gives figures)."""
 
-    MIN_DRAFT_SHARE = 0.05  # of a step: a draft that costs less on average is never sat out
+    MIN_DRAFT_SHARE = 0.05  # of a step: a round that adds less on average is never sat out
     MAX_WAIT = 32
 
     def __init__(self, weight: float = 0.3):
         self.weight = weight
         self.mean_rate = 1.0
         self.mean_share = 0.0
-        self.wait = 0  # rounds left without drafting
+        self.wait = 0  # steps to sit out before the next drafting round
         self.misses = 0  # judgements in a row that found the mean below 1
 
-    def open(self) -> bool:
-        """Whether this round drafts (a closed round counts down the wait)."""
-        if self.wait:
-            self.wait -= 1
-            return False
-        return True
+    def sit_out(self) -> int:
+        """The steps to sit out now (0: draft), all at once."""
+        wait, self.wait = self.wait, 0
+        return wait
 
-    def judge(self, rate: float, draft_share: float) -> None:
-        """A drafting round's realised rate and its drafting's share of a step."""
+    def judge(self, rate: float, share: float) -> None:
+        """A drafting round's realised rate and the share of a step it added to its verification."""
         self.mean_rate += self.weight * (rate - self.mean_rate)
-        self.mean_share += self.weight * (draft_share - self.mean_share)
+        self.mean_share += self.weight * (share - self.mean_share)
         if self.mean_rate >= 1.0:
             self.misses = 0
         elif self.mean_share >= self.MIN_DRAFT_SHARE:

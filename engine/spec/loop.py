@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from swiftspec.engine.config import ConfigError, SamplingParams
@@ -34,6 +35,7 @@ from swiftspec.engine.spec.messages import (
     Follow,
     FollowerStep,
     LeaderMessage,
+    Plain,
     Start,
     Subtree,
     Verdict,
@@ -185,10 +187,14 @@ def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finis
                 if held is not None:
                     emit(held)
                     held = None
+            if isinstance(sub, Plain):
+                root, reason = plain_steps(target, link, sub.steps, root, sampler, fin, emit, tell, features)
+                continue
             if not isinstance(sub, Subtree):
                 raise unexpected(sub, "a subtree")
             tell(FollowerStep(Follow.VERIFY, sub.tokens, sub.parents))
             v = target.verify(sub.tokens, sub.parents, sampler, hidden=features)
+            root = v.path[-1]
             tokens, reason = fin.cut(v.path)
             link.send(Verdict(v.path, last=reason is not None, verify_us=round(v.target_ms * 1e3)))
             if features:
@@ -201,6 +207,26 @@ def lead_target(target: TargetState, link: Link | None, req: Request, fin: Finis
             else:
                 emit(step)
     tell(FollowerStep(Follow.END))
+
+
+def plain_steps(target: TargetState, link: Link, steps: int, root: int, sampler: Sampler, fin: Finisher,
+                emit: Callable[[Step], None], tell, features: bool) -> tuple[int, str | None]:
+    """A Plain's steps: up to ``steps`` ``ar`` steps from ``root``, each emitted, then one Verdict of their
+    tokens (and their features). Returns the new root and the finish reason, if the answer ended."""
+    path, rows, spent, reason = [], [], 0.0, None
+    while len(path) < steps and reason is None:
+        tell(FollowerStep(Follow.DECODE, [root]))
+        v = target.verify([root], [-1], sampler, hidden=features)
+        root = v.path[0]
+        path.append(root)
+        rows.append(v.hidden)
+        spent += v.target_ms
+        tokens, reason = fin.cut(v.path)
+        emit(Step(tokens, reason, 0, 1, 0.0, v.target_ms, **grammar_figures(sampler, v, tokens, reason)))
+    link.send(Verdict(path, last=reason is not None, verify_us=round(spent / len(path) * 1e3)))
+    if features:
+        link.send_features(torch.cat(rows))
+    return root, reason
 
 
 def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) -> None:
@@ -232,11 +258,26 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
     bs = ds.params.bs
     policy = DraftPolicy(ds, req.params.mode == "async")
     n_exp, exp_ms = 0, 0.0
+    cycle = time.perf_counter()  # when the last verdict arrived: a round's whole time runs from there
     while True:
+        plain = policy.sits_out()
+        while plain > 0:  # the target takes them on its own, a verdict's worth (bs) at a time
+            steps = min(plain, bs)
+            plain -= steps
+            link.send(Plain(steps))
+            msg = link.recv()
+            cycle = time.perf_counter()
+            if not isinstance(msg, Verdict):
+                raise unexpected(msg, "a verdict")
+            ds.observe_verification(1, msg.verify_us / 1e3)
+            tell(FollowerStep(Follow.ADVANCE, msg.path))
+            ds.advance(msg.path, link.recv_features(len(msg.path), dim) if wants else None)
+            if msg.last:
+                tell(FollowerStep(Follow.END))
+                return
         todo = 0 if policy.overlaps else d
-        drafting = policy.drafts()
         payoff = policy.judge_before_send()
-        while drafting and (todo > 0 or ds.size < bs) and ds.can_expand():
+        while (todo > 0 or ds.size < bs) and ds.can_expand():
             tell(FollowerStep(Follow.EXPAND))
             exp_ms += ds.expand()
             n_exp, todo = n_exp + 1, todo - 1
@@ -258,10 +299,12 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
                 exp_ms += last
                 n_exp += 1
         msg = verdict()
+        arrived = time.perf_counter()
         if not isinstance(msg, Verdict):
             raise unexpected(msg, "a verdict")
         ds.observe_verification(len(toks), msg.verify_us / 1e3)
-        policy.judge(len(msg.path), len(toks), draft_share)
+        policy.judge(len(msg.path), (arrived - cycle) * 1e3, msg.verify_us / 1e3)
+        cycle = arrived
         tell(FollowerStep(Follow.REROOT, msg.path))  # after the last too: the draft then holds what the target committed
         ds.reroot(msg.path, link.recv_features(len(msg.path), dim) if wants else None)
         if msg.last:

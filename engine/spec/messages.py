@@ -4,8 +4,8 @@ tensors that torch.distributed carries (gloo needs the size known to the receive
 Two channels, each with its own kinds:
 
 * leader <-> leader (``Link``): the target sends ``Start`` after the prefill, then a ``Verdict`` for
-  every ``Subtree`` the draft sends; the verdict with ``last`` ends the answer (also right after the
-  prefill, when the answer is over at its first token).
+  every ``Subtree`` (or ``Plain``) the draft sends; the verdict with ``last`` ends the answer (also right
+  after the prefill, when the answer is over at its first token).
 * leader -> its TP followers (``Wire.pack_step`` over the group's broadcast): a ``FollowerStep`` naming
   the model call to mirror.
 
@@ -35,6 +35,7 @@ class Kind(IntEnum):
     START = 1
     VERDICT = 2
     SUBTREE = 4
+    PLAIN = 8
 
 
 class Follow(IntEnum):
@@ -46,6 +47,7 @@ class Follow(IntEnum):
     START = 13  # draft: a new tree at tokens[0]
     EXPAND = 14  # draft: one expansion
     REROOT = 15  # draft: re-root along the verdict's path (tokens)
+    ADVANCE = 16  # draft: the target's plain steps (tokens), past the tree
 
 
 @dataclass(frozen=True)
@@ -70,16 +72,26 @@ class Subtree:
 
 
 @dataclass(frozen=True)
+class Plain:
+    """draft -> target, in place of a subtree while the draft sits rounds out: take ``steps`` plain decode
+    steps from the root (``ar``'s), then answer with one Verdict of their tokens, so that the rounds sat
+    out cost no hand-offs."""
+
+    steps: int
+
+
+@dataclass(frozen=True)
 class Verdict:
-    """target -> draft: the accepted tokens followed by the bonus token; ``last``: the answer is over;
-    ``verify_us``: the target's time for the verification (the draft's costs follow it)."""
+    """target -> draft: the accepted tokens followed by the bonus token (after a Plain: each step's token);
+    ``last``: the answer is over; ``verify_us``: the target's time for the verification (after a Plain: a
+    step's, on average), which the draft's costs follow."""
 
     path: list[int]
     last: bool = False
     verify_us: int = 0
 
 
-LeaderMessage = Start | Subtree | Verdict
+LeaderMessage = Start | Subtree | Plain | Verdict
 
 
 @dataclass(frozen=True)
@@ -126,6 +138,10 @@ class Wire:
                 if len(parents) != len(tokens):
                     raise WireError(f"a subtree of {len(tokens)} tokens with {len(parents)} parents")
                 return self._words(Kind.SUBTREE, tokens, parents, expansions, expand_us)
+            case Plain(steps):
+                if not 1 <= steps <= self.bs:
+                    raise WireError(f"{steps} plain steps: a verdict holds 1 to {self.bs} (bs) tokens")
+                return self._words(Kind.PLAIN, [], (), steps)
             case Verdict(path, last, verify_us):
                 return self._words(Kind.VERDICT, path, (), int(last), verify_us)
         raise WireError(f"not a leader message: {msg!r}")
@@ -137,6 +153,8 @@ class Wire:
                 return Start(tokens[0], a, b)
             case Kind.SUBTREE if tokens:
                 return Subtree(tokens, parents, a, b)
+            case Kind.PLAIN if not tokens and 1 <= a <= self.bs:
+                return Plain(a)
             case Kind.VERDICT if tokens:
                 return Verdict(tokens, bool(a), b)
         raise WireError(f"unknown leader message: kind {kind} with {len(tokens)} tokens")

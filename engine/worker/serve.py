@@ -73,6 +73,8 @@ def follow_draft(ds: DraftState, req: Request, next_step: Callable[[], FollowerS
                 ds.start(root)
             case FollowerStep(Follow.REROOT, path) if path:
                 ds.reroot(path)
+            case FollowerStep(Follow.ADVANCE, path) if path:
+                ds.advance(path)
             case step:
                 raise WireError(f"a draft follower cannot take {step}")
 
