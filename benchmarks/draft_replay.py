@@ -35,7 +35,7 @@ from swiftspec.engine.spec.decode import DraftState
 from swiftspec.engine.spec.drafters import SuffixDrafter
 from swiftspec.engine.spec.history_corpus import HistoryIndex
 from swiftspec.engine.spec.loop import Request, lead_draft
-from swiftspec.engine.spec.messages import Start, Subtree, Verdict
+from swiftspec.engine.spec.messages import Plain, Start, Subtree, Verdict
 from swiftspec.engine.spec.verify import walk
 
 
@@ -69,7 +69,14 @@ class AnswerTarget:
         self.pos = 1  # answer[0] is the prefill's token
         self.inbox = [Start(answer[0]) if len(answer) > 1 else Verdict(answer[:1], last=True)]
 
-    def send(self, msg: Subtree) -> None:
+    def send(self, msg: Subtree | Plain) -> None:
+        if isinstance(msg, Plain):  # steps the draft sits out: the answer's next tokens, a step each
+            got = self.answer[self.pos:self.pos + msg.steps]
+            self.cell[0], self.cell[1] = self.cell[0] + len(got), self.cell[1] + len(got)
+            self.cell[2] += self.cost[0] * len(got)
+            self.pos += len(got)
+            self.inbox.append(Verdict(got, last=self.pos >= len(self.answer)))
+            return
         depth = [0] * len(msg.parents)
         for i in range(1, len(msg.parents)):
             depth[i] = depth[msg.parents[i]] + 1

@@ -268,14 +268,20 @@ def test_the_payback_gate_backs_off_while_drafting_does_not_pay():
     gate = PaybackGate(weight=1.0)  # the means are then the last round's
     waits = []
     for _ in range(8):
-        gate.judge(0.5, 0.2)
+        gate.judge(0.5, 0.5)
         waits.append(gate.sit_out())  # plain steps, all at once, then it drafts again
         assert gate.sit_out() == 0
     assert waits == [1, 2, 4, 8, 16, 32, 32, 32]
-    gate.judge(1.2, 0.2)  # a round that paid: draft every round again
+    gate.judge(1.2, 0.5)  # a round that paid: draft every round again
     assert gate.misses == 0 and gate.sit_out() == 0
-    gate.judge(0.9, 0.2)
+    gate.judge(0.9, 0.5)
     assert gate.sit_out() == 1  # the back-off starts over
+    cheap = PaybackGate(weight=1.0)  # a round that adds a tenth of a step waits at most 10 steps
+    waits = []
+    for _ in range(6):
+        cheap.judge(0.9, 0.1)
+        waits.append(cheap.sit_out())
+    assert waits == [1, 2, 4, 8, 10, 10]
 
 
 def test_the_payback_gate_judges_a_draft_by_all_its_rounds():

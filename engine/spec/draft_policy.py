@@ -90,8 +90,10 @@ class PaybackGate:
     of a 4 ms round on a 2-core CPU): drafting must earn that time back. Every drafting round's realised
     rate (tokens per one-node step over its whole cycle; a plain step makes 1) and the share of a step
     its cycle adds to the verification feed running means; while the mean rate is below 1 and the mean
-    share at least ``MIN_DRAFT_SHARE``, the draft sits out 1, 2, 4 ... 32 steps, which the target takes
-    as plain steps on its own, and tries again. So a draft that does not pay (a sampled answer, where
+    share at least ``MIN_DRAFT_SHARE``, the draft sits out 1, 2, 4 ... steps, which the target takes as
+    plain steps on its own, and tries again: at most 32, and at most as many as keep the round that tries
+    again within ``PROBE_SHARE`` of the steps it waited (10 for a round that adds a tenth of a step: a
+    cheap draft sat out long would miss the copies a turn begins). So a draft that does not pay (a sampled answer, where
     little is accepted) costs about what ar does instead of slowing every round.
 
     Every drafting round is judged, not only the dear ones: the rounds whose drafting took long are mostly
@@ -101,6 +103,7 @@ class PaybackGate:
 
     MIN_DRAFT_SHARE = 0.05  # of a step: a round that adds less on average is never sat out
     MAX_WAIT = 32
+    PROBE_SHARE = 0.01  # the longest wait makes the round that tries again cost at most this of its steps
 
     def __init__(self, weight: float = 0.3):
         self.weight = weight
@@ -121,5 +124,6 @@ class PaybackGate:
         if self.mean_rate >= 1.0:
             self.misses = 0
         elif self.mean_share >= self.MIN_DRAFT_SHARE:
-            self.wait = min(2 ** self.misses, self.MAX_WAIT)
+            longest = max(1, min(self.MAX_WAIT, round(self.mean_share / self.PROBE_SHARE)))
+            self.wait = min(2 ** self.misses, longest)
             self.misses += 1
