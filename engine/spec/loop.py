@@ -10,8 +10,9 @@ into text, stop strings and stats.
 One round, leader to leader (``engine/spec/messages.py``): the draft sends a ``Subtree``; the target verifies
 it and answers with a ``Verdict`` (accepted tokens + bonus; ``last`` ends the answer; the verification's time,
 which the draft's costs follow). In ``async`` the draft expands its tree d times while the target verifies;
-in ``sync`` it expands d times, sends, and waits. A drafter that reads the target's hidden states gets them
-right after ``Start`` (the prefill's) and after each verdict.
+in ``sync`` it expands d times, sends, and waits. A draft that sits rounds out sends a ``Plain`` instead: the
+target takes that many ``ar`` steps on its own and answers with one verdict of their tokens. A drafter that
+reads the target's hidden states gets them right after ``Start`` (the prefill's) and after each verdict.
 """
 
 from __future__ import annotations
@@ -235,8 +236,8 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
     async on the cores the verification fills: take the verdict, expand d times, send. Either way the tree
     is topped up to bs nodes.
 
-    A draft that knows the target's costs spends its time where it pays: ``DraftPolicy`` says whether a
-    round drafts and when its expansions stop (engine/spec/draft_policy.py). A drafter that reads the
+    A draft that knows the target's costs spends its time where it pays: ``DraftPolicy`` says how many
+    steps it sits out (a ``Plain``) and when a round's expansions stop (engine/spec/draft_policy.py). A drafter that reads the
     target's features prefills once it has them; others prefill while the target does."""
     wants = ds.drafter.wants_features
     grammar, draft_forced = req.params.grammar, req.params.draft_forced
