@@ -212,7 +212,7 @@ def test_metrics_label_what_runs_as_the_engine_info_says():
 
 @pytest.fixture
 def long_served():
-    """A server with room for a long answer: the tiny model makes 1000-2000 tokens a second, and a short
+    """A server with room for a long answer: the tiny model makes 1000-3000 tokens a second, and a short
     answer can end before a loaded machine's app sees it start, or before an Esc reaches the server."""
     from tiny_models import tiny_model_dir
 
@@ -303,18 +303,22 @@ def test_a_request_after_a_killed_draft_or_torchrun_is_answered_with_every_tcp_p
     assert served.wait_healthy()
 
 
-def test_killed_workers_are_survived_and_sigterm_drains_leaving_no_process_or_file(target_dir):
+def test_killed_workers_are_survived_and_sigterm_drains_leaving_no_process_or_file():
     """One server for all of it (each start costs seconds): a worker killed mid-answer, one killed while
-    idle, then a SIGTERM during a streamed answer longer than the grace period, with two requests queued."""
+    idle, then a SIGTERM during a streamed answer longer than the grace period, with two requests queued.
+    The answers have long_served's room: 3800 tokens once took longer than the grace, but the tiny model
+    now makes up to ~3000 tokens a second."""
+    from tiny_models import tiny_model_dir
+
     from swiftspec.engine.paths import cache_dir
 
-    server = Served(target_dir, "--log-prompts", "--shutdown-timeout", "1", "--max-queue", "4")
+    server = Served(tiny_model_dir(seed=0, layers=2, positions=LONG_CONTEXT), "--log-prompts", "--shutdown-timeout",
+                    "1", "--max-queue", "4", max_seq_len=LONG_CONTEXT)
     groups = [server.worker_pids()]
     try:
         box = {}
-        # Long enough that the engine is still busy when the health check comes, on any CPU (the tiny
-        # target holds 4096 positions).
-        body = {"messages": [{"role": "user", "content": QUESTIONS[4]}], "max_tokens": 3800,
+        # Long enough that the engine is still busy when the health check comes, on any CPU.
+        body = {"messages": [{"role": "user", "content": QUESTIONS[4]}], "max_tokens": LONG_ANSWER,
                 "swiftspec": {"ignore_eos": True}}
         asking = threading.Thread(target=lambda: box.setdefault("response", httpx.post(
             server.url + "/chat/completions", json=body, headers=server.headers, timeout=120)))
