@@ -4,12 +4,12 @@ knows of the target's costs (DraftState.verify_cost, step_ms).
 A sync round pays for its draft's time: it stops at the first expansion that lowered its expected tokens
 per unit of time, the drafting counted (``PayingExpansions``), and a draft whose rounds yield less than
 plain steps would, hand-offs included, sits rounds out (``PaybackGate``): the target takes them as plain
-steps on its own (a ``Plain``), without a round trip each. An async draft expands while the target verifies: it stops where
-its next expansion would outlast the verification of the subtree it sent. On the cores that verification
-fills (``DraftState.shares_cores``: a small CPU machine) an expansion during it delays it, by more than the
-expansion's own time where it preempts one of the kernels' threads, and is drafted for a verdict not yet
-known: there an async draft drafts between verifications, as a sync round does. Without the costs (no
-profile), a round expands d times and tops the tree up to bs nodes.
+steps on its own (a ``Plain``), without a round trip each. An async draft expands while the target
+verifies: it stops where its next expansion would outlast the verification of the subtree it sent. On the
+cores that verification fills (``DraftState.shares_cores``: a small CPU machine) an expansion during it
+delays it, by more than the expansion's own time where it preempts one of the kernels' threads, and is
+drafted for a verdict not yet known: there an async draft drafts between verifications, as a sync round
+does. Without the costs (no profile), a round expands d times and tops the tree up to bs nodes.
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ class PaybackGate:
     share at least ``MIN_DRAFT_SHARE``, the draft sits out 1, 2, 4 ... steps, which the target takes as
     plain steps on its own, and tries again: at most 32, and at most as many as keep the round that tries
     again within ``PROBE_SHARE`` of the steps it waited (10 for a round that adds a tenth of a step: a
-    cheap draft sat out long would miss the copies a turn begins). So a draft that does not pay (a sampled answer, where
-    little is accepted) costs about what ar does instead of slowing every round.
+    cheap draft sat out long would miss the copies a turn begins). So a draft that does not pay (a sampled
+    answer, where little is accepted) costs about what ar does instead of slowing every round.
 
     Every drafting round is judged, not only the dear ones: the rounds whose drafting took long are mostly
     those where nothing paid (the loop expanded on, looking), so means over those alone read below 1 for a

@@ -237,8 +237,9 @@ def lead_draft(ds: DraftState, link: Link, req: Request, d: int, tell=nobody) ->
     is topped up to bs nodes.
 
     A draft that knows the target's costs spends its time where it pays: ``DraftPolicy`` says how many
-    steps it sits out (a ``Plain``) and when a round's expansions stop (engine/spec/draft_policy.py). A drafter that reads the
-    target's features prefills once it has them; others prefill while the target does."""
+    steps it sits out (a ``Plain``) and when a round's expansions stop (engine/spec/draft_policy.py). A
+    drafter that reads the target's features prefills once it has them; others prefill while the target
+    does."""
     wants = ds.drafter.wants_features
     grammar, draft_forced = req.params.grammar, req.params.draft_forced
     if not wants:
