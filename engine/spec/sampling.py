@@ -186,11 +186,10 @@ class Sampler:
 
     def choose_tree(self, logits: Tensor, history: list[int], tokens: list[int], parents: list[int]) -> Tensor:
         """``choose`` at each node of a tree from its raw logits [n, V] (fp32 on the CPU, changed in place),
-        each node penalised by its own path first (``logits``): one call into the kernels where
-        ``chooses_tree_in_kernels``."""
+        each node penalised by its own path first (as ``logits`` does), in one call into the kernels: only
+        where ``chooses_tree_in_kernels`` (elsewhere TargetState.verify penalises, masks and chooses in
+        torch)."""
         p = self.params
-        if not self.chooses_tree_in_kernels:
-            return self.choose(self.logits(logits, history, tokens, ancestors(parents)))
         penalties = cpu_linear.Penalties(history, tokens, parents, p.repeat_last_n, p.repeat_penalty,
                                          p.frequency_penalty, p.presence_penalty) if p.penalised else None
         return cpu_linear.choose(_kernels(), logits.float().contiguous(), p.temperature, p.min_p,
