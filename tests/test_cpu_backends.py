@@ -4,7 +4,9 @@ greedy output is the target's by construction; the kernels compute what their fo
 gguf backend stays close to the fp32 dequantised model; --dtype auto chooses by measurement."""
 
 import dataclasses
+import gc
 import json
+import mmap
 import subprocess
 import sys
 from pathlib import Path
@@ -242,6 +244,41 @@ def test_q4_blocks_dequantise_as_gguf_does():
     want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K))
     assert torch.equal(Blocks.from_gguf(torch.from_numpy(raw), "Q4_K").dequantize(), want)
     assert torch.equal(gguf_io.dequantize(torch.from_numpy(raw), "Q4_K"), want)  # as the conversion checks
+
+
+def test_in_huge_pages_moves_tensors_in_place():
+    """Every reference to a moved tensor sees its values at the new place, one mapping from a 2 MB boundary
+    on, which outlives the call."""
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(300, 7, generator=g), torch.randint(-128, 127, (1000,), dtype=torch.int8, generator=g),
+               torch.randn(5, 3, generator=g).half()]
+    before = [t.clone() for t in tensors]
+    alias = tensors[1]
+    cpu_backends.in_huge_pages(tensors)
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no way to ask this OS for huge pages")
+    starts = [t.data_ptr() for t in tensors]
+    assert starts[0] % cpu_backends.HUGE_PAGE == 0 and starts == sorted(starts)
+    assert starts[-1] - starts[0] < cpu_backends.HUGE_PAGE and all(s % 64 == 0 for s in starts)
+    assert alias.data_ptr() == starts[1]
+    gc.collect()
+    for t, b in zip(tensors, before, strict=True):
+        assert torch.equal(t, b) and t.is_contiguous()
+
+
+def test_the_kernels_weights_and_cache_live_in_huge_pages(gguf_dir):
+    """The packed weights in one mapping, in the order a forward reads them, and the KV cache in another."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no way to ask this OS for huge pages")
+    model = model_for(Dtype.GGUF, gguf_dir)
+    packed = [t for m in model.modules() if isinstance(m, PackedLinear) for t in (m.qs, m.d, m.m) if t is not None]
+    starts = [t.data_ptr() for t in packed]
+    assert starts[0] % cpu_backends.HUGE_PAGE == 0 and starts == sorted(starts)
+    lm_head = [t.data_ptr() for t in (model.output.qs, model.output.d, model.output.m) if t is not None]
+    assert starts[-len(lm_head):] == lm_head  # read last
+    assert model.k_cache.data_ptr() % cpu_backends.HUGE_PAGE == 0
+    model.setup_cache(64)  # again, another size
+    assert model.k_cache.data_ptr() % cpu_backends.HUGE_PAGE == 0 and model.max_slots == 64
 
 
 def test_attention_rows_are_independent_and_match_the_reference():

@@ -19,6 +19,8 @@ float32.
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 
 import torch
 from torch import Tensor, nn
@@ -276,6 +278,54 @@ class CpuForward:
         return (logits, hidden) if return_hidden else logits
 
 
+HUGE_PAGE = 2 << 20
+
+
+def _huge_mapping(nbytes: int) -> Tensor | None:
+    """``nbytes`` zero bytes from a 2 MB boundary of a fresh mapping that the OS is asked to back with 2 MB
+    pages (Linux's transparent huge pages), as a uint8 tensor whose storage keeps the mapping alive; None
+    where the OS cannot be asked. A step streams ~100 MB of weights, and the keys and values of its
+    context, and with 4 KB pages every 4 KB of them costs a TLB miss and ends the hardware prefetcher's
+    run: the embedded model's decode step ran 5-7 % faster with its weights in 2 MB pages, and a
+    verification of 4 rows at 1000 tokens of context 2 % more with the KV cache in them too
+    (docs/ARCHITECTURE.md). The pages are only made as they are first written."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    size = (nbytes + 2 * HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(pages, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    try:
+        pages.madvise(mmap.MADV_HUGEPAGE, start, size - start)
+    except OSError:  # a kernel without transparent huge pages
+        return None
+    return whole[start:start + nbytes]
+
+
+def in_huge_pages(tensors: list[Tensor]) -> None:
+    """Moves contiguous ``tensors`` into one _huge_mapping, in this order, each in place: every reference
+    to one sees its new storage. Where there is none they stay."""
+    places, at = [], 0
+    for t in tensors:
+        places.append(at)
+        at += (t.numel() * t.element_size() + 63) // 64 * 64
+    arena = _huge_mapping(at) if tensors else None
+    if arena is None:
+        return
+    for t, place in zip(tensors, places, strict=True):
+        moved = arena[place:place + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        moved.copy_(t)
+        t.set_(moved)
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A tensor of zeros in a _huge_mapping of its own (torch's zeros where there is none): the CPU
+    kernels' KV cache, whose pages are made as the context reaches them."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    pages = _huge_mapping(nbytes)
+    return torch.zeros(shape, dtype=dtype) if pages is None else pages.view(dtype).view(shape)
+
+
 def _linears(model: nn.Module):
     """(parent module, attribute name, linear) for every nn.Linear of the model, the lm_head last."""
     for mod in list(model.modules()):
@@ -322,6 +372,9 @@ def apply(model: nn.Module, backend: Dtype, blocks: dict[str, Blocks] | None = N
         else:
             packed = PackedLinear(dll, lin.weight, FLOAT_FORMATS[backend], lin.bias)
         setattr(mod, name, packed)
+    in_huge_pages([t for lin in model.modules() if isinstance(lin, PackedLinear) for t in (lin.qs, lin.d, lin.m)
+                   if t is not None])
+    model.new_cache = huge_page_zeros
     model.attention_ops = CpuAttention(dll)
     model.kv_dtype = kv_dtype(backend, kv_cache)
     model.layers = CpuLayers([CpuBlock(dll, layer) for layer in model.layers])

@@ -281,6 +281,9 @@ class Transformer(nn.Module):
         # a backend's forward of the whole model in one call, in place of the modules below (the CPU kernels':
         # engine/model/cpu_backends.py); called with the model and forward's arguments
         self.whole_forward: Callable | None = None
+        # a backend's allocation of the KV cache's zeros (shape, dtype), in place of torch's (the CPU
+        # kernels': in 2 MB pages, cpu_backends.huge_page_zeros)
+        self.new_cache: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None
 
     @property
     def max_slots(self) -> int:
@@ -293,8 +296,12 @@ class Transformer(nn.Module):
         self.inv_freq = rope_inv_freq(self.args).to(p.device)
         nkv = self.layers[0].attention.n_kv_heads
         shape = (self.args.n_layers, nkv, max_slots, self.args.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.kv_dtype or p.dtype, device=p.device)
-        self.v_cache = torch.zeros(shape, dtype=self.kv_dtype or p.dtype, device=p.device)
+        dtype = self.kv_dtype or p.dtype
+        if self.new_cache is not None:
+            self.k_cache, self.v_cache = self.new_cache(shape, dtype), self.new_cache(shape, dtype)
+        else:
+            self.k_cache = torch.zeros(shape, dtype=dtype, device=p.device)
+            self.v_cache = torch.zeros(shape, dtype=dtype, device=p.device)
 
     def transpose_cpu_weights(self) -> None:
         """Stores every linear's weight column-major (fp32 CPU only): MKL's GEMM for the handful of rows a
