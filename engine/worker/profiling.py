@@ -52,7 +52,7 @@ from swiftspec.engine.worker.setup import (
 from swiftspec.kernels import cpu_linear
 
 D_MAX = 16
-PROFILE_FORMAT = 4  # bump when what is measured changes
+PROFILE_FORMAT = 5  # bump when what is measured changes (5: the weights and KV cache in 2 MB pages)
 MAX_PROFILES = 64  # the least recently written beyond these are removed
 # EngineConfig fields that cannot change a step time (the models count by their files' identity); every
 # other setting is part of a profile's key, a new one too
