@@ -286,9 +286,8 @@ def _huge_mapping(nbytes: int) -> Tensor | None:
     pages (Linux's transparent huge pages), as a uint8 tensor whose storage keeps the mapping alive; None
     where the OS cannot be asked. A step streams ~100 MB of weights, and the keys and values of its
     context, and with 4 KB pages every 4 KB of them costs a TLB miss and ends the hardware prefetcher's
-    run: the embedded model's decode step ran 5-7 % faster with its weights in 2 MB pages, and a
-    verification of 4 rows at 1000 tokens of context 2 % more with the KV cache in them too
-    (docs/ARCHITECTURE.md). The pages are only made as they are first written."""
+    run: the embedded model's `ar` step took 6 % less time with them in 2 MB pages (docs/ARCHITECTURE.md
+    gives figures). The pages are only made as they are first written."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
     size = (nbytes + 2 * HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
