@@ -204,6 +204,7 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: Dtype
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
         raise LoadError(f"{model_dir}: weights do not match the config: {e}") from None
+    del hf, state  # the model holds what it keeps: a backend's copies below free the originals as they go
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model = model.to(device=device, dtype=torch_dtype)
@@ -229,7 +230,7 @@ def load_model(model_dir: Path, device: torch.device | str = "cpu", dtype: Dtype
     model.eval()
     model.setup_cache(max_slots)
     if cpu:
-        del hf, state, blocks  # the raw and GGUF-ordered copies: the model holds what it runs
+        del blocks  # the GGUF-ordered copies: the model holds what it runs
         _return_freed_memory()
     return model
 
