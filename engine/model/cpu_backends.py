@@ -320,7 +320,7 @@ def in_huge_pages(tensors: list[Tensor]) -> None:
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """A tensor of zeros in a _huge_mapping of its own (torch's zeros where there is none): the CPU
     kernels' KV cache, whose pages are made as the context reaches them."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     pages = _huge_mapping(nbytes)
     return torch.zeros(shape, dtype=dtype) if pages is None else pages.view(dtype).view(shape)
 
