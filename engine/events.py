@@ -32,6 +32,7 @@ class Step:
     forced: int = 0  # of its tokens, those the grammar forced (the only one it allowed)
     mask_ms: float = 0.0  # the grammar's masks of this step, on the host
     complete: bool | None = None  # on the last step of an answer with a grammar: whether it is complete
+    interval_ms: float = 0.0  # the leader's wall time since its previous step of the answer (0 on the first)
 
     def to_dict(self) -> dict[str, Any]:
         """Its fields as they are (flat, so no deep copy: asdict's would cost far more, once a step)."""

@@ -49,21 +49,45 @@ def test_encode_chat_continues_a_final_answer():
     assert tok.decode(partial[len(question):]) == "The answer is"
 
 
-def test_the_answers_median_latency_is_per_token_and_its_summary_round_trips(monkeypatch):
+def test_the_answers_latency_is_each_steps_own_and_its_summary_round_trips(monkeypatch):
+    """A frame carries several steps (the leader sends them at most every STREAM_INTERVAL_S): each gets its
+    event, and each token the latency of its own step in the leader, which the frame's arrival does not
+    show; the answer's first step (sent at once) waits for the prefill: its arrival counts."""
     from swiftspec.engine.host import answer as answer_module
     from swiftspec.engine.model.model_dir import load_tokenizer
 
-    clock = iter([0.0, 0.030, 0.070])  # the Answer's start, then each step's arrival
+    tokenizer = load_tokenizer(tiny_model_dir())
+    clock = iter([0.0, 0.030, 0.070])  # the Answer's start, then each frame's arrival
     monkeypatch.setattr(answer_module.time, "perf_counter", lambda: next(clock))
-    answer = Answer(load_tokenizer(tiny_model_dir()), [], d=0)
-    answer.event(Step([5, 6, 7]))  # 10 ms a token
-    last = answer.event(Step([8], "eos"))  # 40 ms
+    answer = Answer(tokenizer, [], d=0)
+    (first,) = answer.events([Step([5], prefill_tokens=4)])
+    assert first.stats.token_latency_ms == 30.0 and first.stats.prefill_tokens == 4
+    events = answer.events([Step([6, 7, 8], interval_ms=3.0), Step([9], "eos", interval_ms=9.0)])
+    assert [e.token_ids for e in events] == [[6, 7, 8], [9]]
+    assert [e.stats.token_latency_ms for e in events] == [1.0, 9.0]
+    assert [e.finished for e in events] == [False, True] and events[-1].finish_reason == "eos"
+    assert events[0].text == "" and first.text + events[-1].text == tokenizer.decode([5, 6, 7, 8, 9])
+    last = events[-1]
+    assert last.stats.ms_per_token_p50 == 1.0 and last.stats.ms_per_token_p95 == 30.0  # 1, 1, 1, 9, 30
     summary = AnswerSummary.of("async", last)
-    assert summary.stats.ms_per_token_p50 == 10.0 and summary.finish_reason == "eos"
-    assert summary.stats.generated == 4 and summary.mode == "async"
+    assert summary.stats.ms_per_token_p50 == 1.0 and summary.finish_reason == "eos"
+    assert summary.stats.generated == 5 and summary.mode == "async"
     stored = summary.to_dict()
     assert "accepted" not in stored and AnswerSummary.from_dict(stored) == dataclasses.replace(
         summary, stats=dataclasses.replace(summary.stats, accepted=0))
     old = AnswerSummary.from_dict({"mode": "ar", "generated": 3, "finish_reason": "length"})  # a row of fewer fields
     assert old.line() == "ar · 3 tok · 0.0 tok/s · p50 0.0 ms/tok · length"
 
+
+
+def test_a_stop_string_inside_a_frame_ends_the_answer_at_its_last_event():
+    from swiftspec.engine.model.model_dir import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir())
+    ids = tokenizer.encode("alpha beta gamma delta")
+    stop = tokenizer.decode(ids[1:2]).strip()
+    answer = Answer(tokenizer, [stop], d=0)
+    answer.events([Step(ids[:1])])
+    events = answer.events([Step(ids[1:2], interval_ms=2.0), Step(ids[2:], interval_ms=2.0)])
+    assert [e.finished for e in events] == [False, True] and events[-1].finish_reason == "stop"
+    assert stop not in events[-1].text

@@ -151,7 +151,8 @@ def test_the_engine_info_names_each_kind_of_threads_once():
 @pytest.mark.parametrize("frame", [
     frames.Generate(3, [1, 2], SamplingParams(mode="sync", stop=["x"])), frames.Cancel(3), frames.Shutdown(),
     frames.Hello([[0, 11], [1, 12]]), frames.Progress("loading"), frames.Ready(_info()),
-    frames.Stepped(3, Step([4, 5], "eos", accepted=1, tree_size=3)), frames.Failure("boom", 3, fatal=False),
+    frames.Stepped(3, [Step([4], interval_ms=4.5), Step([5, 6], "eos", accepted=1, tree_size=3, interval_ms=5.0)]),
+    frames.Failure("boom", 3, fatal=False),
 ])
 def test_every_frame_round_trips_as_its_dataclass(frame):
     a, b = socket_pair()
@@ -164,9 +165,13 @@ def test_frames_that_break_the_protocol_are_errors():
     a.send("whatever")
     with pytest.raises(protocol.ProtocolError, match="unexpected message 'whatever'"):
         frames.recv(b, 1)
-    a.send("step", id=1, step={"tokens": [1], "colour": "red"})
-    with pytest.raises(protocol.ProtocolError, match="malformed 'step'"):
+    a.send("steps", id=1, steps=[{"tokens": [1], "colour": "red"}])
+    with pytest.raises(protocol.ProtocolError, match="malformed 'steps'"):
         frames.recv(b, 1)
+    for steps in ([], {"tokens": [1]}, [[1]]):
+        a.send("steps", id=1, steps=steps)
+        with pytest.raises(protocol.ProtocolError, match="malformed 'steps'"):
+            frames.recv(b, 1)
     a.send("cancel", id="1")
     with pytest.raises(protocol.ProtocolError, match="integer id"):
         frames.recv(b, 1)
@@ -216,3 +221,40 @@ def test_a_flood_of_idle_connections_does_not_keep_the_leader_out(tmp_path, monk
     for sock in flood:
         sock.close()
     listener.close()
+
+
+def test_the_leader_sends_an_answers_steps_in_frames_first_and_last_at_once(monkeypatch):
+    """Its first step at once (the time to the first token), then frames at most every STREAM_INTERVAL_S,
+    each step stamped with its own interval; its last at once, and anything held before another frame."""
+    from swiftspec.engine.worker import leader_io
+
+    now = [0.0]
+    monkeypatch.setattr(leader_io.time, "perf_counter", lambda: now[0])
+    a, b = socket_pair()
+    io = leader_io.SocketIO(a, speculative=False)
+
+    def step_at(t: float, rid: int, step: Step) -> None:
+        now[0] = t
+        io.step(rid, step)
+
+    def frame():
+        return frames.recv(b, 1)
+
+    step_at(0.0, 1, Step([10], prefill_tokens=3))
+    assert frame() == frames.Stepped(1, [Step([10], prefill_tokens=3)])
+    step_at(0.004, 1, Step([11]))
+    step_at(0.010, 1, Step([12]))
+    assert frames.recv(b, 0.05) is None  # held: under STREAM_INTERVAL_S since the last frame
+    step_at(0.017, 1, Step([13]))
+    got = frame()
+    assert [s.tokens for s in got.steps] == [[11], [12], [13]]
+    assert [round(s.interval_ms, 6) for s in got.steps] == [4.0, 6.0, 7.0]
+    step_at(0.020, 1, Step([14]))
+    io.send(frames.Failure("boom", 1, fatal=False))
+    assert frame() == frames.Stepped(1, [Step([14], interval_ms=pytest.approx(3.0))])
+    assert frame() == frames.Failure("boom", 1, fatal=False)
+    step_at(0.021, 1, Step([15], "eos"))
+    assert frame() == frames.Stepped(1, [Step([15], "eos", interval_ms=pytest.approx(1.0))])
+    step_at(0.022, 2, Step([20]))  # the next answer's first step: at once, no interval
+    assert frame() == frames.Stepped(2, [Step([20])])
+    io.flush()

@@ -51,9 +51,29 @@ class Answer:
         self.t_first = self.t_last = time.perf_counter()
         self.latencies: list[float] = []  # every token's, sorted: the median is per token
 
-    def event(self, step: Step) -> StepEvent:
+    def events(self, steps: list[Step]) -> list[StepEvent]:
+        """An event for each of a frame's steps, in order. The text of all their tokens comes with the last
+        (one detokenisation a frame), which a stop string in it ends. Each token's latency is its step's
+        own interval in the leader (Step.interval_ms), which a frame's arrival does not show; an answer's
+        first step, sent at once, takes the time from the request to its arrival."""
         now = time.perf_counter()
-        tokens, reason = step.tokens, step.finish
+        tokens = [t for s in steps for t in s.tokens]
+        reason = steps[-1].finish
+        text, hit = self.stops.push(self.detok.push(tokens) if tokens else "")
+        if hit:
+            reason = "stop"
+        elif reason is not None:
+            tail, hit = self.stops.push(self.detok.flush())
+            text += tail if hit else tail + self.stops.flush()
+            reason = "stop" if hit else reason
+        last = len(steps) - 1
+        return [StepEvent(step.tokens, text if i == last else "", self._stats(step, now),
+                          i == last and reason is not None, reason if i == last else None)
+                for i, step in enumerate(steps)]
+
+    def _stats(self, step: Step, now: float) -> StepStats:
+        """The running figures with ``step`` counted; ``now``: when its frame arrived."""
+        tokens = step.tokens
         if self.generated == 0:
             self.t_first = now
             self.prefill_tokens = step.prefill_tokens
@@ -65,18 +85,13 @@ class Answer:
             self.verifies += 1
             self.accepted += step.accepted
             self.verified += step.tree_size - 1
-        text, hit = self.stops.push(self.detok.push(tokens) if tokens else "")
-        if hit:
-            reason = "stop"
-        elif reason is not None:
-            tail, hit = self.stops.push(self.detok.flush())
-            text += tail if hit else tail + self.stops.flush()
-            reason = "stop" if hit else reason
-        elapsed = now - self.t_first
-        latency = (now - self.t_last) * 1e3 / max(1, len(tokens))
+        interval_ms = step.interval_ms or (now - self.t_last) * 1e3
+        latency = interval_ms / max(1, len(tokens))
         for _ in tokens:
             bisect.insort(self.latencies, latency)
-        stats = StepStats(
+        elapsed = now - self.t_first
+        self.t_last = now
+        return StepStats(
             accepted=step.accepted, tree_size=step.tree_size, draft_ms=step.draft_ms, target_ms=step.target_ms,
             token_latency_ms=latency, ms_per_token_p50=_median(self.latencies),
             ms_per_token_p95=_quantile(self.latencies, 0.95),
@@ -86,8 +101,6 @@ class Answer:
             d=self.d, prefill_tokens=self.prefill_tokens, generated=self.generated,
             forced_share=self.forced / self.generated if self.generated else 0.0,
             mask_ms_per_node=self.mask_ms / self.nodes, grammar_complete=step.complete)
-        self.t_last = now
-        return StepEvent(tokens, text, stats, reason is not None, reason)
 
 
 def _median(ordered: list[float]) -> float:

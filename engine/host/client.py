@@ -225,15 +225,16 @@ class Engine:
             while True:
                 if self._current != rid:
                     raise EngineError("this answer was abandoned for a newer generate() call")
-                step = self._next_step(rid)
-                event = answer.event(step)
-                if step.finish is not None:
-                    self._current = None
-                elif event.finished:  # a stop string: the workers stop at their next step
-                    self.cancel()
-                yield event
-                if event.finished:
-                    return
+                steps = self._next_steps(rid)
+                for event in answer.events(steps):
+                    if event.finished:
+                        if steps[-1].finish is not None:
+                            self._current = None
+                        else:  # a stop string: the workers stop at their next step
+                            self.cancel()
+                    yield event
+                    if event.finished:
+                        return
         except KeyboardInterrupt:
             try:
                 self._finish_pending(CANCEL_TIMEOUT_S)
@@ -264,7 +265,7 @@ class Engine:
             return
         self.cancel()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._next_step(rid, deadline).finish is None:
+        while self._next_steps(rid, deadline)[-1].finish is None:
             pass
         self._current = None
 
@@ -274,7 +275,7 @@ class Engine:
         self._current = None
         self._end_processes(grace_s=0.5)
 
-    def _next_step(self, rid: int, deadline: float | None = None) -> Step:
+    def _next_steps(self, rid: int, deadline: float | None = None) -> list[Step]:
         while True:
             try:
                 frame = frames.recv(self._conn, POLL_S)
@@ -285,8 +286,8 @@ class Engine:
                     self._check_alive()
                     if deadline is not None and time.monotonic() > deadline:
                         self._fail("the workers did not stop after a cancel: they are hung and were ended")
-                case Stepped(sid, step) if sid == rid:
-                    return step
+                case Stepped(sid, steps) if sid == rid:
+                    return steps
                 case Failure(message, fatal=True):
                     self._fail(f"a worker failed: {message}")
                 case Failure(message, fid) if fid == rid:

@@ -69,10 +69,11 @@ class Ready:
 
 @dataclass(frozen=True)
 class Stepped:
-    """One decoding step of answer ``id``."""
+    """Consecutive decoding steps of answer ``id``, in order: the leader sends an answer's first and last
+    step at once and the others at most every STREAM_INTERVAL_S (engine/worker/leader_io.py)."""
 
     id: int
-    step: Step
+    steps: list[Step]
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,13 @@ def _generate(msg: dict) -> Generate:
         raise BadRequest(str(e), rid) from None
 
 
+def _stepped(msg: dict) -> Stepped:
+    steps = msg["steps"]
+    if not isinstance(steps, list) or not steps or not all(isinstance(s, dict) for s in steps):
+        raise ProtocolError("malformed 'steps' message: not a list of steps")
+    return Stepped(_id(msg), [Step.from_dict(s) for s in steps])
+
+
 def _failure(msg: dict) -> Failure:
     rid = msg.get("id")
     return Failure(str(msg.get("message")), rid if isinstance(rid, int) else None, bool(msg.get("fatal", True)))
@@ -121,7 +129,7 @@ _TABLE: dict[str, tuple[type, Any, Any]] = {
     "hello": (Hello, lambda f: {"pids": f.pids}, lambda m: Hello([[int(r), int(p)] for r, p in m["pids"]])),
     "progress": (Progress, lambda f: {"text": f.text}, lambda m: Progress(str(m.get("text")))),
     "ready": (Ready, lambda f: {"info": f.info.to_dict()}, lambda m: Ready(EngineInfo.from_dict(m["info"]))),
-    "step": (Stepped, lambda f: {"id": f.id, "step": f.step.to_dict()}, lambda m: Stepped(_id(m), Step.from_dict(m["step"]))),
+    "steps": (Stepped, lambda f: {"id": f.id, "steps": [s.to_dict() for s in f.steps]}, _stepped),
     "error": (Failure, dataclasses.asdict, _failure),
 }
 _TYPES = {cls: name for name, (cls, _, _) in _TABLE.items()}

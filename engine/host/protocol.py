@@ -10,9 +10,9 @@ Handshake (both sides prove they hold the random key, without sending it):
 
 Then the messages of ``engine/host/frames.py``, one dataclass per kind: engine -> worker Generate, Cancel,
 Shutdown; worker -> engine Hello (every worker's pid, sent before loading, so the Engine can end every
-worker's session), Progress, Ready (EngineInfo), Stepped (a Step: token ids and the target's figures;
-the Engine makes the text and the StepEvent; the last step of a request has a finish reason), Failure
-(fatal: the worker group exits after sending it).
+worker's session), Progress, Ready (EngineInfo), Stepped (consecutive Steps: token ids and the
+target's figures; the Engine makes the text and a StepEvent each; the last step of a request has a finish
+reason), Failure (fatal: the worker group exits after sending it).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 from swiftspec.engine.config import DraftKind, Role, SamplingParams
 from swiftspec.engine.events import StepEvent
 
-VERSION = 1
+VERSION = 2
 ENV_ADDR = "SWIFTSPEC_ENGINE_ADDR"  # the Engine's listening socket: unix:PATH on one machine, else host:port
 UNIX = "unix:"
 ENV_KEY = "SWIFTSPEC_ENGINE_KEY"  # hex of the random key

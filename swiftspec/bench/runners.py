@@ -66,10 +66,16 @@ class Sample:
     draft_ms: list[float] = field(default_factory=list)
     target_ms: list[float] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)  # the nodes of each of target_ms's verifications (engine)
+    # each decoded token's latency as the engine reports it: its step's own interval in the target leader,
+    # which streams its steps in frames of several (engine runs; empty for the peers)
+    token_ms: list[float] = field(default_factory=list)
 
     def latencies_ms(self) -> list[float]:
-        """Per-token decode latency: each gap between arrivals shared by the tokens that arrived at its
-        end. The first chunk waits for the prefill, so it counts as time to first token instead."""
+        """Per-token decode latency: the engine's own (token_ms), else each gap between arrivals shared by
+        the tokens that arrived at its end. The first chunk waits for the prefill, so it counts as time
+        to first token instead."""
+        if self.token_ms:
+            return self.token_ms
         out: list[float] = []
         for (prev, _), (t, n) in zip(self.arrivals, self.arrivals[1:], strict=False):
             out += [(t - prev) * 1000.0 / n] * n
@@ -242,6 +248,7 @@ class EngineRunner:
                 s.prefill_tokens = ev.stats.prefill_tokens
                 continue
             st = ev.stats
+            s.token_ms += [st.token_latency_ms] * len(ev.token_ids)
             s.verifications += 1
             s.accepted += st.accepted
             s.proposed += max(st.tree_size - 1, 0)
