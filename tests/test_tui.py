@@ -12,6 +12,8 @@ from helpers.pilot import boxes, figures, idle, make_app, ready, resumed_app, te
 from textual import events
 
 from swiftspec.history import HistoryStore
+from swiftspec.tui import app as app_module
+from swiftspec.tui.app import SwiftSpecApp
 from swiftspec.tui.dialogs import ConfirmScreen
 from swiftspec.tui.screens import ErrorScreen, HelpScreen, LoadingScreen
 from swiftspec.tui.widgets.chat_view import ChatView
@@ -59,6 +61,32 @@ async def test_type_send_stream_stats_and_history(store, monkeypatch):
     assert saved[1].stats["finish_reason"] == "eos"
     app.closing.join(5)
     assert engine.closed  # leaving the app closes the engine (in a thread of its own)
+
+
+@pytest.mark.parametrize("ui_ms, later", [(2, SwiftSpecApp.FLUSH_INTERVAL), (20, 0.02 / SwiftSpecApp.FLUSH_SHARE),
+                                           (100, SwiftSpecApp.FLUSH_LONGEST)])
+async def test_a_streaming_answer_refreshes_less_often_the_more_its_refreshes_cost(store, monkeypatch, ui_ms, later):
+    """The UI's rendering competes with decoding for the cores: after the first refresh, the next comes once
+    the UI's thread has spent at most FLUSH_SHARE of the time since (between FLUSH_INTERVAL and FLUSH_LONGEST).
+    Each reading of the thread's CPU clock here is ``ui_ms`` later than the one before."""
+    cpu = [0.0]
+
+    def thread_time() -> float:
+        cpu[0] += ui_ms / 1e3
+        return cpu[0]
+
+    delays = []
+    schedule = SwiftSpecApp._schedule_flush
+    monkeypatch.setattr(app_module.time, "thread_time", thread_time)
+    monkeypatch.setattr(SwiftSpecApp, "_schedule_flush", lambda self, delay: (delays.append(delay), schedule(self, delay)))
+    app = make_app(store, FakeEngine.factory(step_delay=0.05))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "hello")
+        await idle(pilot)
+        assert boxes(app)[-1] == ("assistant", ANSWER)
+    assert delays[0] == SwiftSpecApp.FLUSH_INTERVAL and len(delays) >= 2
+    assert delays[1:] == [pytest.approx(later)] * (len(delays) - 1)
 
 
 async def test_newline_keys_and_prompt_recall(store):
