@@ -12,10 +12,11 @@ from helpers.pilot import boxes, figures, idle, make_app, ready, resumed_app, te
 from textual import events
 
 from swiftspec.history import HistoryStore
-from swiftspec.tui import app as app_module
+from swiftspec.tui import stream
 from swiftspec.tui.app import SwiftSpecApp
 from swiftspec.tui.dialogs import ConfirmScreen
 from swiftspec.tui.screens import ErrorScreen, HelpScreen, LoadingScreen
+from swiftspec.tui.stream import DrawPace
 from swiftspec.tui.widgets.chat_view import ChatView
 from swiftspec.tui.widgets.message import MessageBox
 from swiftspec.tui.widgets.prompt_input import PromptInput
@@ -63,11 +64,10 @@ async def test_type_send_stream_stats_and_history(store, monkeypatch):
     assert engine.closed  # leaving the app closes the engine (in a thread of its own)
 
 
-@pytest.mark.parametrize("ui_ms, later", [(2, SwiftSpecApp.FLUSH_INTERVAL), (20, 0.02 / SwiftSpecApp.FLUSH_SHARE),
-                                           (100, SwiftSpecApp.FLUSH_LONGEST)])
+@pytest.mark.parametrize("ui_ms, later", [(2, DrawPace.SHORTEST), (20, 0.02 / DrawPace.SHARE), (100, DrawPace.LONGEST)])
 async def test_a_streaming_answer_refreshes_less_often_the_more_its_refreshes_cost(store, monkeypatch, ui_ms, later):
     """The UI's rendering competes with decoding for the cores: after the first refresh, the next comes once
-    the UI's thread has spent at most FLUSH_SHARE of the time since (between FLUSH_INTERVAL and FLUSH_LONGEST).
+    the UI's thread has spent at most DrawPace.SHARE of the time since (between SHORTEST and LONGEST).
     Each reading of the thread's CPU clock here is ``ui_ms`` later than the one before."""
     cpu = [0.0]
 
@@ -77,7 +77,7 @@ async def test_a_streaming_answer_refreshes_less_often_the_more_its_refreshes_co
 
     delays = []
     schedule = SwiftSpecApp._schedule_flush
-    monkeypatch.setattr(app_module.time, "thread_time", thread_time)
+    monkeypatch.setattr(stream.time, "thread_time", thread_time)
     monkeypatch.setattr(SwiftSpecApp, "_schedule_flush", lambda self, delay: (delays.append(delay), schedule(self, delay)))
     app = make_app(store, FakeEngine.factory(step_delay=0.05))
     async with app.run_test(size=(100, 30)) as pilot:
@@ -85,7 +85,7 @@ async def test_a_streaming_answer_refreshes_less_often_the_more_its_refreshes_co
         await type_and_send(pilot, "hello")
         await idle(pilot)
         assert boxes(app)[-1] == ("assistant", ANSWER)
-    assert delays[0] == SwiftSpecApp.FLUSH_INTERVAL and len(delays) >= 2
+    assert delays[0] == DrawPace.SHORTEST and len(delays) >= 2
     assert delays[1:] == [pytest.approx(later)] * (len(delays) - 1)
 
 

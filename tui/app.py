@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -44,7 +43,7 @@ from swiftspec.tui.messages import (
 )
 from swiftspec.tui.sampling import title_line
 from swiftspec.tui.screens import ErrorScreen, HelpScreen, LoadingScreen
-from swiftspec.tui.stream import AnswerBuffer
+from swiftspec.tui.stream import AnswerBuffer, DrawPace
 from swiftspec.tui.widgets.chat_view import ChatView
 from swiftspec.tui.widgets.message import MessageBox
 from swiftspec.tui.widgets.prompt_input import PromptInput
@@ -81,15 +80,6 @@ class SwiftSpecApp(App[int]):
         Binding("f3", "toggle_stats", "Stats"),
         Binding("f1", "help", "Help"),
     ]
-    # While an answer streams the UI refreshes every FLUSH_INTERVAL seconds at most, and less often when its
-    # main thread took more than FLUSH_SHARE of a core since the last refresh (mostly re-laying out and
-    # drawing the growing answer: ~30 ms a refresh for a 256-token answer on a 140 x 40 terminal), down to
-    # FLUSH_LONGEST. On a 2-core Zen 4, during such an answer, 12 refreshes a second took 0.4-0.7 s of the
-    # UI's thread (~40 % of a core) and this 0.2-0.3 s, and the chat's `ar` decoded 5 % faster on average
-    # (7 answers each way in turn, 5 of them faster).
-    FLUSH_INTERVAL = 1 / 12
-    FLUSH_SHARE = 0.15
-    FLUSH_LONGEST = 0.25
 
     def __init__(self, engine_factory: EngineFactory, defaults: Settings, store: HistoryStore | None = None,
                  conversation: Conversation | None = None, model_line: str = "") -> None:
@@ -117,7 +107,7 @@ class SwiftSpecApp(App[int]):
 
     async def on_mount(self) -> None:
         self._flush_timer: Timer | None = None
-        self._flushed_cpu = 0.0  # the main thread's CPU time at the last refresh
+        self._pace = DrawPace()
         self.theme = preferences.load().get("theme", self.theme)
         if self.store.notice:
             self.notify(self.store.notice, title="History", severity="warning", markup=False, timeout=15)
@@ -250,7 +240,8 @@ class SwiftSpecApp(App[int]):
         self._turn = Turn(Reply(plan), box, question, AnswerBuffer(), edited)
         self.query_one(PromptInput).editable = None
         self.query_one(StatsPanel).start_turn(plan.params.mode)
-        self._schedule_flush(self.FLUSH_INTERVAL)
+        self._pace = DrawPace()
+        self._schedule_flush(DrawPace.SHORTEST)
         self.refresh_bindings()
         self._generate(self.engine, self._turn)
         return True
@@ -266,16 +257,14 @@ class SwiftSpecApp(App[int]):
         self.post_message(AnswerDone(turn))
 
     def _schedule_flush(self, delay: float) -> None:
-        self._flushed_cpu = time.thread_time()
         self._flush_timer = self.set_timer(delay, self._flush_streaming)
 
     async def _flush_streaming(self) -> None:
-        """The streaming answer's refresh, then the next one's, later the more this thread spent since."""
+        """The streaming answer's refresh, then the next one's, as the pace says."""
         if self._turn is None:
             return
         await self._flush_answer()
-        spent = time.thread_time() - self._flushed_cpu
-        self._schedule_flush(min(max(spent / self.FLUSH_SHARE, self.FLUSH_INTERVAL), self.FLUSH_LONGEST))
+        self._schedule_flush(self._pace.next_delay())
 
     async def _flush_answer(self) -> None:
         if self._turn is None:
