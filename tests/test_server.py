@@ -59,6 +59,12 @@ class Served:
     def health(self) -> dict:
         return httpx.get(self.base + "/health").json()
 
+    def generated(self) -> float:
+        """The tokens the server's engine has generated so far (its /metrics)."""
+        text = httpx.get(self.base + "/metrics", headers=self.headers).text
+        return next(float(line.split()[1]) for line in text.splitlines()
+                    if line.startswith("swiftspec_generated_tokens_total "))
+
     def worker_pids(self) -> list[int]:
         info = httpx.get(self.base + "/swiftspec/v1/info", headers=self.headers).json()["engine"]
         return [rank["pid"] for rank in info["ranks"]]
@@ -323,7 +329,9 @@ def test_killed_workers_are_survived_and_sigterm_drains_leaving_no_process_or_fi
         asking = threading.Thread(target=lambda: box.setdefault("response", httpx.post(
             server.url + "/chat/completions", json=body, headers=server.headers, timeout=120)))
         asking.start()
-        assert until_true(lambda: server.health()["busy"])
+        # begun: a job the workers die under before its first token waits for the restart instead (and gets
+        # a 200); busy alone came a prefill too early under a loaded CI
+        assert until_true(lambda: server.health()["busy"] and server.generated() > 0)
         os.kill(groups[0][0], signal.SIGKILL)
         asking.join(60)
         response = box["response"]  # the answer it was giving fails; nothing else is lost
