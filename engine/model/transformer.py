@@ -297,11 +297,8 @@ class Transformer(nn.Module):
         nkv = self.layers[0].attention.n_kv_heads
         shape = (self.args.n_layers, nkv, max_slots, self.args.head_dim)
         dtype = self.kv_dtype or p.dtype
-        if self.new_cache is not None:
-            self.k_cache, self.v_cache = self.new_cache(shape, dtype), self.new_cache(shape, dtype)
-        else:
-            self.k_cache = torch.zeros(shape, dtype=dtype, device=p.device)
-            self.v_cache = torch.zeros(shape, dtype=dtype, device=p.device)
+        zeros = self.new_cache or (lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=p.device))
+        self.k_cache, self.v_cache = zeros(shape, dtype), zeros(shape, dtype)
 
     def transpose_cpu_weights(self) -> None:
         """Stores every linear's weight column-major (fp32 CPU only): MKL's GEMM for the handful of rows a

@@ -119,12 +119,12 @@ class SocketIO:
             step = dataclasses.replace(step, interval_ms=(now - self.last_step) * 1e3)
         self.last_step = now
         self.held.append(step)
-        if step.finish is not None:
-            self.cancel_ids.discard(rid)
-        if first or step.finish is not None or now - self.last_frame >= STREAM_INTERVAL_S:
+        done = step.finish is not None
+        if first or done or now - self.last_frame >= STREAM_INTERVAL_S:
             self._send_held()
             self.last_frame = now
-        if step.finish is not None:
+        if done:
+            self.cancel_ids.discard(rid)
             self.answer = None
 
     def _send_held(self) -> None:
